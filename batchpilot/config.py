@@ -1,0 +1,26 @@
+"""Loading the Hydra configuration outside a Hydra app (tests, ``gymnasium.make``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from omegaconf import DictConfig
+
+#: The repository's ``conf/`` folder (the package is installed in editable mode from the repo).
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+REPO_ROOT = CONF_DIR.parent
+
+
+def load_config(overrides: Sequence[str] = (), config_name: str = "config") -> DictConfig:
+    """Compose ``conf/<config_name>.yaml`` with Hydra overrides (``["model=llama3_70b", ...]``)."""
+    if not CONF_DIR.is_dir():
+        raise FileNotFoundError(f"batchpilot config folder not found at {CONF_DIR}")
+    gh = GlobalHydra.instance()
+    if gh.is_initialized():
+        # Inside a running Hydra app or another compose: compose in a fresh context.
+        gh.clear()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return compose(config_name=config_name, overrides=list(overrides))

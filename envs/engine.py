@@ -1,0 +1,240 @@
+"""The engine interface: the one contract shared by the simulator, the live vLLM engine and
+everything above them (admission, environment, evaluation).
+
+An engine owns requests from ``add_request`` until they finish; it never drops one. Time is
+the engine's own clock: virtual seconds for the simulator, wall seconds for the live engine.
+All times in this module are seconds on that clock.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import Literal
+
+#: KV-cache dtypes as vLLM names them. "auto" means the model's 16-bit dtype.
+KVDtype = Literal["auto", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2", "int8_per_token_head"]
+KV_DTYPES_16BIT: tuple[str, ...] = ("auto", "bfloat16", "float16")
+KV_DTYPES_8BIT: tuple[str, ...] = ("fp8", "fp8_e4m3", "fp8_e5m2", "int8_per_token_head")
+
+
+class EngineError(RuntimeError):
+    """An engine failed in a way the caller may recover from (restart, fall back)."""
+
+
+class RequestRejected(ValueError):
+    """A request the engine cannot run at all (e.g. prompt longer than ``max_model_len``).
+
+    ``reason`` is a short machine-readable slug (``prompt_too_long``, ...), ``str(exc)`` the
+    human message.
+    """
+
+    def __init__(self, request_id: str, reason: str, message: str) -> None:
+        super().__init__(f"request {request_id!r} rejected ({reason}): {message}")
+        self.request_id = request_id
+        self.reason = reason
+
+
+class DtypeUnavailable(EngineError):
+    """The engine cannot run the asked-for KV-cache dtype on this machine; the message says why."""
+
+
+@dataclass(slots=True)
+class Request:
+    """One inference request as the workload produced it."""
+
+    request_id: str
+    arrival_time: float
+    prompt_len: int
+    output_len: int
+    #: 0 is the most important ("core"); larger numbers are less important and shed first.
+    priority: int = 0
+    #: Ids of shared prompt-prefix blocks (Mooncake ``hash_ids``), each ``prefix_block_tokens`` long.
+    prefix_hashes: tuple[int, ...] = ()
+    prefix_block_tokens: int = 512
+
+
+@dataclass(slots=True)
+class FinishedRequest:
+    """A request that produced all its output tokens. TTFT and E2E count from ``arrival_time``
+    (so queueing in admission is included, as a client sees it)."""
+
+    request_id: str
+    arrival_time: float
+    first_token_time: float
+    finish_time: float
+    prompt_len: int
+    output_len: int
+    priority: int = 0
+    num_preemptions: int = 0
+    #: Inter-token latencies, when the engine records them per token (the live engine does);
+    #: ``None`` means only the mean (TPOT) is known.
+    itl: tuple[float, ...] | None = None
+
+    @property
+    def ttft(self) -> float:
+        return self.first_token_time - self.arrival_time
+
+    @property
+    def e2el(self) -> float:
+        return self.finish_time - self.arrival_time
+
+    @property
+    def tpot(self) -> float:
+        """Mean time per output token after the first (0 for single-token outputs)."""
+        if self.output_len <= 1:
+            return 0.0
+        return (self.finish_time - self.first_token_time) / (self.output_len - 1)
+
+
+@dataclass(slots=True)
+class StepResult:
+    """What one or more engine iterations produced. ``step`` returns one iteration;
+    ``advance_until`` may return many, aggregated."""
+
+    start_time: float
+    duration: float
+    num_iterations: int = 0
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+    #: (request_id, arrival_time, first_token_time) for requests whose first token came out.
+    first_tokens: list[tuple[str, float, float]] = field(default_factory=list)
+    #: Output tokens produced (first tokens included).
+    num_output_tokens: int = 0
+    finished: list[FinishedRequest] = field(default_factory=list)
+    #: Ids of requests preempted (by recompute) during these iterations.
+    preempted: list[str] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """A cheap snapshot of the engine's state, as vLLM's scheduler / ``/metrics`` report it."""
+
+    time: float
+    num_running: int
+    num_waiting: int
+    num_kv_blocks_used: int
+    num_kv_blocks_total: int
+    #: Fraction of KV blocks in use, as ``vllm:kv_cache_usage_perc`` (0..1).
+    kv_cache_usage: float
+    #: Cumulative counters since the engine was built.
+    num_preemptions: int = 0
+    prefix_cache_queries: int = 0  # tokens looked up
+    prefix_cache_hits: int = 0  # tokens found
+
+
+@dataclass(slots=True)
+class MemoryModel:
+    """What the shield needs to predict memory at a setting, in bytes.
+
+    ``budget_bytes`` is the engine's share of device memory (``gpu_memory_utilization`` x
+    device memory); weights and activation workspace are fixed; KV grows by blocks.
+    """
+
+    budget_bytes: float
+    weights_bytes: float
+    activation_bytes: float
+    block_size: int
+    #: Bytes of one KV block (all layers, K and V or MLA latent, scales included) per dtype.
+    kv_block_bytes: dict[str, float]
+    num_kv_blocks_total: int
+
+
+@dataclass(slots=True)
+class EngineCapabilities:
+    """What an engine can do. ``kv_dtypes`` maps every dtype name to ``None`` when it can run,
+    or to the reason it cannot (shown to users, so say what is missing)."""
+
+    kv_dtypes: dict[str, str | None]
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    block_size: int
+    #: True when ``set_max_active`` changes the engine's own scheduler limit (vLLM >= 0.32).
+    supports_max_active: bool = False
+
+    def can_run(self, kv_dtype: str) -> bool:
+        return self.kv_dtypes.get(kv_dtype, "unknown dtype") is None
+
+    def why_not(self, kv_dtype: str) -> str | None:
+        return self.kv_dtypes.get(kv_dtype, f"unknown KV-cache dtype {kv_dtype!r}")
+
+
+class Engine(abc.ABC):
+    """A vLLM-like engine stepped by its caller, one iteration (or a span of them) at a time."""
+
+    @property
+    @abc.abstractmethod
+    def now(self) -> float:
+        """Current time on the engine's clock (virtual for the simulator)."""
+
+    @property
+    @abc.abstractmethod
+    def kv_dtype(self) -> str:
+        """The KV-cache dtype the engine runs now."""
+
+    @abc.abstractmethod
+    def capabilities(self) -> EngineCapabilities: ...
+
+    @abc.abstractmethod
+    def memory_model(self) -> MemoryModel: ...
+
+    @abc.abstractmethod
+    def add_request(self, request: Request) -> None:
+        """Hand a request to the engine. Raises ``RequestRejected`` for requests it can never run."""
+
+    @abc.abstractmethod
+    def step(self) -> StepResult:
+        """Run one engine iteration (an idle engine returns a zero-iteration result at once)."""
+
+    def advance_until(self, t_end: float, stop_on_finish: bool = False) -> StepResult:
+        """Run iterations until the clock reaches ``t_end`` (or the engine is idle, when the
+        clock jumps to ``t_end``). An iteration that starts before ``t_end`` runs to its end, so
+        the clock may pass ``t_end`` by less than one iteration. With ``stop_on_finish``, stop
+        after the first iteration in which a request finished (so admission can refill the
+        freed slot at the right time). Subclasses may fast-forward in closed form; results must
+        match stepping one iteration at a time."""
+        agg = StepResult(start_time=self.now, duration=0.0)
+        while self.now < t_end:
+            r = self.step()
+            if r.num_iterations == 0:
+                self.idle_until(t_end)
+                break
+            merge_into(agg, r)
+            if stop_on_finish and r.finished:
+                break
+        agg.duration = self.now - agg.start_time
+        return agg
+
+    @abc.abstractmethod
+    def idle_until(self, t: float) -> None:
+        """Let time pass with nothing to do (virtual clock jumps; live engine sleeps)."""
+
+    @abc.abstractmethod
+    def stats(self) -> EngineStats: ...
+
+    def set_max_active(self, n: int) -> bool:
+        """Ask the engine's own scheduler to run at most ``n`` requests; False when it can't
+        (admission gating still applies)."""
+        return False
+
+    @abc.abstractmethod
+    def restart(self, kv_dtype: str | None = None) -> float:
+        """Rebuild the engine (e.g. with a new KV dtype); returns the restart time in seconds.
+        Requests in flight are kept (re-queued or drained, per config); none is lost. Raises
+        ``DtypeUnavailable`` before touching anything when the dtype cannot run here."""
+
+    def close(self) -> None:
+        """Release resources (processes, memory)."""
+
+
+def merge_into(agg: StepResult, r: StepResult) -> None:
+    """Fold ``r`` (which started where ``agg`` ended) into ``agg``."""
+    agg.duration += r.duration
+    agg.num_iterations += r.num_iterations
+    agg.num_prefill_tokens += r.num_prefill_tokens
+    agg.num_decode_tokens += r.num_decode_tokens
+    agg.num_output_tokens += r.num_output_tokens
+    agg.first_tokens.extend(r.first_tokens)
+    agg.finished.extend(r.finished)
+    agg.preempted.extend(r.preempted)

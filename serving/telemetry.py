@@ -1,0 +1,285 @@
+"""Telemetry: what happened in the last control interval, from signals a production gateway can
+also see (its own request timings plus the engine's ``/metrics``), turned into a ``Snapshot``
+and the policy's observation vector.
+
+One implementation, used by the environment (sim and live engine) and by the gateway, so a
+policy trained in simulation sees the same features in production.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from batchpilot.policies.knobs import BUCKETING_MODES, Knobs
+
+
+@dataclass(slots=True)
+class SLO:
+    """Per-request objectives in milliseconds; ``None`` = no objective on that metric."""
+
+    ttft_ms: float | None = 1000.0
+    tpot_ms: float | None = 100.0
+    e2el_ms: float | None = None
+
+    def met(self, ttft_s: float, tpot_s: float, e2el_s: float) -> bool:
+        return (
+            (self.ttft_ms is None or ttft_s * 1000.0 <= self.ttft_ms)
+            and (self.tpot_ms is None or tpot_s * 1000.0 <= self.tpot_ms)
+            and (self.e2el_ms is None or e2el_s * 1000.0 <= self.e2el_ms)
+        )
+
+
+@dataclass(slots=True)
+class Snapshot:
+    """One control interval as a gateway sees it. Latencies are over a sliding window of
+    recent requests (``window_s``); rates and counts are over the last interval."""
+
+    time: float
+    interval_s: float
+    arrival_rate: float  # requests/s that arrived
+    mean_prompt_len: float  # of the requests that arrived in the window
+    queue_depth: tuple[int, ...]  # waiting in admission, per bucket
+    num_running: int  # in the engine
+    num_waiting_engine: int  # inside the engine's own queue (preempted ones included)
+    kv_cache_usage: float  # 0..1, as vllm:kv_cache_usage_perc
+    request_throughput: float  # finished requests/s
+    output_throughput: float  # output tokens/s
+    request_goodput: float  # finished requests/s that met the SLO
+    ttft_p50_ms: float
+    ttft_p99_ms: float
+    tpot_p50_ms: float
+    tpot_p99_ms: float
+    e2el_p50_ms: float
+    e2el_p99_ms: float
+    slo_attainment: float  # share of the window's finished requests that met the SLO (1 if none)
+    preemptions: int  # in the interval
+    rejected: int  # in the interval
+    shield_interventions: int  # in the interval
+    knobs: Knobs
+    time_since_dtype_switch_s: float
+    prefix_cache_hit_rate: float = 0.0
+
+    @property
+    def queue_total(self) -> int:
+        return sum(self.queue_depth)
+
+
+#: The observation vector, in order: (name, what it is, how it is normalised).
+#: Written out in docs/observation.md; keep the two in step.
+FEATURES: tuple[tuple[str, str, str], ...] = (
+    ("arrival_rate", "requests/s arrived in the interval", "/ rate_scale"),
+    ("mean_prompt_len", "mean prompt tokens of recent arrivals", "log1p / log1p(max_model_len)"),
+    ("queue_short", "admission queue depth, short bucket", "log1p / log1p(1024)"),
+    ("queue_medium", "admission queue depth, medium bucket", "log1p / log1p(1024)"),
+    ("queue_long", "admission queue depth, long bucket", "log1p / log1p(1024)"),
+    ("num_running", "requests in the engine", "/ max_num_seqs"),
+    ("num_waiting_engine", "requests queued inside the engine", "/ max_num_seqs"),
+    ("kv_cache_usage", "KV blocks in use (0..1)", "as is"),
+    ("request_throughput", "finished requests/s", "/ rate_scale"),
+    ("output_throughput", "output tokens/s", "/ token_rate_scale"),
+    ("ttft_p50", "median TTFT", "/ SLO ttft, clipped at 10"),
+    ("ttft_p99", "p99 TTFT", "/ SLO ttft, clipped at 10"),
+    ("tpot_p50", "median TPOT", "/ SLO tpot, clipped at 10"),
+    ("tpot_p99", "p99 TPOT", "/ SLO tpot, clipped at 10"),
+    ("e2el_p50", "median E2E latency", "/ (SLO ttft + 256 * SLO tpot), clipped at 10"),
+    ("e2el_p99", "p99 E2E latency", "/ (SLO ttft + 256 * SLO tpot), clipped at 10"),
+    ("slo_attainment", "share of recent requests meeting the SLO", "as is"),
+    ("preemptions", "preemptions in the interval", "log1p / log1p(100)"),
+    ("batch_cap", "current in-flight cap", "/ max_num_seqs"),
+    ("bucketing_fifo", "bucketing mode is FIFO", "one-hot"),
+    ("bucketing_shortest_first", "bucketing mode is shortest-first", "one-hot"),
+    ("bucketing_weighted", "bucketing mode is weighted", "one-hot"),
+    ("kv_8bit", "KV cache runs an 8-bit dtype", "0/1"),
+    ("time_since_dtype_switch", "seconds since the last KV dtype switch", "/ 600, clipped at 1"),
+    ("shield_interventions", "shield interventions in the interval", "clipped at 1"),
+)
+FEATURE_NAMES: tuple[str, ...] = tuple(f[0] for f in FEATURES)
+OBS_LOW, OBS_HIGH = 0.0, 10.0
+
+
+def _pct(values: np.ndarray, q: float) -> float:
+    return float(np.percentile(values, q)) if values.size else 0.0
+
+
+@dataclass
+class Telemetry:
+    """Accumulates request events over a control interval and a sliding latency window."""
+
+    slo: SLO
+    num_buckets: int = 3
+    window_s: float = 10.0
+    max_num_seqs: int = 256
+    max_model_len: int = 8192
+    #: Scales that put rates near 1 for this model and hardware (from the workload config).
+    rate_scale: float = 10.0
+    token_rate_scale: float = 2000.0
+    _arrivals: int = 0
+    _preemptions: int = 0
+    _rejected: int = 0
+    _shield: int = 0
+    _finished: int = 0
+    _good: int = 0
+    _out_tokens: int = 0
+    # (time, ttft_s, tpot_s, e2el_s, met) of finished requests; (time, prompt_len) of arrivals.
+    _window: deque = field(default_factory=deque)
+    _arrival_window: deque = field(default_factory=deque)
+    _last_time: float = 0.0
+    _last_dtype_switch: float = 0.0
+
+    def reset(self, now: float) -> None:
+        self._arrivals = self._preemptions = self._rejected = self._shield = 0
+        self._finished = self._good = self._out_tokens = 0
+        self._window.clear()
+        self._arrival_window.clear()
+        self._last_time = now
+        self._last_dtype_switch = now
+
+    # --- events --------------------------------------------------------------------------
+    def on_arrival(self, t: float, prompt_len: int) -> None:
+        self._arrivals += 1
+        self._arrival_window.append((t, prompt_len))
+
+    def on_output_tokens(self, n: int) -> None:
+        self._out_tokens += n
+
+    def on_finished(self, t: float, ttft_s: float, tpot_s: float, e2el_s: float) -> bool:
+        """Record a finished request; returns whether it met the SLO."""
+        met = self.slo.met(ttft_s, tpot_s, e2el_s)
+        self._finished += 1
+        self._good += int(met)
+        self._window.append((t, ttft_s, tpot_s, e2el_s, met))
+        return met
+
+    def on_preemptions(self, n: int) -> None:
+        self._preemptions += n
+
+    def on_rejected(self, n: int = 1) -> None:
+        self._rejected += n
+
+    def on_shield_intervention(self, n: int = 1) -> None:
+        self._shield += n
+
+    def on_dtype_switch(self, t: float) -> None:
+        self._last_dtype_switch = t
+
+    # --- read-out ------------------------------------------------------------------------
+    def snapshot(
+        self,
+        now: float,
+        *,
+        queue_depth: tuple[int, ...],
+        num_running: int,
+        num_waiting_engine: int,
+        kv_cache_usage: float,
+        knobs: Knobs,
+        prefix_cache_hit_rate: float = 0.0,
+    ) -> Snapshot:
+        """Close the interval that ended at ``now`` and start the next one."""
+        interval = max(now - self._last_time, 1e-9)
+        horizon = now - self.window_s
+        while self._window and self._window[0][0] < horizon:
+            self._window.popleft()
+        while self._arrival_window and self._arrival_window[0][0] < horizon:
+            self._arrival_window.popleft()
+        if self._window:
+            w = np.asarray([row[1:] for row in self._window], dtype=np.float64)
+            ttft, tpot, e2el, met = w[:, 0] * 1e3, w[:, 1] * 1e3, w[:, 2] * 1e3, w[:, 3]
+            attainment = float(met.mean())
+        else:
+            ttft = tpot = e2el = np.empty(0)
+            attainment = 1.0
+        mean_prompt = (
+            float(np.mean([p for _, p in self._arrival_window])) if self._arrival_window else 0.0
+        )
+        snap = Snapshot(
+            time=now,
+            interval_s=interval,
+            arrival_rate=self._arrivals / interval,
+            mean_prompt_len=mean_prompt,
+            queue_depth=tuple(queue_depth),
+            num_running=num_running,
+            num_waiting_engine=num_waiting_engine,
+            kv_cache_usage=float(kv_cache_usage),
+            request_throughput=self._finished / interval,
+            output_throughput=self._out_tokens / interval,
+            request_goodput=self._good / interval,
+            ttft_p50_ms=_pct(ttft, 50),
+            ttft_p99_ms=_pct(ttft, 99),
+            tpot_p50_ms=_pct(tpot, 50),
+            tpot_p99_ms=_pct(tpot, 99),
+            e2el_p50_ms=_pct(e2el, 50),
+            e2el_p99_ms=_pct(e2el, 99),
+            slo_attainment=attainment,
+            preemptions=self._preemptions,
+            rejected=self._rejected,
+            shield_interventions=self._shield,
+            knobs=knobs,
+            time_since_dtype_switch_s=now - self._last_dtype_switch,
+            prefix_cache_hit_rate=prefix_cache_hit_rate,
+        )
+        self._arrivals = self._preemptions = self._rejected = self._shield = 0
+        self._finished = self._good = self._out_tokens = 0
+        self._last_time = now
+        return snap
+
+    def observation(self, snap: Snapshot) -> np.ndarray:
+        """The normalised feature vector (``FEATURES`` order), float32, inside [0, 10]."""
+        return observation_from_snapshot(
+            snap,
+            self.slo,
+            max_num_seqs=self.max_num_seqs,
+            max_model_len=self.max_model_len,
+            rate_scale=self.rate_scale,
+            token_rate_scale=self.token_rate_scale,
+        )
+
+
+def observation_from_snapshot(
+    snap: Snapshot,
+    slo: SLO,
+    *,
+    max_num_seqs: int,
+    max_model_len: int,
+    rate_scale: float,
+    token_rate_scale: float,
+) -> np.ndarray:
+    """Normalise a snapshot into the policy's observation (see ``FEATURES``)."""
+    ttft_ref = slo.ttft_ms or 1000.0
+    tpot_ref = slo.tpot_ms or 100.0
+    e2el_ref = slo.e2el_ms or (ttft_ref + 256 * tpot_ref)
+    q = list(snap.queue_depth) + [0] * max(0, 3 - len(snap.queue_depth))
+    log_q = np.log1p(1024.0)
+    onehot = [float(snap.knobs.bucketing == m) for m in BUCKETING_MODES]
+    from batchpilot.envs.engine import KV_DTYPES_8BIT  # local: keeps this module light
+
+    vec = [
+        snap.arrival_rate / rate_scale,
+        np.log1p(snap.mean_prompt_len) / np.log1p(max_model_len),
+        np.log1p(q[0]) / log_q,
+        np.log1p(q[1]) / log_q,
+        np.log1p(sum(q[2:])) / log_q,
+        snap.num_running / max_num_seqs,
+        snap.num_waiting_engine / max_num_seqs,
+        snap.kv_cache_usage,
+        snap.request_throughput / rate_scale,
+        snap.output_throughput / token_rate_scale,
+        snap.ttft_p50_ms / ttft_ref,
+        snap.ttft_p99_ms / ttft_ref,
+        snap.tpot_p50_ms / tpot_ref,
+        snap.tpot_p99_ms / tpot_ref,
+        snap.e2el_p50_ms / e2el_ref,
+        snap.e2el_p99_ms / e2el_ref,
+        snap.slo_attainment,
+        np.log1p(snap.preemptions) / np.log1p(100.0),
+        snap.knobs.batch_cap / max_num_seqs,
+        *onehot,
+        float(snap.knobs.kv_dtype in KV_DTYPES_8BIT),
+        min(snap.time_since_dtype_switch_s / 600.0, 1.0),
+        min(float(snap.shield_interventions), 1.0),
+    ]
+    obs = np.asarray(vec, dtype=np.float32)
+    obs = np.nan_to_num(obs, nan=0.0, posinf=OBS_HIGH, neginf=OBS_LOW)
+    return np.clip(obs, OBS_LOW, OBS_HIGH)
