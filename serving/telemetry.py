@@ -48,7 +48,7 @@ class Snapshot:
     request_throughput: float  # finished requests/s
     output_throughput: float  # output tokens/s
     request_goodput: float  # finished requests/s that met the SLO
-    ttft_p50_ms: float
+    ttft_p50_ms: float  # from first tokens in the window (not only finished requests)
     ttft_p99_ms: float
     tpot_p50_ms: float
     tpot_p99_ms: float
@@ -126,6 +126,7 @@ class Telemetry:
     # (time, ttft_s, tpot_s, e2el_s, met) of finished requests; (time, prompt_len) of arrivals.
     _window: deque = field(default_factory=deque)
     _arrival_window: deque = field(default_factory=deque)
+    _ttft_window: deque = field(default_factory=deque)
     _last_time: float = 0.0
     _last_dtype_switch: float = 0.0
 
@@ -134,6 +135,7 @@ class Telemetry:
         self._finished = self._good = self._out_tokens = 0
         self._window.clear()
         self._arrival_window.clear()
+        self._ttft_window.clear()
         self._last_time = now
         self._last_dtype_switch = now
 
@@ -141,6 +143,11 @@ class Telemetry:
     def on_arrival(self, t: float, prompt_len: int) -> None:
         self._arrivals += 1
         self._arrival_window.append((t, prompt_len))
+
+    def on_first_token(self, t: float, ttft_s: float) -> None:
+        """TTFT counts when the first token comes out, not when the request ends, so a
+        growing queue shows in the signal before the slow requests finish."""
+        self._ttft_window.append((t, ttft_s))
 
     def on_output_tokens(self, n: int) -> None:
         self._out_tokens += n
@@ -184,13 +191,16 @@ class Telemetry:
             self._window.popleft()
         while self._arrival_window and self._arrival_window[0][0] < horizon:
             self._arrival_window.popleft()
+        while self._ttft_window and self._ttft_window[0][0] < horizon:
+            self._ttft_window.popleft()
         if self._window:
             w = np.asarray([row[1:] for row in self._window], dtype=np.float64)
-            ttft, tpot, e2el, met = w[:, 0] * 1e3, w[:, 1] * 1e3, w[:, 2] * 1e3, w[:, 3]
+            tpot, e2el, met = w[:, 1] * 1e3, w[:, 2] * 1e3, w[:, 3]
             attainment = float(met.mean())
         else:
-            ttft = tpot = e2el = np.empty(0)
+            tpot = e2el = np.empty(0)
             attainment = 1.0
+        ttft = np.fromiter((x for _, x in self._ttft_window), dtype=np.float64) * 1e3
         mean_prompt = (
             float(np.mean([p for _, p in self._arrival_window])) if self._arrival_window else 0.0
         )

@@ -1,0 +1,394 @@
+"""ServingEnv: the control loop of an LLM service as a Gymnasium environment.
+
+## Description
+Requests from a workload wait in Admission's length buckets in front of an engine (the vLLM
+simulator by default, or a live in-process vLLM). Each step is one control interval of engine
+time: the agent picks knobs (batch cap, bucketing mode, KV-cache dtype), the Shield clamps them
+to the safety limits, then arrivals flow through admission into the engine while it iterates,
+and Telemetry summarises the interval into the next observation.
+
+## Action Space
+``MultiDiscrete([5, 3, 3])`` (see ``batchpilot.policies.actions``): batch-cap step
+(-30 %, -15 %, 0, +15 %, +30 %), bucketing (fifo, shortest_first, weighted), KV dtype (keep,
+16-bit, 8-bit). KV choices the engine cannot run are masked (``action_masks()``, and
+``info["action_mask"]``); choosing one anyway is refused by the shield and reported in
+``info["shield"]`` — never silently mapped to another dtype.
+
+## Observation Space
+``Box(0, 10, (25,), float32)``: the features of ``batchpilot.serving.telemetry.FEATURES``
+(table in ``docs/observation.md``), all computed from signals a production gateway also sees.
+
+## Rewards
+``0.6*throughput + 0.3*(1/latency) + 0.1*memory_efficiency`` (normalised) minus penalties for
+SLO misses, preemptions, shield interventions, rejections, backlog and 8-bit KV's quality
+cost. Weights in ``conf/env/default.yaml`` (``reward:``); parts in ``info["reward_terms"]``.
+
+## Starting State
+An empty engine at time 0 with ``initial_batch_cap``, ``initial_bucketing`` and the engine's
+configured KV dtype; a fresh workload sampled from ``cfg.workload`` with the episode's seed
+(``workload=randomized`` — the default — draws rate, burstiness, length mix and phase changes).
+
+## Episode End
+Truncated after ``episode_s`` engine seconds (``episode_s / interval_s`` steps). Terminated
+only when the engine fails (``info["error"]`` says why; a one-off penalty applies).
+
+## Arguments
+``gymnasium.make("batchpilot/Serving-v0", engine="vllm", overrides=["model=llama3_70b"])``
+or ``ServingEnv(cfg=composed_hydra_config)``.
+
+## Version History
+- v0: first release.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+import gymnasium as gym
+import numpy as np
+from omegaconf import DictConfig
+
+from batchpilot.config import load_config
+from batchpilot.envs.engine import KV_DTYPES_8BIT, Engine, EngineError, RequestRejected, StepResult
+from batchpilot.envs.engines import build_engine
+from batchpilot.envs.reward import RewardConfig, reward_terms
+from batchpilot.envs.workloads import RequestStream, build_workload
+from batchpilot.metrics import summarize
+from batchpilot.policies.actions import ACTION_NVEC, action_mask, action_to_proposal
+from batchpilot.policies.knobs import Knobs, Proposal
+from batchpilot.policies.shield import Shield, ShieldConfig
+from batchpilot.serving.admission import Admission, AdmissionConfig
+from batchpilot.serving.telemetry import FEATURE_NAMES, OBS_HIGH, OBS_LOW, SLO, Snapshot, Telemetry
+
+
+def slo_from_cfg(node: Any) -> SLO:
+    return SLO(ttft_ms=node.get("ttft_ms"), tpot_ms=node.get("tpot_ms"), e2el_ms=node.get("e2el_ms"))
+
+
+class ServingEnv(gym.Env):
+    """See the module docstring: it is this environment's manual."""
+
+    metadata = {"render_modes": ["ansi"]}
+
+    def __init__(
+        self,
+        cfg: DictConfig | None = None,
+        *,
+        engine: str | None = None,
+        overrides: Sequence[str] = (),
+        render_mode: str | None = None,
+    ) -> None:
+        if cfg is None:
+            ov = list(overrides) + ([f"engine={engine}"] if engine else [])
+            cfg = load_config(ov)
+        elif engine is not None or overrides:
+            raise ValueError("pass either cfg or engine/overrides, not both")
+        if render_mode is not None and render_mode not in self.metadata["render_modes"]:
+            raise ValueError(f"render_mode must be one of {self.metadata['render_modes']}, got {render_mode!r}")
+        self.cfg = cfg
+        self.render_mode = render_mode
+        e = cfg.env
+        self.interval_s = float(e.interval_s)
+        if not (self.interval_s > 0 and float(e.episode_s) >= self.interval_s):
+            raise ValueError(
+                f"env.interval_s ({e.interval_s}) must be > 0 and <= env.episode_s ({e.episode_s})"
+            )
+        self.max_steps = int(round(float(e.episode_s) / self.interval_s))
+        self.slo = slo_from_cfg(cfg.slo)
+        self.reward_cfg = RewardConfig.from_cfg(e.reward, float(cfg.model.get("kv8_quality_cost", 0.0)))
+        self.admission_cfg = AdmissionConfig.from_cfg(e.admission)
+        self.shield_cfg = ShieldConfig.from_cfg(cfg.shield)
+        self.kv16_dtype, self.kv8_dtype = str(e.kv16_dtype), str(e.kv8_dtype)
+        self.rate_scale = float(e.rate_scale)
+
+        self.engine: Engine = build_engine(cfg)
+        caps = self.engine.capabilities()
+        self._caps = caps
+        self._max_num_seqs = caps.max_num_seqs
+        self.observation_space = gym.spaces.Box(
+            low=OBS_LOW, high=OBS_HIGH, shape=(len(FEATURE_NAMES),), dtype=np.float32
+        )
+        self.action_space = gym.spaces.MultiDiscrete(list(ACTION_NVEC))
+        self._mask = action_mask(
+            {d: caps.can_run(d) for d in (self.kv16_dtype, self.kv8_dtype)},
+            kv16_dtype=self.kv16_dtype,
+            kv8_dtype=self.kv8_dtype,
+        )
+        #: Why a masked KV choice is masked (shown to users; never silently remapped).
+        self.unavailable = {
+            d: caps.why_not(d) for d in (self.kv16_dtype, self.kv8_dtype) if not caps.can_run(d)
+        }
+        self._needs_fresh_engine = False
+        self._init_episode_state()
+
+    # --- Gymnasium API ---------------------------------------------------------------------
+    def reset(self, *, seed: int | None = None, options: dict | None = None):
+        super().reset(seed=seed)
+        if self._needs_fresh_engine or self.engine.kv_dtype != self._initial_kv_dtype():
+            self.engine.close()
+            self.engine = build_engine(self.cfg)
+        else:
+            self._drain_engine()
+        self._needs_fresh_engine = self.cfg.engine.kind == "sim"
+        self._init_episode_state()
+        self.stream = build_workload(self.cfg.workload, self.np_random, self._caps.max_model_len)
+        snap = self._snapshot()
+        obs = self.telemetry.observation(snap)
+        return obs, self._info(snap, {}, None)
+
+    def step(self, action):
+        proposal = action_to_proposal(
+            action, self.knobs, kv16_dtype=self.kv16_dtype, kv8_dtype=self.kv8_dtype
+        )
+        return self.step_proposal(proposal)
+
+    def step_proposal(self, proposal: Proposal):
+        """One control interval with a controller's proposal (PID, AIMD, static use this;
+        ``step`` translates a policy action into a proposal first)."""
+        decision = self.shield.apply(proposal, self.knobs, self._shield_inputs(), self.engine.now)
+        if decision.interventions:
+            self.telemetry.on_shield_intervention(len(decision.interventions))
+        error = None
+        try:
+            self._apply_knobs(decision.knobs)
+            if decision.shed_below_priority is not None:
+                for rej in self.admission.shed(decision.shed_below_priority, self.engine.now):
+                    self._on_rejected(rej)
+            t_end = self._interval_start + self.interval_s
+            self._run_until(t_end)
+        except EngineError as exc:  # expected backend failure: end the episode, keep training
+            error = f"{type(exc).__name__}: {exc}"
+        self._steps += 1
+        self._interval_start += self.interval_s
+        truncated = self._steps >= self.max_steps and error is None
+        if truncated and self.cfg.env.drain_on_truncate:
+            self._drain_all()
+        snap = self._snapshot()
+        on_8bit = float(self.knobs.kv_dtype in KV_DTYPES_8BIT)
+        terms = reward_terms(snap, self.slo, self.reward_cfg, rate_scale=self.rate_scale, on_8bit_frac=on_8bit)
+        if error is not None:
+            terms["engine_failure"] = -self.reward_cfg.engine_failure
+        rew = float(sum(terms.values()))
+        obs = self.telemetry.observation(snap)
+        self._last_snapshot = snap
+        info = self._info(snap, decision.interventions, decision)
+        info["reward_terms"] = terms
+        if error is not None:
+            info["error"] = error
+            self._needs_fresh_engine = True
+        if truncated or error is not None:
+            info["episode_metrics"] = self.episode_metrics()
+        return obs, rew, error is not None, truncated, info
+
+    def action_masks(self) -> np.ndarray:
+        """Flat mask for sb3-contrib's MaskablePPO: KV dtypes the engine cannot run are off."""
+        return self._mask.copy()
+
+    def render(self) -> str | None:
+        if self.render_mode != "ansi":
+            return None
+        s = self._last_snapshot
+        return (
+            f"t={s.time:8.1f}s cap={self.knobs.batch_cap:4d} {self.knobs.bucketing:14s} "
+            f"kv={self.knobs.kv_dtype:8s} run={s.num_running:4d} q={s.queue_total:5d} "
+            f"kv_use={s.kv_cache_usage:5.2f} goodput={s.request_goodput:6.2f}/s "
+            f"p99_ttft={s.ttft_p99_ms:8.1f}ms"
+        )
+
+    def close(self) -> None:
+        self.engine.close()
+
+    # --- what evaluation reads -------------------------------------------------------------
+    @property
+    def snapshot(self) -> Snapshot:
+        """The last interval's telemetry (the input of PID/AIMD/static controllers)."""
+        return self._last_snapshot
+
+    def episode_metrics(self) -> dict[str, float]:
+        """``vllm bench serve``-style aggregates over the episode so far."""
+        duration = max(self.engine.now - self._episode_start, 1e-9)
+        m = summarize(self._finished, duration, self.slo, num_rejected=len(self._rejections))
+        m.update(
+            peak_kv_usage=self._peak_kv,
+            preemptions=float(self._preemptions),
+            shield_interventions=float(self.shield_interventions),
+            dtype_switches=float(self._dtype_switches),
+        )
+        return m
+
+    @property
+    def finished_requests(self):
+        return list(self._finished)
+
+    # --- internals -----------------------------------------------------------------------
+    def _initial_kv_dtype(self) -> str:
+        return str(self.cfg.engine.get("kv_dtype", "auto"))
+
+    def _init_episode_state(self) -> None:
+        e = self.cfg.env
+        cap = min(int(e.initial_batch_cap), self._max_num_seqs)
+        self.knobs = Knobs(batch_cap=cap, bucketing=str(e.initial_bucketing), kv_dtype=self.engine.kv_dtype)
+        self.admission = Admission(self.admission_cfg, self.knobs)
+        self.shield = Shield(self.shield_cfg, self.engine.memory_model(), self._caps)
+        self.telemetry = Telemetry(
+            slo=self.slo,
+            num_buckets=self.admission_cfg.num_buckets,
+            window_s=float(e.telemetry_window_s),
+            max_num_seqs=self._max_num_seqs,
+            max_model_len=self._caps.max_model_len,
+            rate_scale=self.rate_scale,
+            token_rate_scale=float(e.token_rate_scale),
+        )
+        now = self.engine.now
+        self.telemetry.reset(now)
+        self.engine.set_max_active(self.knobs.batch_cap)
+        self._episode_start = self._interval_start = now
+        self._steps = 0
+        self._finished: list = []
+        self._rejections: list = []
+        self._preemptions = 0
+        self._dtype_switches = 0
+        self._peak_kv = 0.0
+        self.shield_interventions = 0
+        self._last_snapshot = self._snapshot_peek()
+
+    def _apply_knobs(self, knobs: Knobs) -> None:
+        if knobs.kv_dtype != self.knobs.kv_dtype:
+            self.engine.restart(knobs.kv_dtype)  # charges (sim) or takes (live) restart time
+            self._dtype_switches += 1
+            self.telemetry.on_dtype_switch(self.engine.now)
+            # Capacity changed with the dtype: the shield must predict with the new layout.
+            self.shield.update_memory_model(self.engine.memory_model())
+        self.knobs = knobs
+        self.admission.set_knobs(knobs)
+        self.engine.set_max_active(knobs.batch_cap)
+
+    def _run_until(self, t_end: float) -> None:
+        """Arrivals → admission → engine, until the engine clock reaches ``t_end``."""
+        eng, adm, stream = self.engine, self.admission, self.stream
+        while True:
+            self._take_arrivals(eng.now)
+            if eng.now >= t_end:
+                break
+            t_next = min(stream.next_arrival_time, t_end)
+            if t_next <= eng.now:
+                continue
+            res = eng.advance_until(t_next, stop_on_finish=adm.num_waiting > 0)
+            self._account(res)
+
+    def _take_arrivals(self, now: float) -> None:
+        adm = self.admission
+        for req in self.stream.pop_until(now):
+            self.telemetry.on_arrival(req.arrival_time, req.prompt_len)
+            rej = adm.submit(req, now)
+            if rej is not None:
+                self._on_rejected(rej)
+        if adm.max_wait_s is not None:
+            for rej in adm.expire(now):
+                self._on_rejected(rej)
+        for req in adm.admit(now):
+            try:
+                self.engine.add_request(req)
+            except RequestRejected as exc:
+                adm.on_finished(req.request_id)
+                self._on_rejected(exc)
+
+    def _account(self, res: StepResult) -> None:
+        tel, adm = self.telemetry, self.admission
+        for _, arrival, first in res.first_tokens:
+            tel.on_first_token(first, first - arrival)
+        tel.on_output_tokens(res.num_output_tokens)
+        for fr in res.finished:
+            tel.on_finished(fr.finish_time, fr.ttft, fr.tpot, fr.e2el)
+            adm.on_finished(fr.request_id)
+            self._finished.append(fr)
+        if res.preempted:
+            tel.on_preemptions(len(res.preempted))
+            self._preemptions += len(res.preempted)
+
+    def _on_rejected(self, rej: Any) -> None:
+        self._rejections.append(rej)
+        self.telemetry.on_rejected()
+
+    def _drain_engine(self) -> None:
+        """Between episodes on a persistent (live) engine: let leftovers finish unrecorded."""
+        eng = self.engine
+        for _ in range(1_000_000):
+            st = eng.stats()
+            if st.num_running + st.num_waiting == 0:
+                return
+            eng.step()
+        raise EngineError("engine did not drain between episodes")
+
+    def _drain_all(self) -> None:
+        """At the end of an evaluation episode: every request admitted or queued finishes, or
+        is counted as rejected (``unfinished``) after ``drain_timeout_s``."""
+        deadline = self.engine.now + float(self.cfg.env.drain_timeout_s)
+        adm, eng = self.admission, self.engine
+        while (adm.num_waiting or adm.num_in_flight) and eng.now < deadline:
+            self._take_arrivals(eng.now)
+            before = eng.now
+            res = eng.advance_until(min(eng.now + self.interval_s, deadline), stop_on_finish=True)
+            self._account(res)
+            if eng.now == before and res.num_iterations == 0:
+                break
+        left = adm.num_waiting + adm.num_in_flight
+        for _ in range(left):
+            self._on_rejected("unfinished")
+
+    def _shield_inputs(self) -> Snapshot:
+        return self._last_snapshot
+
+    def _snapshot_peek(self) -> Snapshot:
+        st = self.engine.stats()
+        return Snapshot(
+            time=st.time, interval_s=self.interval_s, arrival_rate=0.0, mean_prompt_len=0.0,
+            queue_depth=self.admission.queue_depths, num_running=st.num_running,
+            num_waiting_engine=st.num_waiting, kv_cache_usage=st.kv_cache_usage,
+            request_throughput=0.0, output_throughput=0.0, request_goodput=0.0,
+            ttft_p50_ms=0.0, ttft_p99_ms=0.0, tpot_p50_ms=0.0, tpot_p99_ms=0.0,
+            e2el_p50_ms=0.0, e2el_p99_ms=0.0, slo_attainment=1.0, preemptions=0, rejected=0,
+            shield_interventions=0, knobs=self.knobs, time_since_dtype_switch_s=0.0,
+        )
+
+    def _snapshot(self) -> Snapshot:
+        st = self.engine.stats()
+        self._peak_kv = max(self._peak_kv, st.kv_cache_usage)
+        hit = st.prefix_cache_hits / st.prefix_cache_queries if st.prefix_cache_queries else 0.0
+        snap = self.telemetry.snapshot(
+            self.engine.now,
+            queue_depth=self.admission.queue_depths,
+            num_running=st.num_running,
+            num_waiting_engine=st.num_waiting,
+            kv_cache_usage=st.kv_cache_usage,
+            knobs=self.knobs,
+            prefix_cache_hit_rate=hit,
+        )
+        self.shield_interventions += snap.shield_interventions
+        self._last_snapshot = snap
+        return snap
+
+    def _info(self, snap: Snapshot, interventions: dict, decision: Any) -> dict[str, Any]:
+        pred = decision.predicted_memory_fraction if decision is not None else self.shield.predict_fraction(self.knobs, snap)
+        return {
+            "knobs": self.knobs.as_dict(),
+            "predicted_memory_fraction": float(pred),
+            "shield": dict(interventions),
+            "action_mask": self._mask.copy(),
+            "kv_unavailable": dict(self.unavailable),
+            "metrics": {
+                "time": snap.time,
+                "arrival_rate": snap.arrival_rate,
+                "queue_depth": snap.queue_total,
+                "num_running": snap.num_running,
+                "kv_cache_usage": snap.kv_cache_usage,
+                "request_throughput": snap.request_throughput,
+                "output_throughput": snap.output_throughput,
+                "request_goodput": snap.request_goodput,
+                "p99_ttft_ms": snap.ttft_p99_ms,
+                "p99_tpot_ms": snap.tpot_p99_ms,
+                "slo_attainment": snap.slo_attainment,
+                "preemptions": snap.preemptions,
+            },
+        }
