@@ -299,6 +299,18 @@ def spread_in_buckets(t: np.ndarray, quantum_s: float) -> np.ndarray:
     return k * quantum_s + rank * (quantum_s / n)
 
 
+def clip_lengths(
+    prompt: np.ndarray, output: np.ndarray, max_model_len: int
+) -> tuple[np.ndarray, np.ndarray, int]:
+    """Fit each request into ``max_model_len`` tokens: the output is cut first (a prompt keeps
+    its length when it fits with at least one output token), then the prompt is cut to
+    ``max_model_len - 1``. Returns new arrays and how many requests were shortened."""
+    over = prompt + output > max_model_len
+    p = np.minimum(prompt, max_model_len - 1)
+    o = np.minimum(output, max_model_len - p)
+    return p, o, int(over.sum())
+
+
 def read_trace(
     path: str | Path, format: str, options: TraceOptions | None = None
 ) -> TraceArrays:
@@ -359,9 +371,7 @@ def read_trace(
             if hashes is not None:
                 hashes = [h for h, k in zip(hashes, ok) if k]
         else:
-            report.clipped = int(over.sum())
-            prompt = np.minimum(prompt, m - 1)
-            output = np.minimum(output, m - prompt)
+            prompt, output, report.clipped = clip_lengths(prompt, output, m)
             if hashes is not None and over.any():
                 # Keep only the blocks that still cover part of the (shortened) prompt.
                 nblk = -(-prompt // MOONCAKE_BLOCK_TOKENS)

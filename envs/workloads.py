@@ -1,0 +1,692 @@
+"""Where requests come from: synthetic arrival processes and trace replay, handed to the
+environment as a ``RequestStream``.
+
+Arrivals are a renewal process run on a rate curve. A curve ``r(t)`` (constant, ramp,
+diurnal, on/off, piecewise phases) defines the cumulative intensity ``Λ(t) = ∫ r``; unit-mean
+gamma inter-arrival gaps with shape ``burstiness`` are laid out on the ``Λ`` axis and mapped
+back through ``Λ⁻¹`` (time rescaling). With burstiness 1 this is exactly a non-homogeneous
+Poisson process (the same law as thinning, without rejected draws); with a constant rate it
+is exactly ``vllm bench serve --burstiness`` (gamma, shape = burstiness, scale =
+1/(rate*burstiness)). Rescaling instead of thinning keeps the gaps' coefficient of variation
+at 1/sqrt(burstiness) under any curve, where thinning a gamma process would wash its
+burstiness out towards Poisson.
+
+All rates are requests/s on the engine's clock; ``rate_scale`` multiplies every synthetic
+rate (and speeds up trace replay) so one workload fits a large GPU model or a tiny CPU one.
+A stream is a pure function of the config and the ``np.random.Generator`` it is given.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+from batchpilot.envs.engine import Request
+from batchpilot.envs.traces import (
+    MOONCAKE_BLOCK_TOKENS,
+    TRACE_FORMATS,
+    TraceOptions,
+    clip_lengths,
+    read_trace,
+)
+
+WORKLOAD_KINDS: tuple[str, ...] = (
+    "poisson", "gamma", "onoff", "ramp", "diurnal", "trace", "randomized", "mixture",
+)
+
+
+class WorkloadConfigError(ValueError):
+    """A workload config is wrong; the message names the key (``workload.rate``) and the fix."""
+
+
+# --- rate curves -------------------------------------------------------------------------------
+def _check_rate(name: str, v: float) -> None:
+    if not (math.isfinite(v) and v >= 0):
+        raise ValueError(f"{name} must be a finite rate >= 0 requests/s, got {v!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class ConstantRate:
+    """``rate`` requests/s throughout."""
+
+    rate: float
+
+    def __post_init__(self) -> None:
+        _check_rate("rate", self.rate)
+
+    def __call__(self, t: np.ndarray) -> np.ndarray:
+        return np.full_like(t, self.rate, dtype=np.float64)
+
+
+@dataclass(frozen=True, slots=True)
+class RampRate:
+    """``start_rate`` until ``ramp_start_s``, linear to ``end_rate`` at ``ramp_end_s``, then flat."""
+
+    start_rate: float
+    end_rate: float
+    ramp_start_s: float
+    ramp_end_s: float
+
+    def __post_init__(self) -> None:
+        _check_rate("start_rate", self.start_rate)
+        _check_rate("end_rate", self.end_rate)
+        if not (0 <= self.ramp_start_s < self.ramp_end_s):
+            raise ValueError(
+                f"need 0 <= ramp_start_s < ramp_end_s, got {self.ramp_start_s} and {self.ramp_end_s}"
+            )
+
+    def __call__(self, t: np.ndarray) -> np.ndarray:
+        return np.interp(
+            t, [self.ramp_start_s, self.ramp_end_s], [self.start_rate, self.end_rate]
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class DiurnalRate:
+    """``mean_rate * (1 + amplitude * sin(2π (t - phase_s) / period_s))``: a day compressed
+    into ``period_s``."""
+
+    mean_rate: float
+    amplitude: float
+    period_s: float
+    phase_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        _check_rate("mean_rate", self.mean_rate)
+        if not 0 <= self.amplitude <= 1:
+            raise ValueError(f"amplitude must be in [0, 1] (rate never negative), got {self.amplitude}")
+        if not self.period_s > 0:
+            raise ValueError(f"period_s must be > 0, got {self.period_s}")
+
+    def __call__(self, t: np.ndarray) -> np.ndarray:
+        return self.mean_rate * (
+            1.0 + self.amplitude * np.sin(2 * np.pi * (t - self.phase_s) / self.period_s)
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class OnOffRate:
+    """Alternating bursts: ``on_rate`` for ``on_s`` seconds, ``off_rate`` for ``off_s``."""
+
+    on_rate: float
+    off_rate: float
+    on_s: float
+    off_s: float
+    start_on: bool = True
+
+    def __post_init__(self) -> None:
+        _check_rate("on_rate", self.on_rate)
+        _check_rate("off_rate", self.off_rate)
+        if not (self.on_s > 0 and self.off_s > 0):
+            raise ValueError(f"on_s and off_s must be > 0, got {self.on_s} and {self.off_s}")
+
+    def __call__(self, t: np.ndarray) -> np.ndarray:
+        period = self.on_s + self.off_s
+        shift = 0.0 if self.start_on else self.on_s
+        on = np.mod(t + shift, period) < self.on_s
+        return np.where(on, self.on_rate, self.off_rate).astype(np.float64)
+
+
+@dataclass(frozen=True, slots=True)
+class PiecewiseRate:
+    """``rates[i]`` between ``change_s[i-1]`` and ``change_s[i]`` (phases of an episode)."""
+
+    change_s: tuple[float, ...]
+    rates: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.rates) != len(self.change_s) + 1:
+            raise ValueError(
+                f"need one more rate than change times, got {len(self.rates)} rates and "
+                f"{len(self.change_s)} change times"
+            )
+        if any(b <= a for a, b in zip(self.change_s, self.change_s[1:])):
+            raise ValueError(f"change_s must be strictly increasing, got {self.change_s}")
+        for r in self.rates:
+            _check_rate("rates[i]", r)
+
+    def __call__(self, t: np.ndarray) -> np.ndarray:
+        idx = np.searchsorted(np.asarray(self.change_s), t, side="right")
+        return np.asarray(self.rates, dtype=np.float64)[idx]
+
+
+class RateCurve(Protocol):
+    def __call__(self, t: np.ndarray) -> np.ndarray: ...
+
+
+def arrival_times(
+    rng: np.random.Generator,
+    rate: RateCurve,
+    duration_s: float,
+    burstiness: float = 1.0,
+    grid_dt_s: float = 0.01,
+) -> np.ndarray:
+    """Arrival times in ``[0, duration_s)`` of a gamma renewal process (shape ``burstiness``;
+    1 = Poisson) run on the curve ``rate`` by time rescaling (see the module docstring)."""
+    if not (math.isfinite(duration_s) and duration_s > 0):
+        raise ValueError(f"duration_s must be > 0, got {duration_s!r}")
+    if not (math.isfinite(burstiness) and burstiness > 0):
+        raise ValueError(f"burstiness must be > 0, got {burstiness!r}")
+    n_grid = int(min(max(math.ceil(duration_s / grid_dt_s), 1000), 2_000_000)) + 1
+    grid = np.linspace(0.0, duration_s, n_grid)
+    r = np.asarray(rate(grid), dtype=np.float64)
+    if not np.all(np.isfinite(r)) or np.any(r < 0):
+        raise ValueError("rate curve returned a negative or non-finite rate")
+    cum = np.concatenate([[0.0], np.cumsum(0.5 * (r[1:] + r[:-1]) * np.diff(grid))])
+    total = float(cum[-1])
+    if total <= 0:
+        return np.empty(0, dtype=np.float64)
+    # Unit-mean gaps on the Λ axis; draw in chunks until past the end.
+    gaps: list[np.ndarray] = []
+    reached = 0.0
+    chunk = int(total + 6 * math.sqrt(total / burstiness) + 16)
+    while reached < total:
+        g = rng.gamma(shape=burstiness, scale=1.0 / burstiness, size=chunk)
+        gaps.append(g)
+        reached += float(g.sum())
+    s = np.cumsum(np.concatenate(gaps))
+    s = s[s < total]
+    t = np.interp(s, cum, grid)
+    return t[t < duration_s]
+
+
+# --- length distributions ----------------------------------------------------------------------
+class LengthDist(Protocol):
+    """Samples ``n`` (prompt_len, output_len) pairs, both int64 >= 1."""
+
+    def sample(self, rng: np.random.Generator, n: int) -> tuple[np.ndarray, np.ndarray]: ...
+
+
+def _check_len(name: str, v: float) -> None:
+    if not (math.isfinite(v) and v >= 1):
+        raise ValueError(f"{name} must be >= 1 token, got {v!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class FixedLengths:
+    """Every request has the same prompt and output length (``vllm bench`` random, range 0)."""
+
+    prompt: int
+    output: int
+
+    def __post_init__(self) -> None:
+        _check_len("prompt", self.prompt)
+        _check_len("output", self.output)
+
+    def sample(self, rng: np.random.Generator, n: int) -> tuple[np.ndarray, np.ndarray]:
+        return np.full(n, int(self.prompt), np.int64), np.full(n, int(self.output), np.int64)
+
+
+@dataclass(frozen=True, slots=True)
+class UniformLengths:
+    """Integer lengths uniform on the closed ranges ``[min, max]``."""
+
+    prompt_min: int
+    prompt_max: int
+    output_min: int
+    output_max: int
+
+    def __post_init__(self) -> None:
+        for name in ("prompt_min", "prompt_max", "output_min", "output_max"):
+            _check_len(name, getattr(self, name))
+        if self.prompt_min > self.prompt_max or self.output_min > self.output_max:
+            raise ValueError(f"need min <= max, got {self}")
+
+    def sample(self, rng: np.random.Generator, n: int) -> tuple[np.ndarray, np.ndarray]:
+        p = rng.integers(int(self.prompt_min), int(self.prompt_max) + 1, size=n, dtype=np.int64)
+        o = rng.integers(int(self.output_min), int(self.output_max) + 1, size=n, dtype=np.int64)
+        return p, o
+
+
+@dataclass(frozen=True, slots=True)
+class LognormalLengths:
+    """Lognormal lengths with the given means (in tokens) and log-space sigmas; rounded,
+    at least 1 token. The long right tail is what real chat traces look like."""
+
+    prompt_mean: float
+    prompt_sigma: float
+    output_mean: float
+    output_sigma: float
+
+    def __post_init__(self) -> None:
+        _check_len("prompt_mean", self.prompt_mean)
+        _check_len("output_mean", self.output_mean)
+        for name in ("prompt_sigma", "output_sigma"):
+            v = getattr(self, name)
+            if not (math.isfinite(v) and 0 <= v <= 4):
+                raise ValueError(f"{name} must be in [0, 4] (log-space), got {v!r}")
+
+    @staticmethod
+    def _draw(rng: np.random.Generator, mean: float, sigma: float, n: int) -> np.ndarray:
+        mu = math.log(mean) - 0.5 * sigma * sigma  # so that E[X] = mean
+        return np.maximum(np.rint(rng.lognormal(mu, sigma, size=n)), 1).astype(np.int64)
+
+    def sample(self, rng: np.random.Generator, n: int) -> tuple[np.ndarray, np.ndarray]:
+        p = self._draw(rng, self.prompt_mean, self.prompt_sigma, n)
+        o = self._draw(rng, self.output_mean, self.output_sigma, n)
+        return p, o
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class EmpiricalLengths:
+    """(prompt, output) pairs drawn jointly, with replacement, from a trace, so their
+    correlation survives."""
+
+    prompt: np.ndarray
+    output: np.ndarray
+
+    def __post_init__(self) -> None:
+        if self.prompt.shape != self.output.shape or self.prompt.ndim != 1 or self.prompt.size == 0:
+            raise ValueError("empirical lengths need two equal-length, non-empty 1-D arrays")
+        if self.prompt.min() < 1 or self.output.min() < 1:
+            raise ValueError("empirical lengths must all be >= 1 token")
+
+    @classmethod
+    def from_trace(cls, path: str | Path, format: str) -> "EmpiricalLengths":
+        tr = read_trace(path, format)
+        return cls(tr.prompt_len, tr.output_len)
+
+    def sample(self, rng: np.random.Generator, n: int) -> tuple[np.ndarray, np.ndarray]:
+        idx = rng.integers(0, self.prompt.size, size=n)
+        return self.prompt[idx].astype(np.int64), self.output[idx].astype(np.int64)
+
+
+def sample_priorities(rng: np.random.Generator, shares: Sequence[float], n: int) -> np.ndarray:
+    """Priority classes 0..len(shares)-1 drawn with the given shares (0 = core)."""
+    w = np.asarray(shares, dtype=np.float64)
+    if w.ndim != 1 or w.size == 0 or np.any(~np.isfinite(w)) or np.any(w < 0) or w.sum() <= 0:
+        raise ValueError(f"priority shares must be non-negative with a positive sum, got {list(shares)}")
+    if w.size == 1:
+        return np.zeros(n, dtype=np.int64)
+    return rng.choice(w.size, size=n, p=w / w.sum()).astype(np.int64)
+
+
+# --- the stream ----------------------------------------------------------------------------------
+class RequestStream:
+    """Requests in arrival order, handed out lazily as ``Request`` objects.
+
+    Built from arrays (``arrival_s`` ascending, in seconds from the episode start). The
+    environment calls ``pop_until(now)`` each step and looks at ``next_arrival_time`` to know
+    when to wake up. ``info`` holds what produced the stream (sampled parameters, trace report).
+    """
+
+    def __init__(
+        self,
+        arrival_s: np.ndarray,
+        prompt_len: np.ndarray,
+        output_len: np.ndarray,
+        *,
+        duration_s: float,
+        priority: np.ndarray | None = None,
+        prefix_hashes: Sequence[tuple[int, ...]] | None = None,
+        prefix_block_tokens: int = MOONCAKE_BLOCK_TOKENS,
+        id_prefix: str = "r",
+        info: Mapping[str, Any] | None = None,
+    ) -> None:
+        t = np.asarray(arrival_s, dtype=np.float64)
+        p = np.asarray(prompt_len, dtype=np.int64)
+        o = np.asarray(output_len, dtype=np.int64)
+        pr = np.zeros(t.size, np.int64) if priority is None else np.asarray(priority, np.int64)
+        n = t.size
+        if t.ndim != 1 or p.shape != (n,) or o.shape != (n,) or pr.shape != (n,):
+            raise ValueError(
+                f"arrival_s, prompt_len, output_len, priority must be 1-D of one length, got "
+                f"{t.shape}, {p.shape}, {o.shape}, {pr.shape}"
+            )
+        if prefix_hashes is not None and len(prefix_hashes) != n:
+            raise ValueError(f"prefix_hashes has {len(prefix_hashes)} entries for {n} requests")
+        if n and (not np.all(np.isfinite(t)) or t[0] < 0 or np.any(np.diff(t) < 0)):
+            raise ValueError("arrival_s must be finite, >= 0 and ascending")
+        if n and (p.min() < 1 or o.min() < 1):
+            raise ValueError("prompt_len and output_len must be >= 1 token")
+        if n and pr.min() < 0:
+            raise ValueError("priority must be >= 0 (0 = core)")
+        if not (math.isfinite(duration_s) and duration_s >= 0):
+            raise ValueError(f"duration_s must be finite and >= 0, got {duration_s!r}")
+        self.arrival_s, self.prompt_len, self.output_len, self.priority = t, p, o, pr
+        for a in (t, p, o, pr):
+            a.setflags(write=False)
+        self.prefix_hashes = tuple(prefix_hashes) if prefix_hashes is not None else None
+        self.prefix_block_tokens = prefix_block_tokens
+        self.id_prefix = id_prefix
+        self.info: dict[str, Any] = dict(info or {})
+        self._duration_s = float(duration_s)
+        self._next = 0
+
+    def __len__(self) -> int:
+        return int(self.arrival_s.size)
+
+    @property
+    def duration_s(self) -> float:
+        """The episode length this stream was made for (arrivals all lie before it, for
+        synthetic streams)."""
+        return self._duration_s
+
+    @property
+    def num_remaining(self) -> int:
+        return len(self) - self._next
+
+    @property
+    def next_arrival_time(self) -> float:
+        """Arrival time of the next request not yet popped; ``inf`` when exhausted."""
+        return float(self.arrival_s[self._next]) if self._next < len(self) else math.inf
+
+    def pop_until(self, t: float) -> list[Request]:
+        """All not-yet-popped requests arriving at or before ``t``, in arrival order."""
+        end = int(np.searchsorted(self.arrival_s, t, side="right"))
+        out = [self._request(i) for i in range(self._next, max(end, self._next))]
+        self._next = max(end, self._next)
+        return out
+
+    def reset(self) -> None:
+        """Rewind to the first request (replay the same stream)."""
+        self._next = 0
+
+    def _request(self, i: int) -> Request:
+        return Request(
+            request_id=f"{self.id_prefix}{i}",
+            arrival_time=float(self.arrival_s[i]),
+            prompt_len=int(self.prompt_len[i]),
+            output_len=int(self.output_len[i]),
+            priority=int(self.priority[i]),
+            prefix_hashes=self.prefix_hashes[i] if self.prefix_hashes is not None else (),
+            prefix_block_tokens=self.prefix_block_tokens,
+        )
+
+    @classmethod
+    def merge(cls, streams: Sequence["RequestStream"], **kwargs: Any) -> "RequestStream":
+        """Superpose streams (a mixture): arrivals merged in time order, stable by stream."""
+        if not streams:
+            raise ValueError("merge needs at least one stream")
+        t = np.concatenate([s.arrival_s for s in streams])
+        order = np.argsort(t, kind="stable")
+        hashes = None
+        if any(s.prefix_hashes is not None for s in streams):
+            flat = [h for s in streams for h in (s.prefix_hashes or ((),) * len(s))]
+            hashes = [flat[i] for i in order]
+        kwargs.setdefault("duration_s", max(s.duration_s for s in streams))
+        return cls(
+            t[order],
+            np.concatenate([s.prompt_len for s in streams])[order],
+            np.concatenate([s.output_len for s in streams])[order],
+            priority=np.concatenate([s.priority for s in streams])[order],
+            prefix_hashes=hashes,
+            prefix_block_tokens=streams[0].prefix_block_tokens,
+            **kwargs,
+        )
+
+
+# --- config -> stream -----------------------------------------------------------------------------
+_MISSING = object()
+#: Keys every kind accepts; ``seed_offset`` is for the caller (added to the episode seed).
+_COMMON_KEYS = ("kind", "duration_s", "rate_scale", "seed_offset", "priorities", "name", "description")
+
+
+class _Keys:
+    """Reads a config mapping with errors that name the key, and rejects unknown keys."""
+
+    def __init__(self, d: Mapping[str, Any], where: str) -> None:
+        self.d, self.where, self.used = dict(d), where, set(_COMMON_KEYS)
+
+    def err(self, key: str, msg: str) -> WorkloadConfigError:
+        return WorkloadConfigError(f"{self.where}.{key}: {msg}")
+
+    def get(self, key: str, default: Any = _MISSING) -> Any:
+        self.used.add(key)
+        if key not in self.d or self.d[key] is None:
+            if default is _MISSING:
+                raise self.err(key, f"missing (kind {self.d.get('kind')!r} needs it)")
+            return default
+        return self.d[key]
+
+    def num(self, key: str, default: Any = _MISSING, *, lo: float | None = None, lo_open: bool = False,
+            hi: float | None = None) -> float:
+        v = self.get(key, default)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise self.err(key, f"must be a finite number, got {v!r}")
+        if lo is not None and (v < lo or (lo_open and v == lo)):
+            raise self.err(key, f"must be {'>' if lo_open else '>='} {lo}, got {v!r}")
+        if hi is not None and v > hi:
+            raise self.err(key, f"must be <= {hi}, got {v!r}")
+        return float(v)
+
+    def range(self, key: str, *, lo: float, lo_open: bool = False) -> tuple[float, float]:
+        v = self.get(key)
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            v = [v, v]
+        if not (isinstance(v, Sequence) and len(v) == 2 and all(
+            isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in v
+        )):
+            raise self.err(key, f"must be [low, high] (or one number), got {v!r}")
+        a, b = float(v[0]), float(v[1])
+        if a > b or a < lo or (lo_open and a == lo):
+            raise self.err(key, f"need {lo} {'<' if lo_open else '<='} low <= high, got {v!r}")
+        return a, b
+
+    def finish(self) -> None:
+        unknown = sorted(set(self.d) - self.used)
+        if unknown:
+            raise WorkloadConfigError(
+                f"{self.where}: unknown key(s) {unknown} for kind {self.d.get('kind')!r}; "
+                f"it reads {sorted(self.used - {'name', 'description'})}"
+            )
+
+
+def _as_dict(cfg: Any) -> dict[str, Any]:
+    if isinstance(cfg, Mapping):
+        return dict(cfg)
+    try:
+        from omegaconf import DictConfig, OmegaConf
+    except ImportError:  # pragma: no cover
+        DictConfig = None  # type: ignore[assignment]
+    if DictConfig is not None and isinstance(cfg, DictConfig):
+        return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
+    raise WorkloadConfigError(f"workload config must be a mapping, got {type(cfg).__name__}")
+
+
+def _resolve_path(p: str) -> Path:
+    from batchpilot.config import REPO_ROOT
+
+    path = Path(p).expanduser()
+    return path if path.is_absolute() else REPO_ROOT / path
+
+
+def _lengths(k: _Keys) -> LengthDist:
+    d = k.get("lengths")
+    if not isinstance(d, Mapping):
+        raise k.err("lengths", f"must be a mapping with a 'kind', got {d!r}")
+    lk = _Keys(d, f"{k.where}.lengths")
+    lk.used = {"kind"}
+    kind = d.get("kind")
+    try:
+        if kind == "fixed":
+            dist: LengthDist = FixedLengths(int(lk.num("prompt", lo=1)), int(lk.num("output", lo=1)))
+        elif kind == "uniform":
+            pa, pb = lk.range("prompt", lo=1)
+            oa, ob = lk.range("output", lo=1)
+            dist = UniformLengths(int(pa), int(pb), int(oa), int(ob))
+        elif kind == "lognormal":
+            dist = LognormalLengths(
+                lk.num("prompt_mean", lo=1), lk.num("prompt_sigma", lo=0),
+                lk.num("output_mean", lo=1), lk.num("output_sigma", lo=0),
+            )
+        elif kind == "empirical":
+            fmt = lk.get("format")
+            if fmt not in TRACE_FORMATS:
+                raise lk.err("format", f"must be one of {TRACE_FORMATS}, got {fmt!r}")
+            dist = EmpiricalLengths.from_trace(_resolve_path(str(lk.get("path"))), fmt)
+        else:
+            raise lk.err("kind", f"must be fixed, uniform, lognormal or empirical, got {kind!r}")
+    except ValueError as e:
+        if isinstance(e, WorkloadConfigError):
+            raise
+        raise WorkloadConfigError(f"{k.where}.lengths: {e}") from e
+    lk.finish()
+    return dist
+
+
+def _synthetic(
+    k: _Keys, rng: np.random.Generator, max_model_len: int, curve: RateCurve, burstiness: float,
+    lengths: LengthDist, duration: float, info: dict[str, Any],
+) -> RequestStream:
+    t = arrival_times(rng, curve, duration, burstiness)
+    p, o = lengths.sample(rng, t.size)
+    p, o, clipped = clip_lengths(p, o, max_model_len)
+    pr = sample_priorities(rng, k.get("priorities", [1.0]), t.size)
+    info.update(clipped=clipped)
+    return RequestStream(t, p, o, priority=pr, duration_s=duration, info=info)
+
+
+def _loguniform(rng: np.random.Generator, lo_hi: tuple[float, float]) -> float:
+    a, b = lo_hi
+    return float(math.exp(rng.uniform(math.log(a), math.log(b)))) if b > a else a
+
+
+def _randomized(
+    k: _Keys, rng: np.random.Generator, max_model_len: int, duration: float, scale: float
+) -> RequestStream:
+    """Domain randomisation: a fresh rate, burstiness, length mix and 0..N phase changes
+    (rate and length shifts at random times) for every episode."""
+    rate = _loguniform(rng, k.range("rate", lo=0, lo_open=True)) * scale
+    burst = _loguniform(rng, k.range("burstiness", lo=0, lo_open=True))
+    base = LognormalLengths(
+        _loguniform(rng, k.range("prompt_mean", lo=1)), float(rng.uniform(*k.range("prompt_sigma", lo=0))),
+        _loguniform(rng, k.range("output_mean", lo=1)), float(rng.uniform(*k.range("output_sigma", lo=0))),
+    )
+    lo_n, hi_n = k.range("num_phases", lo=0)
+    n_changes = int(rng.integers(int(lo_n), int(hi_n) + 1))
+    window = k.range("phase_window", lo=0)
+    if window[1] >= 1:
+        raise k.err("phase_window", f"must lie inside [0, 1) (fractions of duration_s), got {window}")
+    rate_f, len_f = k.range("phase_rate_factor", lo=0, lo_open=True), k.range("phase_length_factor", lo=0, lo_open=True)
+    change_s = tuple(sorted(float(x) for x in rng.uniform(*window, size=n_changes) * duration))
+    rates, dists = [rate], [base]
+    for _ in range(n_changes):
+        rates.append(rates[-1] * _loguniform(rng, rate_f))
+        f_p, f_o = _loguniform(rng, len_f), _loguniform(rng, len_f)
+        prev = dists[-1]
+        dists.append(LognormalLengths(
+            max(prev.prompt_mean * f_p, 1.0), prev.prompt_sigma,
+            max(prev.output_mean * f_o, 1.0), prev.output_sigma,
+        ))
+    t = arrival_times(rng, PiecewiseRate(change_s, tuple(rates)), duration, burst)
+    phase = np.searchsorted(np.asarray(change_s), t, side="right")
+    p = np.empty(t.size, np.int64)
+    o = np.empty(t.size, np.int64)
+    for i, dist in enumerate(dists):
+        sel = phase == i
+        p[sel], o[sel] = dist.sample(rng, int(sel.sum()))
+    p, o, clipped = clip_lengths(p, o, max_model_len)
+    pr = sample_priorities(rng, k.get("priorities", [1.0]), t.size)
+    info = {
+        "kind": "randomized", "rate": rate, "burstiness": burst, "change_s": list(change_s),
+        "rates": rates, "lengths": [(d.prompt_mean, d.prompt_sigma, d.output_mean, d.output_sigma) for d in dists],
+        "clipped": clipped,
+    }
+    return RequestStream(t, p, o, priority=pr, duration_s=duration, info=info)
+
+
+def build_workload(
+    cfg_workload: Any, rng: np.random.Generator, max_model_len: int, *, where: str = "workload"
+) -> RequestStream:
+    """Build one episode's request stream from the ``workload`` config group.
+
+    ``cfg.kind`` picks the process (``WORKLOAD_KINDS``); see ``conf/workload/*.yaml`` for the
+    keys each kind reads. Unknown or missing keys raise ``WorkloadConfigError`` naming them.
+    """
+    d = _as_dict(cfg_workload)
+    k = _Keys(d, where)
+    kind = d.get("kind")
+    if kind not in WORKLOAD_KINDS:
+        raise k.err("kind", f"must be one of {WORKLOAD_KINDS}, got {kind!r}")
+    if not (isinstance(max_model_len, int) and max_model_len >= 2):
+        raise ValueError(f"max_model_len must be an int >= 2, got {max_model_len!r}")
+    scale = k.num("rate_scale", 1.0, lo=0, lo_open=True)
+
+    if kind == "trace":
+        fmt = k.get("format")
+        if fmt not in TRACE_FORMATS:
+            raise k.err("format", f"must be one of {TRACE_FORMATS}, got {fmt!r}")
+        dur = k.get("duration_s", None)
+        try:
+            opts = TraceOptions(
+                time_scale=k.num("time_scale", 1.0, lo=0, lo_open=True) * scale,
+                start_s=k.num("start_s", 0.0, lo=0),
+                duration_s=None if dur is None else k.num("duration_s", lo=0, lo_open=True),
+                max_model_len=max_model_len,
+                overflow=k.get("overflow", "clip"),
+                spread_quantum_s=k.get("spread_quantum_s", None),
+                model=k.get("model", None),
+            )
+        except ValueError as e:
+            if isinstance(e, WorkloadConfigError):
+                raise
+            raise WorkloadConfigError(f"{where}: {e}") from e
+        path = _resolve_path(str(k.get("path")))
+        k.finish()
+        tr = read_trace(path, fmt, opts)
+        pr = sample_priorities(rng, k.get("priorities", [1.0]), len(tr))
+        return RequestStream(
+            tr.arrival_s, tr.prompt_len, tr.output_len, priority=pr, duration_s=tr.duration_s,
+            prefix_hashes=tr.prefix_hashes, prefix_block_tokens=tr.prefix_block_tokens,
+            info={"kind": "trace", "report": tr.report},
+        )
+
+    duration = k.num("duration_s", lo=0, lo_open=True)
+    if kind == "mixture":
+        comps = k.get("components")
+        if not isinstance(comps, Sequence) or isinstance(comps, str) or not comps:
+            raise k.err("components", f"must be a non-empty list of workload configs, got {comps!r}")
+        k.finish()
+        streams = []
+        for i, c in enumerate(comps):
+            sub = _as_dict(c)
+            if sub.get("kind") == "mixture":
+                raise WorkloadConfigError(f"{where}.components[{i}]: a mixture cannot nest a mixture")
+            sub.setdefault("duration_s", duration)
+            sub["rate_scale"] = float(sub.get("rate_scale", 1.0)) * scale
+            streams.append(build_workload(sub, rng, max_model_len, where=f"{where}.components[{i}]"))
+        return RequestStream.merge(
+            streams, duration_s=duration, info={"kind": "mixture", "components": [s.info for s in streams]}
+        )
+    if kind == "randomized":
+        stream = _randomized(k, rng, max_model_len, duration, scale)
+        k.finish()
+        return stream
+
+    # Poisson has no burstiness key (it is gamma with burstiness 1).
+    burst = 1.0 if kind == "poisson" else k.num("burstiness", 1.0, lo=0, lo_open=True)
+    try:
+        if kind == "poisson":
+            curve: RateCurve = ConstantRate(k.num("rate", lo=0) * scale)
+        elif kind == "gamma":
+            curve = ConstantRate(k.num("rate", lo=0) * scale)
+        elif kind == "onoff":
+            curve = OnOffRate(
+                k.num("on_rate", lo=0) * scale, k.num("off_rate", 0.0, lo=0) * scale,
+                k.num("on_s", lo=0, lo_open=True), k.num("off_s", lo=0, lo_open=True),
+                bool(k.get("start_on", True)),
+            )
+        elif kind == "ramp":
+            curve = RampRate(
+                k.num("start_rate", lo=0) * scale, k.num("end_rate", lo=0) * scale,
+                k.num("ramp_start_s", 0.0, lo=0), k.num("ramp_end_s", duration, lo=0),
+            )
+        else:  # diurnal
+            curve = DiurnalRate(
+                k.num("mean_rate", lo=0) * scale, k.num("amplitude", lo=0, hi=1),
+                k.num("period_s", duration, lo=0, lo_open=True), k.num("phase_s", 0.0),
+            )
+    except ValueError as e:
+        if isinstance(e, WorkloadConfigError):
+            raise
+        raise WorkloadConfigError(f"{where}: {e}") from e
+    lengths = _lengths(k)
+    k.finish()
+    info = {"kind": kind, "curve": curve, "burstiness": burst}
+    return _synthetic(k, rng, max_model_len, curve, burst, lengths, duration, info)
