@@ -1,0 +1,503 @@
+"""The safety shield: the only path from a controller's ``Proposal`` to the ``Knobs`` in force.
+
+Every controller (PPO, PID, AIMD, static) goes through it, in training and in production, so
+no policy can take the service outside these limits:
+
+* **step**: the batch cap moves at most ``max_step_frac`` (30 %) of its current value per
+  decision, and at least ``min_step`` (1) so tiny caps can still move;
+* **range**: ``min_batch <= batch_cap <= max_batch`` (``max_batch`` at most the engine's
+  ``max_num_seqs``); bucketing one of ``BUCKETING_MODES``; KV dtype one the engine can run;
+* **memory**: the predicted memory at the new setting stays at or below ``memory_ceiling``
+  (80 %) of the engine's budget. When the current setting is already above it, the cap moves
+  down (as far as the step allows), never up;
+* **KV dtype**: switches (an engine restart in vLLM) only after ``min_dtype_dwell_s`` since the
+  last one, only to a runnable dtype (refusals carry the engine's reason), and only when the
+  predicted gain pays for the restart (see ``Shield._dtype_gate``);
+* **circuit breaker** (graded): on an OOM, a preemption storm or P99 latency above
+  ``breach_factor`` x SLO, level 1 shrinks the cap by ``breaker_shrink`` (x0.7, itself within the
+  30 % step); if that would go below ``min_batch``, level 2 also sheds low-priority load in
+  admission; after ``alert_after`` (3) adjustments in a row that leave the breach in place an
+  alert is raised; after
+  ``restart_after`` it reaches level 3 and recommends an engine restart.
+
+Memory model. vLLM pre-allocates its whole KV pool at start, so device memory in use does not
+move with the batch. "Memory" here is what the engine *needs* at a setting: weights +
+activation workspace + the KV blocks ``batch`` requests of the expected context occupy +
+an overhead growing with sqrt(batch) (the guide's formula, made exact for the engine's block
+layout through ``envs.engine.MemoryModel``)::
+
+    kv_blocks = batch * ceil(expected_context / block_size) * calibration
+    predicted = weights + activation + kv_blocks * kv_block_bytes[dtype]
+                + overhead_frac * budget * sqrt(batch)
+    fraction  = predicted / budget          # must stay <= memory_ceiling
+
+``expected_context`` is the mean prompt + output-so-far of running requests from telemetry
+(an EMA; ``initial_context_len`` before any is seen); ``calibration`` is an EMA of observed /
+predicted KV blocks (clipped), so prefix sharing or short outputs are learnt online.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from batchpilot.envs.engine import KV_DTYPES_16BIT, EngineCapabilities, MemoryModel
+from batchpilot.policies.knobs import BUCKETING_MODES, Knobs, Proposal
+from batchpilot.serving.telemetry import SLO, Snapshot
+
+log = logging.getLogger(__name__)
+
+#: Kinds of intervention, as counted in ``Shield.num_interventions`` and keys of
+#: ``Decision.interventions``.
+INTERVENTION_KINDS: tuple[str, ...] = (
+    "invalid_batch",
+    "batch_range",
+    "step_limit",
+    "memory_ceiling",
+    "invalid_bucketing",
+    "dtype_unavailable",
+    "dtype_dwell",
+    "dtype_not_worth",
+    "dtype_memory",
+    "breaker_shrink",
+    "breaker_hold",
+    "breaker_shed",
+)
+
+
+@dataclass(slots=True)
+class ShieldConfig:
+    """Hard limits and breaker settings (``conf/shield/default.yaml``)."""
+
+    #: Largest batch change per decision, as a fraction of the current cap.
+    max_step_frac: float = 0.30
+    #: Smallest allowed step, so a cap of 1-3 can still move.
+    min_step: int = 1
+    #: Predicted memory must stay at or below this fraction of the engine's budget.
+    memory_ceiling: float = 0.80
+    min_batch: int = 1
+    #: Upper bound of the cap; the shield uses min(this, engine max_num_seqs) and logs it.
+    max_batch: int = 256
+    #: Seconds between KV dtype switches (each one is an engine restart).
+    min_dtype_dwell_s: float = 600.0
+    #: Estimated engine restart time for a dtype switch (capacity lost while it runs).
+    dtype_restart_s: float = 60.0
+    #: Seconds over which a dtype switch's throughput gain must repay the restart.
+    dtype_gain_horizon_s: float = 600.0
+    #: Memory overhead per sqrt(batch), as a fraction of the budget (guide's overhead term).
+    overhead_frac: float = 0.002
+    #: Expected tokens per request (prompt + output so far) before telemetry reports any.
+    initial_context_len: int = 1024
+    #: EMA rate for the expected context and the KV calibration ratio.
+    calibration_rate: float = 0.1
+    calibration_min: float = 0.5
+    calibration_max: float = 2.0
+    #: Preemptions in one interval that count as a storm.
+    preemption_storm: int = 10
+    #: P99 above breach_factor x SLO on any of ``breach_metrics`` is a breach.
+    breach_factor: float = 1.5
+    breach_metrics: tuple[str, ...] = ("ttft", "e2el")
+    #: Level-1 shrink factor of the cap.
+    breaker_shrink: float = 0.7
+    #: Seconds after a breaker shrink before the next one (latency windows need time to show it).
+    breaker_cooldown_s: float = 2.0
+    #: Alert after this many breaker adjustments in a row that did not clear the breach.
+    alert_after: int = 3
+    #: Level 3 (recommend restart) after this many failed adjustments in a row, at level 2.
+    restart_after: int = 6
+    #: Clean decisions in a row before the breaker resets to level 0 (and shedding stops).
+    recover_after: int = 3
+    #: Level 2 keeps requests with priority <= this (0 = core) and sheds the rest.
+    shed_max_priority_kept: int = 0
+
+    def __post_init__(self) -> None:
+        self.breach_metrics = tuple(self.breach_metrics)
+        if not 0 < self.max_step_frac <= 1:
+            raise ValueError(f"shield.max_step_frac must be in (0, 1], got {self.max_step_frac}")
+        if self.min_step < 1:
+            raise ValueError(f"shield.min_step must be >= 1, got {self.min_step}")
+        if not 0 < self.memory_ceiling <= 1:
+            raise ValueError(f"shield.memory_ceiling must be in (0, 1], got {self.memory_ceiling}")
+        if not 1 <= self.min_batch <= self.max_batch:
+            raise ValueError(
+                f"shield needs 1 <= min_batch <= max_batch, got min_batch={self.min_batch}, "
+                f"max_batch={self.max_batch}"
+            )
+        if not (1 - self.max_step_frac) - 1e-9 <= self.breaker_shrink < 1:
+            raise ValueError(
+                f"shield.breaker_shrink={self.breaker_shrink} must be in [1 - max_step_frac, 1) "
+                f"= [{1 - self.max_step_frac:.2f}, 1) so the breaker's cut respects the step limit"
+            )
+        unknown = set(self.breach_metrics) - {"ttft", "tpot", "e2el"}
+        if unknown:
+            raise ValueError(f"shield.breach_metrics: unknown {sorted(unknown)}; use ttft, tpot, e2el")
+        if not 0 < self.calibration_rate <= 1:
+            raise ValueError(f"shield.calibration_rate must be in (0, 1], got {self.calibration_rate}")
+        if not 0 < self.calibration_min <= 1 <= self.calibration_max:
+            raise ValueError("shield needs 0 < calibration_min <= 1 <= calibration_max")
+        for name in ("alert_after", "restart_after", "recover_after", "preemption_storm"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"shield.{name} must be >= 1, got {getattr(self, name)}")
+        if self.restart_after < self.alert_after:
+            raise ValueError(
+                f"shield.restart_after ({self.restart_after}) must be >= alert_after ({self.alert_after})"
+            )
+        for name in ("min_dtype_dwell_s", "dtype_restart_s", "overhead_frac", "breaker_cooldown_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"shield.{name} must be >= 0, got {getattr(self, name)}")
+        if self.dtype_gain_horizon_s <= 0 or self.breach_factor <= 0:
+            raise ValueError("shield.dtype_gain_horizon_s and breach_factor must be > 0")
+
+    @classmethod
+    def from_cfg(cls, node: Any) -> "ShieldConfig":
+        data = dict(node or {})
+        unknown = set(data) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"unknown shield config keys {sorted(unknown)}")
+        return cls(**data)
+
+
+@dataclass(slots=True)
+class ShieldInputs:
+    """What the shield sees of the last interval (all from gateway-visible signals)."""
+
+    preemptions: int = 0
+    #: The engine reported running out of memory (OOM / failed allocation) in the interval.
+    oom: bool = False
+    ttft_p99_ms: float = 0.0
+    tpot_p99_ms: float = 0.0
+    e2el_p99_ms: float = 0.0
+    #: Mean tokens held per running request (prompt + output so far); 0 = unknown.
+    mean_context_len: float = 0.0
+    num_running: int = 0
+    #: KV blocks in use as the engine reports them; None = unknown (no calibration).
+    num_kv_blocks_used: int | None = None
+    #: Requests that want to run (waiting in admission + running); sizes a dtype switch's gain.
+    demand: int = 0
+
+    @classmethod
+    def from_snapshot(
+        cls,
+        snap: Snapshot,
+        *,
+        mean_context_len: float = 0.0,
+        num_kv_blocks_total: int | None = None,
+        oom: bool = False,
+    ) -> "ShieldInputs":
+        """Inputs from a telemetry snapshot. Without a context estimate the mean prompt of
+        recent arrivals is used (a lower bound: output so far is not in it)."""
+        blocks = None
+        if num_kv_blocks_total is not None:
+            blocks = int(round(snap.kv_cache_usage * num_kv_blocks_total))
+        return cls(
+            preemptions=snap.preemptions,
+            oom=oom,
+            ttft_p99_ms=snap.ttft_p99_ms,
+            tpot_p99_ms=snap.tpot_p99_ms,
+            e2el_p99_ms=snap.e2el_p99_ms,
+            mean_context_len=mean_context_len or snap.mean_prompt_len,
+            num_running=snap.num_running,
+            num_kv_blocks_used=blocks,
+            demand=snap.num_running + snap.num_waiting_engine + snap.queue_total,
+        )
+
+
+@dataclass(slots=True)
+class Decision:
+    """What the shield applied and why. ``interventions`` maps a kind (``INTERVENTION_KINDS``)
+    to a human-readable reason; empty when the proposal passed unchanged."""
+
+    knobs: Knobs
+    interventions: dict[str, str] = field(default_factory=dict)
+    predicted_memory_fraction: float = 0.0
+    breaker_level: int = 0
+    alerts: list[str] = field(default_factory=list)
+    #: Set at breaker level >= 2: admission should shed priorities above this (None = no shedding).
+    shed_max_priority_kept: int | None = None
+    recommend_restart: bool = False
+    dtype_switched: bool = False
+
+    @property
+    def num_interventions(self) -> int:
+        return len(self.interventions)
+
+
+class Shield:
+    """Turns proposals into knobs inside the hard limits; keeps the breaker and calibration state."""
+
+    def __init__(
+        self,
+        cfg: ShieldConfig,
+        memory: MemoryModel,
+        capabilities: EngineCapabilities,
+        slo: SLO,
+        now: float = 0.0,
+    ) -> None:
+        self.cfg = cfg
+        self.slo = slo
+        self.memory = memory
+        self.capabilities = capabilities
+        self.max_batch = cfg.max_batch
+        self.set_engine(memory, capabilities)
+        self.num_interventions: Counter[str] = Counter()
+        self.num_decisions = 0
+        self.num_alerts = 0
+        self.reset(now)
+
+    def set_engine(self, memory: MemoryModel, capabilities: EngineCapabilities) -> None:
+        """Engine facts (again after a restart: the memory model may have changed)."""
+        self.memory = memory
+        self.capabilities = capabilities
+        if self.cfg.max_batch > capabilities.max_num_seqs:
+            log.info(
+                "shield.max_batch=%d above the engine's max_num_seqs=%d; using %d",
+                self.cfg.max_batch, capabilities.max_num_seqs, capabilities.max_num_seqs,
+            )
+        self.max_batch = max(self.cfg.min_batch, min(self.cfg.max_batch, capabilities.max_num_seqs))
+
+    def reset(self, now: float) -> None:
+        """Start of an episode / a fresh engine: no breaker, no calibration, dwell counts from now."""
+        self.last_dtype_switch = now
+        self.breaker_level = 0
+        self.num_breached_in_row = 0
+        self.num_clean_in_row = 0
+        self.last_breaker_action = -math.inf
+        self.kv_calibration = 1.0
+        self.context_len = float(self.cfg.initial_context_len)
+
+    # --- memory predictor ----------------------------------------------------------------
+    def predicted_fraction(self, batch: int, kv_dtype: str) -> float:
+        """Predicted memory at ``batch`` and ``kv_dtype``, as a fraction of the budget."""
+        m = self.memory
+        blocks_per_req = math.ceil(max(self.context_len, 1.0) / m.block_size)
+        kv = batch * blocks_per_req * self.kv_calibration * m.kv_block_bytes[kv_dtype]
+        overhead = self.cfg.overhead_frac * m.budget_bytes * math.sqrt(max(batch, 0))
+        return (m.weights_bytes + m.activation_bytes + kv + overhead) / m.budget_bytes
+
+    def max_feasible_batch(self, kv_dtype: str) -> int:
+        """Largest cap in [0, max_batch] whose prediction is within the ceiling (0: none)."""
+        lo, hi = 0, self.max_batch
+        if self.predicted_fraction(hi, kv_dtype) <= self.cfg.memory_ceiling:
+            return hi
+        while hi - lo > 1:  # invariant: lo feasible (or 0), hi infeasible
+            mid = (lo + hi) // 2
+            if self.predicted_fraction(mid, kv_dtype) <= self.cfg.memory_ceiling:
+                lo = mid
+            else:
+                hi = mid
+        return lo
+
+    def observe(self, inputs: ShieldInputs) -> None:
+        """Update the context estimate and the KV calibration from what the engine reports."""
+        r = self.cfg.calibration_rate
+        if inputs.mean_context_len > 0 and math.isfinite(inputs.mean_context_len):
+            self.context_len += r * (inputs.mean_context_len - self.context_len)
+        if inputs.num_kv_blocks_used is not None and inputs.num_running > 0 and inputs.mean_context_len > 0:
+            predicted = inputs.num_running * math.ceil(inputs.mean_context_len / self.memory.block_size)
+            ratio = min(max(inputs.num_kv_blocks_used / predicted, self.cfg.calibration_min), self.cfg.calibration_max)
+            self.kv_calibration += r * (ratio - self.kv_calibration)
+
+    # --- the decision --------------------------------------------------------------------
+    def max_step(self, current: int) -> int:
+        return max(self.cfg.min_step, int(math.floor(self.cfg.max_step_frac * current + 1e-9)))
+
+    def apply(self, proposal: Proposal, current: Knobs, inputs: ShieldInputs, now: float) -> Decision:
+        """The knobs to apply for ``proposal`` given the knobs in force and the last interval."""
+        if current.kv_dtype not in self.memory.kv_block_bytes:
+            raise ValueError(
+                f"current kv_dtype {current.kv_dtype!r} has no entry in the memory model "
+                f"({sorted(self.memory.kv_block_bytes)})"
+            )
+        self.num_decisions += 1
+        self.observe(inputs)
+        why: dict[str, str] = {}
+        alerts: list[str] = []
+        cfg = self.cfg
+        cur = int(current.batch_cap)
+        lo_b, hi_b = cfg.min_batch, self.max_batch
+
+        # 1. What was asked (sanitised).
+        target = proposal.batch_cap
+        if target is None:
+            target = cur
+        elif not _is_int(target):
+            why["invalid_batch"] = f"batch_cap {target!r} is not an integer; kept {cur}"
+            target = cur
+        target = int(target)
+
+        # 2. KV dtype (decided first: memory depends on it).
+        dtype = self._dtype_gate(proposal.kv_dtype, current, inputs, now, why)
+
+        # 3. Range and step.
+        if not lo_b <= target <= hi_b:
+            why["batch_range"] = f"batch_cap {target} outside [{lo_b}, {hi_b}]"
+            target = min(max(target, lo_b), hi_b)
+        step = self.max_step(cur)
+        if abs(target - cur) > step and lo_b <= cur <= hi_b:
+            clipped = min(max(target, cur - step), cur + step)
+            why["step_limit"] = f"batch_cap {target} is more than {step} from {cur}; set {clipped}"
+            target = clipped
+
+        # 4. Circuit breaker: an upper bound on the cap.
+        level, shrink_to = self._breaker(inputs, cur, now, why, alerts)
+        if shrink_to is not None and target > shrink_to:
+            target = shrink_to
+
+        # 5. Memory ceiling: never above the feasible cap, but never more than a step down.
+        feasible = self.max_feasible_batch(dtype)
+        if target > feasible:
+            floor_ = max(lo_b, cur - step) if lo_b <= cur <= hi_b else lo_b
+            new = max(feasible, floor_)
+            if new < target:
+                why["memory_ceiling"] = (
+                    f"batch_cap {target} predicts {self.predicted_fraction(target, dtype):.0%} of "
+                    f"memory (ceiling {cfg.memory_ceiling:.0%}); set {new}"
+                )
+                target = new
+            if feasible < lo_b:
+                alerts.append(
+                    f"memory ceiling {cfg.memory_ceiling:.0%} unreachable even at min_batch={lo_b} "
+                    f"with kv_dtype={dtype}"
+                )
+        target = min(max(target, lo_b), hi_b)
+
+        # 6. Bucketing.
+        bucketing = current.bucketing if current.bucketing in BUCKETING_MODES else BUCKETING_MODES[0]
+        if proposal.bucketing is not None:
+            if proposal.bucketing in BUCKETING_MODES:
+                bucketing = proposal.bucketing
+            else:
+                why["invalid_bucketing"] = (
+                    f"unknown bucketing {proposal.bucketing!r}; kept {bucketing!r} (one of {BUCKETING_MODES})"
+                )
+
+        switched = dtype != current.kv_dtype
+        if switched:
+            self.last_dtype_switch = now
+        self.num_interventions.update(why.keys())
+        self.num_alerts += len(alerts)
+        return Decision(
+            knobs=Knobs(batch_cap=target, bucketing=bucketing, kv_dtype=dtype),
+            interventions=why,
+            predicted_memory_fraction=self.predicted_fraction(target, dtype),
+            breaker_level=level,
+            alerts=alerts,
+            shed_max_priority_kept=cfg.shed_max_priority_kept if level >= 2 else None,
+            recommend_restart=level >= 3,
+            dtype_switched=switched,
+        )
+
+    def _dtype_gate(
+        self, want: Any, current: Knobs, inputs: ShieldInputs, now: float, why: dict[str, str]
+    ) -> str:
+        """The dtype to run. A switch must be runnable, past the dwell time, not push the cap
+        over the ceiling by more than a step, and worth its restart:
+
+        * towards a smaller KV footprint: the relative throughput gain ``g`` (throughput taken
+          as proportional to the batch the memory and the demand allow) must repay the
+          restart, ``g * dtype_gain_horizon_s >= dtype_restart_s``;
+        * back to 16 bit (better quality): no throughput loss, ``g >= 0``.
+        """
+        have = current.kv_dtype
+        if want is None or want == have:
+            return have
+        if not isinstance(want, str) or not self.capabilities.can_run(want):
+            reason = self.capabilities.why_not(want) if isinstance(want, str) else "not a dtype name"
+            why["dtype_unavailable"] = f"kv_dtype {want!r} cannot run here: {reason}; kept {have!r}"
+            return have
+        if want not in self.memory.kv_block_bytes:
+            why["dtype_unavailable"] = f"kv_dtype {want!r} has no memory model; kept {have!r}"
+            return have
+        since = now - self.last_dtype_switch
+        if since < self.cfg.min_dtype_dwell_s:
+            why["dtype_dwell"] = (
+                f"kv_dtype switch {have!r}->{want!r} {since:.0f}s after the last one "
+                f"(min {self.cfg.min_dtype_dwell_s:.0f}s); kept {have!r}"
+            )
+            return have
+        cur = int(current.batch_cap)
+        if self.max_feasible_batch(want) < max(self.cfg.min_batch, cur - self.max_step(cur)):
+            why["dtype_memory"] = f"kv_dtype {want!r} would put batch_cap {cur} over the memory ceiling"
+            return have
+        demand = max(1, min(inputs.demand, self.max_batch))
+        eff_have = max(1, min(self.max_feasible_batch(have), demand))
+        eff_want = min(self.max_feasible_batch(want), demand)
+        gain = eff_want / eff_have - 1.0
+        if want in KV_DTYPES_16BIT and have not in KV_DTYPES_16BIT:
+            worth = gain >= 0.0
+        else:
+            worth = gain * self.cfg.dtype_gain_horizon_s >= self.cfg.dtype_restart_s and gain > 0
+        if not worth:
+            why["dtype_not_worth"] = (
+                f"kv_dtype {have!r}->{want!r}: predicted throughput gain {gain:+.0%} over "
+                f"{self.cfg.dtype_gain_horizon_s:.0f}s does not repay a {self.cfg.dtype_restart_s:.0f}s restart"
+            )
+            return have
+        return want
+
+    def _breached(self, inputs: ShieldInputs) -> str | None:
+        """Why the last interval counts as a breach, or None."""
+        if inputs.oom:
+            return "engine out of memory"
+        if inputs.preemptions >= self.cfg.preemption_storm:
+            return f"preemption storm ({inputs.preemptions} >= {self.cfg.preemption_storm})"
+        slo_ms = {"ttft": self.slo.ttft_ms, "tpot": self.slo.tpot_ms, "e2el": self.slo.e2el_ms}
+        seen = {"ttft": inputs.ttft_p99_ms, "tpot": inputs.tpot_p99_ms, "e2el": inputs.e2el_p99_ms}
+        for m in self.cfg.breach_metrics:
+            limit = slo_ms[m]
+            if limit is not None and seen[m] > self.cfg.breach_factor * limit:
+                return f"p99 {m} {seen[m]:.0f} ms > {self.cfg.breach_factor} x SLO {limit:.0f} ms"
+        return None
+
+    def _breaker(
+        self, inputs: ShieldInputs, cur: int, now: float, why: dict[str, str], alerts: list[str]
+    ) -> tuple[int, int | None]:
+        """Advance the breaker; returns (level, upper bound on the cap or None)."""
+        cfg = self.cfg
+        reason = self._breached(inputs)
+        if reason is None:
+            self.num_breached_in_row = 0
+            self.num_clean_in_row += 1
+            if self.breaker_level and self.num_clean_in_row >= cfg.recover_after:
+                self.breaker_level = 0
+            if self.breaker_level:
+                why["breaker_hold"] = f"breaker level {self.breaker_level} recovering; cap held at {cur}"
+                return self.breaker_level, cur
+            return 0, None
+        self.num_clean_in_row = 0
+        if now - self.last_breaker_action < cfg.breaker_cooldown_s:
+            why["breaker_hold"] = f"{reason}; waiting for the last cut to show, cap held at {cur}"
+            return self.breaker_level, cur
+        self.last_breaker_action = now
+        self.num_breached_in_row += 1  # adjustments made while the breach persists
+        shrink = max(int(math.ceil(cfg.breaker_shrink * cur - 1e-9)), cur - self.max_step(cur))
+        shrink = min(shrink, cur - 1)
+        if shrink >= cfg.min_batch:
+            self.breaker_level = max(self.breaker_level, 1)
+            why["breaker_shrink"] = f"{reason}; batch_cap {cur} -> {shrink}"
+        else:
+            shrink = cfg.min_batch
+            self.breaker_level = max(self.breaker_level, 2)
+            why["breaker_shed"] = (
+                f"{reason} at min_batch={cfg.min_batch}; shedding priority > {cfg.shed_max_priority_kept}"
+            )
+        failed = self.num_breached_in_row - 1  # earlier cuts that did not clear the breach
+        if failed >= cfg.alert_after:
+            alerts.append(f"breach persists after {failed} adjustments in a row: {reason}")
+        if self.breaker_level >= 2 and failed >= cfg.restart_after:
+            self.breaker_level = 3
+            alerts.append(f"breaker level 3: recommend an engine restart ({reason})")
+        return self.breaker_level, shrink
+
+
+def _is_int(x: Any) -> bool:
+    """A real integer (bool and floats are not; numpy integers are)."""
+    if isinstance(x, bool):
+        return False
+    try:
+        return int(x) == x and not isinstance(x, float)
+    except (TypeError, ValueError, OverflowError):
+        return False

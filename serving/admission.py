@@ -1,0 +1,412 @@
+"""Admission: the queues in front of the engine, and the in-flight cap that sets the batch.
+
+Requests wait in length buckets; the in-flight cap (the ``batch_cap`` knob) limits how many
+are inside the engine, with a lower cap for long prompts; the bucketing mode decides which
+bucket is served next. One implementation, used by the training environment and the gateway,
+so it knows nothing about engines or HTTP: callers hand admitted requests to their engine and
+report back with ``on_finished``.
+
+Life of a request (nothing is ever lost)::
+
+    submit ──► WAITING ──admit──► IN_FLIGHT ──on_finished──► FINISHED
+       │          │
+       │          ├─expire──► rejected "timeout"
+       │          ├─shed────► rejected "shed_low_priority"
+       │          └─cancel──► rejected "cancelled"
+       └─► rejected "queue_full" / "shed_low_priority" (never enters a queue)
+
+``num_submitted == num_admitted + num_rejected + num_waiting`` and
+``num_admitted == num_finished + num_in_flight`` hold after every call (``check_counts``).
+
+Each bucket keeps two heaps ordered by (priority, arrival, submit order): prompts over
+``long_prompt_threshold`` and the rest, so a full long cap never blocks shorter requests of the
+same bucket. Removal by timeout, shedding or cancel is lazy (entries marked dead and skipped
+when they reach a heap top), so every operation is O(log n) amortised; ``shed`` is O(n) and
+only runs when the circuit breaker asks for it.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Protocol, Sequence
+
+from batchpilot.policies.knobs import BUCKETING_MODES, Knobs
+
+#: Why a request left admission without running. A short slug, machine-readable.
+REJECT_REASONS: tuple[str, ...] = ("queue_full", "timeout", "shed_low_priority", "cancelled")
+
+
+class AdmissibleRequest(Protocol):
+    """What admission reads from a request (``envs.engine.Request`` fits)."""
+
+    request_id: str
+    prompt_len: int
+    priority: int
+    arrival_time: float
+
+
+@dataclass(frozen=True, slots=True)
+class Rejection:
+    """A request that will not run, with the reason the caller reports to its client."""
+
+    request: Any
+    reason: str
+    time: float
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+
+@dataclass(slots=True)
+class AdmissionConfig:
+    """Admission settings (the ``admission`` node of the env / serve config)."""
+
+    #: Prompt-length boundaries between buckets, ascending: ``[1024, 8192]`` gives short
+    #: (< 1024), medium (1024..8191) and long (>= 8192).
+    boundaries: tuple[int, ...] = (1024, 8192)
+    #: Prompts longer than this count against ``max_num_long`` (the guide's long-request cap).
+    long_prompt_threshold: int = 2048
+    #: At most this many long prompts in flight at once.
+    max_num_long: int = 32
+    #: Waiting requests per bucket; a submit into a full bucket is rejected ("queue_full").
+    max_queue_len: int = 4096
+    #: Waiting longer than this (from arrival) is rejected by ``expire`` ("timeout"); None = never.
+    max_wait_s: float | None = None
+    #: Share of admissions per bucket in ``weighted`` mode (normalised; one per bucket).
+    weights: tuple[float, ...] = (0.5, 0.3, 0.2)
+    #: Move the boundaries online by incremental k-means over (log prompt length, priority).
+    adapt_boundaries: bool = False
+    #: Learning rate of the k-means centroids (a constant rate tracks drifting workloads).
+    adapt_rate: float = 0.01
+    #: Weight of priority against log length in the k-means distance (0 = length only).
+    adapt_priority_weight: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.boundaries = tuple(int(b) for b in self.boundaries)
+        self.weights = tuple(float(w) for w in self.weights)
+        b = self.boundaries
+        if any(x <= 0 for x in b) or any(b[i] >= b[i + 1] for i in range(len(b) - 1)):
+            raise ValueError(f"admission.boundaries must be positive and ascending, got {list(b)}")
+        if len(self.weights) != len(b) + 1:
+            raise ValueError(
+                f"admission.weights needs one weight per bucket ({len(b) + 1} for boundaries "
+                f"{list(b)}), got {list(self.weights)}"
+            )
+        if any(not (w > 0 and math.isfinite(w)) for w in self.weights):
+            raise ValueError(f"admission.weights must be positive, got {list(self.weights)}")
+        if self.long_prompt_threshold < 0:
+            raise ValueError(f"admission.long_prompt_threshold must be >= 0, got {self.long_prompt_threshold}")
+        if self.max_num_long < 0:
+            raise ValueError(f"admission.max_num_long must be >= 0, got {self.max_num_long}")
+        if self.max_queue_len < 1:
+            raise ValueError(f"admission.max_queue_len must be >= 1, got {self.max_queue_len}")
+        if self.max_wait_s is not None and not self.max_wait_s > 0:
+            raise ValueError(f"admission.max_wait_s must be > 0 or null, got {self.max_wait_s}")
+        if not 0 < self.adapt_rate <= 1:
+            raise ValueError(f"admission.adapt_rate must be in (0, 1], got {self.adapt_rate}")
+        if self.adapt_priority_weight < 0:
+            raise ValueError(f"admission.adapt_priority_weight must be >= 0, got {self.adapt_priority_weight}")
+
+    @property
+    def num_buckets(self) -> int:
+        return len(self.boundaries) + 1
+
+    @classmethod
+    def from_cfg(cls, node: Any) -> "AdmissionConfig":
+        """Build from a config node (DictConfig or mapping); missing keys keep their defaults,
+        unknown keys raise so typos do not pass silently."""
+        data = dict(node or {})
+        known = set(cls.__dataclass_fields__)
+        unknown = set(data) - known
+        if unknown:
+            raise ValueError(f"unknown admission config keys {sorted(unknown)}; known: {sorted(known)}")
+        for key in ("boundaries", "weights"):
+            if key in data:
+                data[key] = tuple(data[key])
+        return cls(**data)
+
+
+@dataclass(slots=True)
+class _Entry:
+    """A waiting request; ``alive`` goes False when it leaves the queue by any path."""
+
+    request: Any
+    bucket: int
+    is_long: bool
+    seq: int
+    alive: bool = True
+
+
+class _Bucket:
+    """One length bucket: two (priority, arrival, seq) heaps, long prompts apart."""
+
+    __slots__ = ("heaps", "num_waiting")
+
+    def __init__(self) -> None:
+        self.heaps: tuple[list, list] = ([], [])  # [0]: not long, [1]: long
+        self.num_waiting = 0
+
+    def push(self, e: _Entry) -> None:
+        r = e.request
+        heapq.heappush(self.heaps[e.is_long], (r.priority, r.arrival_time, e.seq, e))
+        self.num_waiting += 1
+
+    def head(self, allow_long: bool) -> _Entry | None:
+        """The next live entry, or None; skips (and drops) dead ones."""
+        best = None
+        for kind in (0, 1) if allow_long else (0,):
+            h = self.heaps[kind]
+            while h and not h[0][3].alive:
+                heapq.heappop(h)
+            if h and (best is None or h[0] < best):
+                best = h[0]
+        return best[3] if best is not None else None
+
+    def pop(self, e: _Entry) -> None:
+        """Remove ``e``, which ``head`` just returned."""
+        heapq.heappop(self.heaps[e.is_long])
+        self.num_waiting -= 1
+
+
+class Admission:
+    """Length-bucketed waiting queues plus the in-flight cap. See the module docstring."""
+
+    def __init__(self, cfg: AdmissionConfig, knobs: Knobs) -> None:
+        self.cfg = cfg
+        self._boundaries: list[float] = list(cfg.boundaries)
+        self._buckets = [_Bucket() for _ in range(cfg.num_buckets)]
+        self._waiting: dict[str, _Entry] = {}
+        self._in_flight: dict[str, bool] = {}  # request_id -> is_long
+        self._expiry: list[tuple[float, int, _Entry]] = []  # (arrival, seq, entry), lazy
+        self._seq = 0
+        self._pass = [0.0] * cfg.num_buckets  # stride scheduling, weighted mode
+        self._stride = [1.0 / w for w in cfg.weights]
+        self._vtime = 0.0
+        self._centroids = self._initial_centroids()
+        self.max_priority_kept: int | None = None
+        self.batch_cap = 1
+        self.bucketing = "fifo"
+        self.set_knobs(knobs)
+        # counters
+        self.num_submitted = 0
+        self.num_admitted = 0
+        self.num_finished = 0
+        self.num_long_in_flight = 0
+        self.num_rejected_by_reason: Counter[str] = Counter()
+
+    # --- knobs ---------------------------------------------------------------------------
+    def set_knobs(self, knobs: Knobs) -> None:
+        """Apply the shield's knobs. Lowering the cap preempts nothing: admission just waits
+        until enough in-flight requests finish."""
+        if knobs.bucketing not in BUCKETING_MODES:
+            raise ValueError(f"unknown bucketing mode {knobs.bucketing!r}; one of {BUCKETING_MODES}")
+        if knobs.batch_cap < 1:
+            raise ValueError(f"batch_cap must be >= 1, got {knobs.batch_cap}")
+        self.batch_cap = int(knobs.batch_cap)
+        self.bucketing = knobs.bucketing
+
+    # --- read-outs -----------------------------------------------------------------------
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._in_flight)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def num_rejected(self) -> int:
+        return sum(self.num_rejected_by_reason.values())
+
+    @property
+    def queue_depths(self) -> tuple[int, ...]:
+        return tuple(b.num_waiting for b in self._buckets)
+
+    @property
+    def boundaries(self) -> tuple[int, ...]:
+        """Current bucket boundaries (they move when ``adapt_boundaries`` is on)."""
+        return tuple(int(round(b)) for b in self._boundaries)
+
+    def is_in_flight(self, request_id: str) -> bool:
+        return request_id in self._in_flight
+
+    def is_waiting(self, request_id: str) -> bool:
+        return request_id in self._waiting
+
+    def check_counts(self) -> None:
+        """Raise AssertionError when the books do not balance (a bug)."""
+        if self.num_submitted != self.num_admitted + self.num_rejected + self.num_waiting:
+            raise AssertionError(
+                f"submitted {self.num_submitted} != admitted {self.num_admitted} + rejected "
+                f"{self.num_rejected} + waiting {self.num_waiting}"
+            )
+        if self.num_admitted != self.num_finished + self.num_in_flight:
+            raise AssertionError(
+                f"admitted {self.num_admitted} != finished {self.num_finished} + in flight {self.num_in_flight}"
+            )
+        if sum(self.queue_depths) != self.num_waiting:
+            raise AssertionError(f"queue depths {self.queue_depths} do not sum to {self.num_waiting}")
+
+    def bucket_of(self, prompt_len: int) -> int:
+        """Index of the bucket a prompt of this length goes to."""
+        for i, b in enumerate(self._boundaries):
+            if prompt_len < b:
+                return i
+        return len(self._boundaries)
+
+    # --- events --------------------------------------------------------------------------
+    def submit(self, req: AdmissibleRequest, now: float) -> Rejection | None:
+        """Queue a request; returns a Rejection when it cannot wait (full bucket, or shed
+        priority while the breaker sheds). Raises ValueError on a duplicate id (a bug)."""
+        rid = req.request_id
+        if rid in self._waiting or rid in self._in_flight:
+            raise ValueError(f"request {rid!r} is already in admission")
+        self.num_submitted += 1
+        if self.cfg.adapt_boundaries:
+            self._adapt(req)
+        if self.max_priority_kept is not None and req.priority > self.max_priority_kept:
+            return self._reject(req, "shed_low_priority", now)
+        bucket = self.bucket_of(req.prompt_len)
+        if self._buckets[bucket].num_waiting >= self.cfg.max_queue_len:
+            return self._reject(req, "queue_full", now)
+        if self._buckets[bucket].num_waiting == 0:
+            # A bucket that was idle rejoins at the current virtual time: no banked credit.
+            self._pass[bucket] = max(self._pass[bucket], self._vtime)
+        e = _Entry(req, bucket, req.prompt_len > self.cfg.long_prompt_threshold, self._seq)
+        self._seq += 1
+        self._buckets[bucket].push(e)
+        self._waiting[rid] = e
+        if self.cfg.max_wait_s is not None:
+            heapq.heappush(self._expiry, (req.arrival_time, e.seq, e))
+        return None
+
+    def admit(self, now: float) -> list[Any]:
+        """Pop as many waiting requests as the caps allow, in bucketing order; the caller hands
+        them to the engine. (Call ``expire`` first if stale requests must not run.)"""
+        out: list[Any] = []
+        while len(self._in_flight) < self.batch_cap and self._waiting:
+            allow_long = self.num_long_in_flight < self.cfg.max_num_long
+            e = self._choose(allow_long)
+            if e is None:
+                break  # only long prompts wait and the long cap is full
+            self._buckets[e.bucket].pop(e)
+            self._vtime = self._pass[e.bucket]
+            self._pass[e.bucket] += self._stride[e.bucket]
+            e.alive = False
+            del self._waiting[e.request.request_id]
+            self._in_flight[e.request.request_id] = e.is_long
+            self.num_long_in_flight += e.is_long
+            self.num_admitted += 1
+            out.append(e.request)
+        return out
+
+    def on_finished(self, request_id: str) -> None:
+        """Free the slot of a request that left the engine (finished, failed, cancelled or
+        disconnected). Raises KeyError for an id that is not in flight (a bug)."""
+        is_long = self._in_flight.pop(request_id)
+        self.num_long_in_flight -= is_long
+        self.num_finished += 1
+
+    def cancel(self, request_id: str, now: float) -> Rejection | None:
+        """A client went away. A waiting request is dropped (reason "cancelled"); an in-flight
+        one frees its slot (the caller aborts it in the engine); an unknown id (already
+        finished or rejected) is a no-op. Returns the Rejection for a waiting one."""
+        if request_id in self._in_flight:
+            self.on_finished(request_id)
+            return None
+        e = self._waiting.get(request_id)
+        if e is None:
+            return None
+        self._drop(e)
+        return self._reject(e.request, "cancelled", now)
+
+    def expire(self, now: float) -> list[Rejection]:
+        """Reject requests that waited longer than ``max_wait_s`` since arrival."""
+        if self.cfg.max_wait_s is None:
+            return []
+        out: list[Rejection] = []
+        limit = now - self.cfg.max_wait_s
+        h = self._expiry
+        while h and (not h[0][2].alive or h[0][0] < limit):
+            _, _, e = heapq.heappop(h)
+            if e.alive:
+                self._drop(e)
+                out.append(self._reject(e.request, "timeout", now))
+        return out
+
+    def shed(self, max_priority_kept: int | None, now: float = 0.0) -> list[Rejection]:
+        """Breaker level 2: drop waiting requests with ``priority > max_priority_kept`` and
+        reject such new ones until ``shed(None)`` lifts it. Core (low-number) ones are kept."""
+        self.max_priority_kept = max_priority_kept
+        if max_priority_kept is None:
+            return []
+        victims = [e for e in self._waiting.values() if e.request.priority > max_priority_kept]
+        out = []
+        for e in victims:
+            self._drop(e)
+            out.append(self._reject(e.request, "shed_low_priority", now))
+        return out
+
+    # --- internals -----------------------------------------------------------------------
+    def _reject(self, req: Any, reason: str, now: float) -> Rejection:
+        self.num_rejected_by_reason[reason] += 1
+        return Rejection(req, reason, now)
+
+    def _drop(self, e: _Entry) -> None:
+        """Take a waiting entry out (lazily from the heaps; at once from the counts)."""
+        e.alive = False
+        self._buckets[e.bucket].num_waiting -= 1
+        del self._waiting[e.request.request_id]
+
+    def _choose(self, allow_long: bool) -> _Entry | None:
+        heads = [b.head(allow_long) if b.num_waiting else None for b in self._buckets]
+        candidates = [i for i, h in enumerate(heads) if h is not None]
+        if not candidates:
+            return None
+        if self.bucketing == "shortest_first":
+            i = candidates[0]
+        elif self.bucketing == "weighted":
+            i = min(candidates, key=lambda j: (self._pass[j], j))
+        else:  # fifo: the oldest head across buckets
+            i = min(candidates, key=lambda j: (heads[j].request.arrival_time, heads[j].seq))
+        return heads[i]
+
+    def _initial_centroids(self) -> list[list[float]]:
+        """One centroid per bucket (in log length), placed so that the midpoints between
+        neighbours are exactly the configured boundaries."""
+        logs = [math.log(b) for b in self.cfg.boundaries]
+        half = 0.5 * (logs[1] - logs[0]) if len(logs) > 1 else math.log(2.0)
+        c = [logs[0] - half]
+        for edge in logs:
+            c.append(2.0 * edge - c[-1])
+        return [[v, 0.0] for v in c]
+
+    def _adapt(self, req: AdmissibleRequest) -> None:
+        """Incremental k-means step (the guide's DynamicBucketer): move the nearest centroid
+        towards this request; boundaries sit at the midpoints (in log length) of adjacent
+        centroids. Requests already waiting keep their bucket."""
+        x = math.log(max(req.prompt_len, 1))
+        p = float(req.priority) * self.cfg.adapt_priority_weight
+        c = self._centroids
+        k = min(range(len(c)), key=lambda i: (c[i][0] - x) ** 2 + (c[i][1] - p) ** 2)
+        rate = self.cfg.adapt_rate
+        c[k][0] += rate * (x - c[k][0])
+        c[k][1] += rate * (p - c[k][1])
+        c.sort(key=lambda v: v[0])
+        self._boundaries = [
+            max(1.0, math.exp(0.5 * (c[i][0] + c[i + 1][0]))) for i in range(len(c) - 1)
+        ]
+        for i in range(1, len(self._boundaries)):  # keep strictly ascending
+            self._boundaries[i] = max(self._boundaries[i], self._boundaries[i - 1] + 1.0)
+
+
+def depths_padded(depths: Sequence[int], n: int = 3) -> tuple[int, ...]:
+    """Queue depths padded/folded to ``n`` entries (telemetry's three-bucket layout)."""
+    d = list(depths)
+    if len(d) <= n:
+        return tuple(d + [0] * (n - len(d)))
+    return tuple(d[: n - 1] + [sum(d[n - 1 :])])
