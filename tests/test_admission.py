@@ -1,0 +1,290 @@
+"""Admission: bucket routing, serving order per mode, caps, rejections, and the books balancing."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+
+from batchpilot.envs.engine import Request
+from batchpilot.policies.knobs import BUCKETING_MODES, Knobs
+from batchpilot.serving.admission import Admission, AdmissionConfig, depths_padded
+
+_ids = itertools.count()
+
+
+def req(prompt_len: int, t: float = 0.0, priority: int = 0, rid: str | None = None) -> Request:
+    return Request(rid or f"r{next(_ids)}", t, prompt_len, 16, priority)
+
+
+def make(cap: int = 100, mode: str = "fifo", **cfg) -> Admission:
+    return Admission(AdmissionConfig(**cfg), Knobs(cap, mode))
+
+
+def ids(reqs) -> list[str]:
+    return [r.request_id for r in reqs]
+
+
+def test_bucket_routing_at_boundaries():
+    a = make()
+    assert [a.bucket_of(n) for n in (1, 1023, 1024, 8191, 8192, 100_000)] == [0, 0, 1, 1, 2, 2]
+    for n in (10, 2000, 3000, 9000):
+        assert a.submit(req(n), 0.0) is None
+    assert a.queue_depths == (1, 2, 1)
+    assert make(boundaries=(100, 200, 300), weights=(1, 1, 1, 1)).queue_depths == (0, 0, 0, 0)
+
+
+def test_fifo_serves_oldest_across_buckets():
+    a = make(cap=10, mode="fifo")
+    order = [(9000, 0.0, "L"), (10, 1.0, "S"), (2000, 2.0, "M"), (20, 3.0, "S2")]
+    for n, t, rid in order:
+        a.submit(req(n, t, rid=rid), t)
+    assert ids(a.admit(4.0)) == ["L", "S", "M", "S2"]
+
+
+def test_shortest_first_drains_short_bucket_first():
+    a = make(cap=10, mode="shortest_first")
+    for n, t, rid in [(9000, 0.0, "L"), (2000, 1.0, "M"), (10, 2.0, "S"), (20, 3.0, "S2")]:
+        a.submit(req(n, t, rid=rid), t)
+    assert ids(a.admit(4.0)) == ["S", "S2", "M", "L"]
+
+
+def test_weighted_shares_follow_weights():
+    a = make(cap=100, mode="weighted", weights=(0.5, 0.3, 0.2))
+    for i in range(100):
+        for n in (10, 2000, 9000):
+            a.submit(req(n, float(i)), float(i))
+    got = a.admit(200.0)
+    counts = [sum(a.bucket_of(r.prompt_len) == b for r in got) for b in range(3)]
+    assert len(got) == 100
+    assert all(abs(c - e) <= 1 for c, e in zip(counts, (50, 30, 20))), counts
+
+
+def test_weighted_idle_bucket_banks_no_credit():
+    """A bucket that was empty for a long time must not then monopolise admissions."""
+    a = make(cap=1000, mode="weighted", weights=(1, 1, 1))
+    for i in range(60):
+        a.submit(req(10, float(i)), float(i))
+    assert len(a.admit(60.0)) == 60  # only short ones: bucket 0's pass runs far ahead
+    a.set_knobs(Knobs(60 + 20, "weighted"))
+    for i in range(20):
+        a.submit(req(10, 100.0 + i), 100.0 + i)
+        a.submit(req(9000, 100.0 + i), 100.0 + i)
+    got = a.admit(200.0)
+    long_ = sum(r.prompt_len == 9000 for r in got)
+    assert 9 <= long_ <= 11, long_  # fair share from now on, not 20 in a row
+
+
+def test_priority_breaks_ties_within_bucket():
+    a = make(cap=10, mode="fifo")
+    a.submit(req(10, 0.0, priority=2, rid="p2-old"), 0.0)
+    a.submit(req(10, 1.0, priority=0, rid="p0"), 1.0)
+    a.submit(req(10, 2.0, priority=2, rid="p2-new"), 2.0)
+    a.submit(req(10, 0.5, priority=1, rid="p1"), 2.0)
+    assert ids(a.admit(3.0)) == ["p0", "p1", "p2-old", "p2-new"]
+
+
+def test_in_flight_cap_and_finish_frees_slot():
+    a = make(cap=2)
+    for i in range(5):
+        a.submit(req(10, float(i), rid=f"q{i}"), float(i))
+    assert ids(a.admit(5.0)) == ["q0", "q1"]
+    assert a.admit(5.0) == []
+    a.on_finished("q0")
+    assert ids(a.admit(6.0)) == ["q2"]
+    assert a.num_in_flight == 2 and a.num_waiting == 2
+    a.set_knobs(Knobs(1, "fifo"))  # lowering preempts nothing...
+    assert a.num_in_flight == 2
+    a.on_finished("q1")
+    assert a.admit(7.0) == []  # ...but admits nothing until below the new cap
+    a.on_finished("q2")
+    assert ids(a.admit(8.0)) == ["q3"]
+
+
+def test_long_cap_does_not_block_shorter_requests():
+    a = make(cap=10, max_num_long=2, long_prompt_threshold=2048)
+    for i in range(4):
+        a.submit(req(4000, float(i), rid=f"long{i}"), float(i))  # medium bucket, but long
+    a.submit(req(1500, 10.0, rid="med"), 10.0)  # same bucket, not long
+    a.submit(req(9000, 11.0, rid="huge"), 11.0)
+    got = ids(a.admit(12.0))
+    assert got == ["long0", "long1", "med"]
+    assert a.num_long_in_flight == 2
+    a.on_finished("long0")
+    assert ids(a.admit(13.0)) == ["long2"]
+    assert a.num_waiting == 2
+
+
+def test_queue_full_rejects_new_request():
+    a = make(cap=1, max_queue_len=2)
+    assert a.submit(req(10), 0.0) is None
+    assert a.submit(req(10), 0.0) is None
+    rej = a.submit(req(10, rid="third"), 0.0)
+    assert rej is not None and rej.reason == "queue_full" and rej.request_id == "third"
+    assert a.submit(req(5000), 0.0) is None  # other buckets have their own limit
+    assert a.num_rejected_by_reason == {"queue_full": 1}
+
+
+def test_expire_rejects_only_stale_requests():
+    a = make(cap=1, max_wait_s=5.0)
+    a.submit(req(10, 0.0, rid="old"), 0.0)
+    a.submit(req(10, 3.0, rid="mid"), 3.0)
+    a.submit(req(10, 6.0, rid="new"), 6.0)
+    assert [r.request_id for r in a.expire(7.0)] == ["old"]
+    assert ids(a.admit(7.0)) == ["mid"]  # admitted, so it never times out
+    rej = a.expire(100.0)
+    assert [(r.request_id, r.reason) for r in rej] == [("new", "timeout")]
+    assert a.num_waiting == 0 and a.admit(100.0) == []
+    a.check_counts()
+
+
+def test_shed_keeps_core_and_blocks_low_priority_until_lifted():
+    a = make(cap=1)
+    for p in (0, 1, 2, 0, 3):
+        a.submit(req(10, priority=p, rid=f"p{p}-{next(_ids)}"), 0.0)
+    rej = a.shed(0, now=1.0)
+    assert sorted(r.request.priority for r in rej) == [1, 2, 3]
+    assert all(r.reason == "shed_low_priority" for r in rej)
+    assert a.num_waiting == 2
+    assert a.submit(req(10, priority=1), 1.0).reason == "shed_low_priority"
+    assert a.submit(req(10, priority=0), 1.0) is None
+    assert a.shed(None) == []
+    assert a.submit(req(10, priority=5), 2.0) is None
+    assert all(r.priority == 0 for r in a.admit(3.0))
+    a.check_counts()
+
+
+def test_cancel_waiting_and_in_flight():
+    a = make(cap=1)
+    a.submit(req(10, rid="run"), 0.0)
+    a.submit(req(10, rid="wait"), 0.0)
+    a.admit(0.0)
+    assert a.cancel("wait", 1.0).reason == "cancelled"
+    assert a.cancel("run", 1.0) is None and a.num_in_flight == 0
+    assert a.cancel("never-seen", 1.0) is None
+    assert a.num_finished == 1 and a.num_rejected_by_reason == {"cancelled": 1}
+    a.check_counts()
+
+
+def test_misuse_raises():
+    a = make()
+    a.submit(req(10, rid="x"), 0.0)
+    with pytest.raises(ValueError, match="already"):
+        a.submit(req(10, rid="x"), 0.0)
+    with pytest.raises(KeyError):
+        a.on_finished("x")  # waiting, not in flight
+    with pytest.raises(ValueError, match="bucketing"):
+        a.set_knobs(Knobs(4, "random"))
+    with pytest.raises(ValueError, match="weights"):
+        AdmissionConfig(weights=(1.0, 1.0))
+    with pytest.raises(ValueError, match="ascending"):
+        AdmissionConfig(boundaries=(8192, 1024))
+    with pytest.raises(ValueError, match="unknown"):
+        AdmissionConfig.from_cfg({"boundary": [1]})
+
+
+def test_from_cfg_and_padding():
+    cfg = AdmissionConfig.from_cfg({"boundaries": [512, 2048, 8192], "weights": [1, 1, 1, 1]})
+    assert cfg.num_buckets == 4
+    assert depths_padded((1, 2, 3, 4)) == (1, 2, 7)
+    assert depths_padded((1,)) == (1, 0, 0)
+
+
+def test_adaptive_boundaries_follow_the_workload():
+    fixed = make()
+    adaptive = make(adapt_boundaries=True, adapt_rate=0.05)
+    for i in range(400):
+        n = 100 if i % 2 else 3000
+        fixed.submit(req(n), 0.0)
+        adaptive.submit(req(n), 0.0)
+    assert fixed.boundaries == (1024, 8192)
+    b = adaptive.boundaries
+    assert b[0] < 700, b  # the short centroid moved down towards 100 tokens
+    assert b[0] < b[1]
+
+
+class AdmissionMachine(RuleBasedStateMachine):
+    """Random submit/admit/finish/cancel/expire/shed/knob sequences: nothing is ever lost."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = Admission(AdmissionConfig(max_queue_len=5, max_wait_s=10.0, max_num_long=2), Knobs(3))
+        self.now = 0.0
+        self.submitted: set[str] = set()
+        self.rejected: set[str] = set()
+        self.finished: set[str] = set()
+        self.in_flight: set[str] = set()
+        self.n = 0
+
+    def _rejections(self, rejs) -> None:
+        for r in rejs:
+            assert r.request_id not in self.rejected
+            self.rejected.add(r.request_id)
+
+    @rule(n=st.sampled_from([1, 500, 1500, 3000, 9000]), prio=st.integers(0, 3), age=st.floats(0, 20))
+    def submit(self, n, prio, age):
+        rid = f"s{self.n}"
+        self.n += 1
+        self.submitted.add(rid)
+        rej = self.a.submit(Request(rid, self.now - age, n, 8, prio), self.now)
+        self._rejections([rej] if rej else [])
+
+    @rule()
+    def admit(self):
+        got = self.a.admit(self.now)
+        for r in got:
+            assert r.request_id not in self.in_flight | self.finished | self.rejected
+            self.in_flight.add(r.request_id)
+        if got:
+            assert self.a.num_in_flight <= self.a.batch_cap
+        assert self.a.num_long_in_flight <= 2
+
+    @rule(data=st.data())
+    def finish(self, data):
+        if self.in_flight:
+            rid = data.draw(st.sampled_from(sorted(self.in_flight)))
+            self.a.on_finished(rid)
+            self.in_flight.remove(rid)
+            self.finished.add(rid)
+
+    @rule(data=st.data())
+    def cancel(self, data):
+        if self.submitted:
+            rid = data.draw(st.sampled_from(sorted(self.submitted)))
+            was_in_flight = rid in self.in_flight
+            rej = self.a.cancel(rid, self.now)
+            if was_in_flight:
+                self.in_flight.remove(rid)
+                self.finished.add(rid)
+            self._rejections([rej] if rej else [])
+
+    @rule(dt=st.floats(0, 8))
+    def tick(self, dt):
+        self.now += dt
+        self._rejections(self.a.expire(self.now))
+
+    @rule(level=st.one_of(st.none(), st.integers(0, 2)))
+    def shed(self, level):
+        self._rejections(self.a.shed(level, self.now))
+
+    @rule(cap=st.integers(1, 8), mode=st.sampled_from(BUCKETING_MODES))
+    def knobs(self, cap, mode):
+        self.a.set_knobs(Knobs(cap, mode))
+
+    @invariant()
+    def books_balance(self):
+        a = self.a
+        a.check_counts()
+        waiting = self.submitted - self.rejected - self.in_flight - self.finished
+        assert a.num_waiting == len(waiting)
+        assert all(a.is_waiting(r) for r in waiting)
+        assert all(a.is_in_flight(r) for r in self.in_flight)
+        assert a.num_finished == len(self.finished)
+        assert a.num_rejected == len(self.rejected)
+
+
+AdmissionMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=60, deadline=None)
+TestAdmissionMachine = AdmissionMachine.TestCase
