@@ -167,7 +167,8 @@ def arrival_times(
     grid_dt_s: float = 0.01,
 ) -> np.ndarray:
     """Arrival times in ``[0, duration_s)`` of a gamma renewal process (shape ``burstiness``;
-    1 = Poisson) run on the curve ``rate`` by time rescaling (see the module docstring)."""
+    1 = Poisson) run on the curve ``rate`` by time rescaling (see the module docstring).
+    ``Λ`` is integrated on a ``grid_dt_s`` grid, so a jump in the rate is smeared over one cell."""
     if not (math.isfinite(duration_s) and duration_s > 0):
         raise ValueError(f"duration_s must be > 0, got {duration_s!r}")
     if not (math.isfinite(burstiness) and burstiness > 0):
