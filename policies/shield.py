@@ -17,8 +17,8 @@ no policy can take the service outside these limits:
   ``breach_factor`` x SLO, level 1 shrinks the cap by ``breaker_shrink`` (x0.7, itself within the
   30 % step); if that would go below ``min_batch``, level 2 also sheds low-priority load in
   admission; after ``alert_after`` (3) adjustments in a row that leave the breach in place an
-  alert is raised; after
-  ``restart_after`` it reaches level 3 and recommends an engine restart.
+  alert is raised; when ``restart_after`` more cuts at level 2 (shedding on) still leave it,
+  level 3 recommends an engine restart.
 
 Memory model. vLLM pre-allocates its whole KV pool at start, so device memory in use does not
 move with the batch. "Memory" here is what the engine *needs* at a setting: weights +
@@ -106,8 +106,8 @@ class ShieldConfig:
     breaker_cooldown_s: float = 2.0
     #: Alert after this many breaker adjustments in a row that did not clear the breach.
     alert_after: int = 3
-    #: Level 3 (recommend restart) after this many failed adjustments in a row, at level 2.
-    restart_after: int = 6
+    #: Level 3 (recommend restart) after this many failed adjustments at level 2 (shedding on).
+    restart_after: int = 3
     #: Clean decisions in a row before the breaker resets to level 0 (and shedding stops).
     recover_after: int = 3
     #: Level 2 keeps requests with priority <= this (0 = core) and sheds the rest.
@@ -141,10 +141,6 @@ class ShieldConfig:
         for name in ("alert_after", "restart_after", "recover_after", "preemption_storm"):
             if getattr(self, name) < 1:
                 raise ValueError(f"shield.{name} must be >= 1, got {getattr(self, name)}")
-        if self.restart_after < self.alert_after:
-            raise ValueError(
-                f"shield.restart_after ({self.restart_after}) must be >= alert_after ({self.alert_after})"
-            )
         for name in ("min_dtype_dwell_s", "dtype_restart_s", "overhead_frac", "breaker_cooldown_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"shield.{name} must be >= 0, got {getattr(self, name)}")
@@ -264,6 +260,7 @@ class Shield:
         self.breaker_level = 0
         self.num_breached_in_row = 0
         self.num_clean_in_row = 0
+        self.num_failed_sheds = 0
         self.last_breaker_action = -math.inf
         self.kv_calibration = 1.0
         self.context_len = float(self.cfg.initial_context_len)
@@ -272,7 +269,7 @@ class Shield:
     def predicted_fraction(self, batch: int, kv_dtype: str) -> float:
         """Predicted memory at ``batch`` and ``kv_dtype``, as a fraction of the budget."""
         m = self.memory
-        blocks_per_req = math.ceil(max(self.context_len, 1.0) / m.block_size)
+        blocks_per_req = max(1, math.ceil(self.context_len / m.block_size))
         kv = batch * blocks_per_req * self.kv_calibration * m.kv_block_bytes[kv_dtype]
         overhead = self.cfg.overhead_frac * m.budget_bytes * math.sqrt(max(batch, 0))
         return (m.weights_bytes + m.activation_bytes + kv + overhead) / m.budget_bytes
@@ -296,7 +293,8 @@ class Shield:
         if inputs.mean_context_len > 0 and math.isfinite(inputs.mean_context_len):
             self.context_len += r * (inputs.mean_context_len - self.context_len)
         if inputs.num_kv_blocks_used is not None and inputs.num_running > 0 and inputs.mean_context_len > 0:
-            predicted = inputs.num_running * math.ceil(inputs.mean_context_len / self.memory.block_size)
+            blocks_per_req = max(1, math.ceil(inputs.mean_context_len / self.memory.block_size))
+            predicted = inputs.num_running * blocks_per_req
             ratio = min(max(inputs.num_kv_blocks_used / predicted, self.cfg.calibration_min), self.cfg.calibration_max)
             self.kv_calibration += r * (ratio - self.kv_calibration)
 
@@ -463,6 +461,7 @@ class Shield:
             self.num_clean_in_row += 1
             if self.breaker_level and self.num_clean_in_row >= cfg.recover_after:
                 self.breaker_level = 0
+                self.num_failed_sheds = 0
             if self.breaker_level:
                 why["breaker_hold"] = f"breaker level {self.breaker_level} recovering; cap held at {cur}"
                 return self.breaker_level, cur
@@ -480,6 +479,8 @@ class Shield:
             why["breaker_shrink"] = f"{reason}; batch_cap {cur} -> {shrink}"
         else:
             shrink = cfg.min_batch
+            if self.breaker_level >= 2:
+                self.num_failed_sheds += 1  # shedding was already on and the breach persists
             self.breaker_level = max(self.breaker_level, 2)
             why["breaker_shed"] = (
                 f"{reason} at min_batch={cfg.min_batch}; shedding priority > {cfg.shed_max_priority_kept}"
@@ -487,7 +488,7 @@ class Shield:
         failed = self.num_breached_in_row - 1  # earlier cuts that did not clear the breach
         if failed >= cfg.alert_after:
             alerts.append(f"breach persists after {failed} adjustments in a row: {reason}")
-        if self.breaker_level >= 2 and failed >= cfg.restart_after:
+        if self.breaker_level >= 2 and self.num_failed_sheds >= cfg.restart_after:
             self.breaker_level = 3
             alerts.append(f"breaker level 3: recommend an engine restart ({reason})")
         return self.breaker_level, shrink

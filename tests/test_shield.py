@@ -1,0 +1,320 @@
+"""The shield: each clamp with exact values, dtype gating, the breaker, and invariants under
+arbitrary and adversarial proposals."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from batchpilot.envs.engine import EngineCapabilities, MemoryModel
+from batchpilot.policies.knobs import BUCKETING_MODES, Knobs, Proposal
+from batchpilot.policies.shield import Shield, ShieldConfig, ShieldInputs
+from batchpilot.serving.telemetry import SLO
+
+# Memory: weights 400 + activations 80 of a 1000 budget; ceiling 800 leaves 320 for KV.
+# 1024-token context = 64 blocks of 16; auto 4/request (max 80), fp8 2/request (max 160).
+KV = {"auto": 0.0625, "bfloat16": 0.0625, "fp8": 0.03125, "fp8_e5m2": 0.03125, "int8_per_token_head": 0.03125}
+
+
+def memory(kv_scale: float = 1.0) -> MemoryModel:
+    return MemoryModel(
+        budget_bytes=1000.0, weights_bytes=400.0, activation_bytes=80.0, block_size=16,
+        kv_block_bytes={k: v * kv_scale for k, v in KV.items()}, num_kv_blocks_total=10_000,
+    )
+
+
+def caps(max_num_seqs: int = 256) -> EngineCapabilities:
+    return EngineCapabilities(
+        kv_dtypes={"auto": None, "bfloat16": None, "fp8": None,
+                   "fp8_e5m2": "fp8 on CPU needs AVX-512 or AMX; this CPU has neither",
+                   "int8_per_token_head": None},
+        max_model_len=8192, max_num_seqs=max_num_seqs, max_num_batched_tokens=8192, block_size=16,
+    )
+
+
+def shield(kv_scale: float = 1.0, **over) -> Shield:
+    cfg = ShieldConfig(**{"overhead_frac": 0.0, "breaker_cooldown_s": 0.0, **over})
+    return Shield(cfg, memory(kv_scale), caps(), SLO(ttft_ms=1000.0, tpot_ms=100.0, e2el_ms=None))
+
+
+ROOMY = 0.01  # kv_scale where memory never binds below 256
+CALM = ShieldInputs()
+
+
+def test_pass_through_without_interventions():
+    d = shield().apply(Proposal(batch_cap=40, bucketing="weighted"), Knobs(35), CALM, 1.0)
+    assert d.knobs == Knobs(40, "weighted", "auto") and d.interventions == {}
+    assert d.predicted_memory_fraction == pytest.approx((480 + 40 * 4) / 1000)
+    assert d.breaker_level == 0 and not d.alerts and d.shed_max_priority_kept is None
+    assert shield().apply(Proposal(), Knobs(35, "shortest_first"), CALM, 1.0).knobs == Knobs(35, "shortest_first")
+
+
+@pytest.mark.parametrize(
+    "cur,want,got",
+    [(50, 100, 65), (50, 10, 35), (10, 20, 13), (1, 5, 2), (2, 10, 3), (3, 0, 2)],
+)
+def test_step_limit(cur, want, got):
+    d = shield(ROOMY).apply(Proposal(batch_cap=want), Knobs(cur), CALM, 1.0)
+    assert d.knobs.batch_cap == got
+    assert "step_limit" in d.interventions or "batch_range" in d.interventions
+
+
+def test_range_clamps():
+    s = shield(ROOMY, min_batch=4, max_batch=200)
+    assert s.apply(Proposal(batch_cap=-7), Knobs(5), CALM, 1.0).knobs.batch_cap == 4
+    d = s.apply(Proposal(batch_cap=10**12), Knobs(190), CALM, 1.0)
+    assert d.knobs.batch_cap == 200 and "batch_range" in d.interventions
+    # max_batch above the engine's max_num_seqs is capped there
+    s2 = Shield(ShieldConfig(max_batch=512), memory(ROOMY), caps(max_num_seqs=64), SLO())
+    assert s2.max_batch == 64
+    assert s2.apply(Proposal(batch_cap=80), Knobs(60), CALM, 1.0).knobs.batch_cap == 64
+
+
+def test_memory_ceiling_exact():
+    s = shield()
+    assert s.max_feasible_batch("auto") == 80 and s.max_feasible_batch("fp8") == 160
+    d = s.apply(Proposal(batch_cap=90), Knobs(70), CALM, 1.0)
+    assert d.knobs.batch_cap == 80 and "memory_ceiling" in d.interventions
+    assert d.predicted_memory_fraction == pytest.approx(0.8)
+
+
+def test_over_ceiling_moves_down_never_up():
+    s = shield()
+    d = s.apply(Proposal(batch_cap=120), Knobs(100), CALM, 1.0)
+    assert d.knobs.batch_cap == 80  # feasible, within a step of 100
+    d = s.apply(Proposal(batch_cap=200), Knobs(200), CALM, 1.0)
+    assert d.knobs.batch_cap == 140  # feasible 80 is more than a step away: one full step down
+    assert d.predicted_memory_fraction > 0.8 and "memory_ceiling" in d.interventions
+
+
+def test_overhead_term_follows_sqrt_batch():
+    s = shield(overhead_frac=0.01)
+    # 480 + 4 b + 10 sqrt(b) <= 800: the largest such b, found by the predictor
+    b = s.max_feasible_batch("auto")
+    f = lambda n: (480 + 4 * n + 10 * math.sqrt(n)) / 1000  # noqa: E731
+    assert f(b) <= 0.8 < f(b + 1)
+
+
+def test_calibration_learns_observed_kv_usage():
+    s = shield(calibration_rate=1.0)
+    # 10 requests of 1024 tokens should hold 640 blocks; the engine reports 320 (prefix sharing)
+    s.observe(ShieldInputs(mean_context_len=1024, num_running=10, num_kv_blocks_used=320))
+    assert s.kv_calibration == pytest.approx(0.5)
+    assert s.max_feasible_batch("auto") == 160
+    s.observe(ShieldInputs(mean_context_len=1024, num_running=10, num_kv_blocks_used=64_000))
+    assert s.kv_calibration == pytest.approx(2.0)  # clipped
+    s.observe(ShieldInputs(mean_context_len=2048))
+    assert s.context_len == 2048 and s.max_feasible_batch("auto") == 20
+
+
+def test_dtype_unavailable_reports_engine_reason():
+    s = shield()
+    d = s.apply(Proposal(kv_dtype="fp8_e5m2"), Knobs(40), ShieldInputs(demand=500), 10_000.0)
+    assert d.knobs.kv_dtype == "auto" and "AVX-512" in d.interventions["dtype_unavailable"]
+    d = s.apply(Proposal(kv_dtype="int8"), Knobs(40), ShieldInputs(demand=500), 10_000.0)
+    assert d.knobs.kv_dtype == "auto" and "unknown KV-cache dtype" in d.interventions["dtype_unavailable"]
+    assert s.num_interventions["dtype_unavailable"] == 2
+
+
+def test_dtype_dwell_gain_and_memory_gates():
+    s = shield(min_dtype_dwell_s=600, dtype_restart_s=60, dtype_gain_horizon_s=600)
+    busy = ShieldInputs(demand=150)
+    d = s.apply(Proposal(kv_dtype="fp8"), Knobs(80), busy, 100.0)
+    assert d.knobs.kv_dtype == "auto" and "dtype_dwell" in d.interventions
+    # light load: auto already fits the demand, no gain to repay the restart
+    d = s.apply(Proposal(kv_dtype="fp8"), Knobs(40), ShieldInputs(demand=50), 700.0)
+    assert d.knobs.kv_dtype == "auto" and "dtype_not_worth" in d.interventions
+    # heavy load: 80 -> 150 in flight, +87 % x 600 s repays 60 s
+    d = s.apply(Proposal(batch_cap=104, kv_dtype="fp8"), Knobs(80), busy, 700.0)
+    assert d.knobs == Knobs(104, "fifo", "fp8") and d.dtype_switched and d.interventions == {}
+    assert d.predicted_memory_fraction == pytest.approx((480 + 104 * 2) / 1000)
+    d = s.apply(Proposal(kv_dtype="auto"), Knobs(60, "fifo", "fp8"), ShieldInputs(demand=60), 800.0)
+    assert d.knobs.kv_dtype == "fp8" and "dtype_dwell" in d.interventions
+    # back to 16 bit at cap 120: auto allows 80 < 120 - 36, refused for memory
+    d = s.apply(Proposal(kv_dtype="auto"), Knobs(120, "fifo", "fp8"), ShieldInputs(demand=120), 1400.0)
+    assert d.knobs.kv_dtype == "fp8" and "dtype_memory" in d.interventions
+    # back to 16 bit when it costs no throughput
+    d = s.apply(Proposal(batch_cap=60, kv_dtype="auto"), Knobs(60, "fifo", "fp8"), ShieldInputs(demand=60), 1400.0)
+    assert d.knobs == Knobs(60, "fifo", "auto") and d.dtype_switched
+
+
+def test_invalid_proposal_fields_are_kept_and_reported():
+    s = shield(ROOMY)
+    for bad in (float("nan"), 3.5, "12", True, float("inf")):
+        d = s.apply(Proposal(batch_cap=bad), Knobs(20), CALM, 1.0)  # type: ignore[arg-type]
+        assert d.knobs.batch_cap == 20 and "invalid_batch" in d.interventions, bad
+    d = s.apply(Proposal(bucketing="random"), Knobs(20, "weighted"), CALM, 1.0)
+    assert d.knobs.bucketing == "weighted" and "invalid_bucketing" in d.interventions
+    assert s.apply(Proposal(batch_cap=np.int64(22)), Knobs(20), CALM, 1.0).knobs.batch_cap == 22
+
+
+SLOW = ShieldInputs(ttft_p99_ms=2000.0)  # > 1.5 x 1000 ms SLO
+
+
+def test_breaker_level1_shrinks_by_030_and_overrides_proposal():
+    s = shield(ROOMY)
+    d = s.apply(Proposal(batch_cap=120), Knobs(100), SLOW, 1.0)
+    assert d.knobs.batch_cap == 70 and d.breaker_level == 1 and "breaker_shrink" in d.interventions
+    d = s.apply(Proposal(batch_cap=120), Knobs(11), SLOW, 2.0)
+    assert d.knobs.batch_cap == 8  # ceil(0.7 x 11) = 8, a cut of 3 = floor(0.3 x 11)
+    for trigger in (ShieldInputs(preemptions=10), ShieldInputs(oom=True), ShieldInputs(e2el_p99_ms=1e9)):
+        fresh = shield(ROOMY, breach_metrics=["ttft", "e2el"])
+        got = fresh.apply(Proposal(), Knobs(100), trigger, 1.0)
+        # e2el has no SLO by default, so it never breaches
+        assert got.breaker_level == (0 if trigger.e2el_p99_ms else 1)
+    assert shield(ROOMY).apply(Proposal(), Knobs(100), ShieldInputs(preemptions=9), 1.0).breaker_level == 0
+
+
+def test_breaker_cooldown_holds_cap():
+    s = shield(ROOMY, breaker_cooldown_s=2.0)
+    assert s.apply(Proposal(), Knobs(100), SLOW, 10.0).knobs.batch_cap == 70
+    d = s.apply(Proposal(batch_cap=90), Knobs(70), SLOW, 11.0)
+    assert d.knobs.batch_cap == 70 and "breaker_hold" in d.interventions
+    assert s.apply(Proposal(), Knobs(70), SLOW, 12.5).knobs.batch_cap == 49
+
+
+def test_breaker_alert_after_three_failed_adjustments_then_shed_and_restart():
+    s = shield(ROOMY, alert_after=3, restart_after=3)
+    cap, caps_seen, levels, alerts = 20, [], [], []
+    for t in range(13):
+        d = s.apply(Proposal(batch_cap=cap + 5), Knobs(cap), SLOW, float(t))
+        cap = d.knobs.batch_cap
+        caps_seen.append(cap)
+        levels.append(d.breaker_level)
+        alerts.append(bool(d.alerts))
+    # level 1 cuts 20 -> 14 -> 10 -> 7 -> 5 -> 4 -> 3 -> 2 -> 1, then level 2 at min_batch
+    assert caps_seen[:8] == [14, 10, 7, 5, 4, 3, 2, 1]
+    assert alerts[:3] == [False, False, False] and all(alerts[3:])
+    assert levels[:8] == [1] * 8 and levels[8:11] == [2, 2, 2] and levels[11:] == [3, 3]
+    assert s.num_interventions["breaker_shed"] == 5
+    d = s.apply(Proposal(), Knobs(1), SLOW, 20.0)
+    assert d.shed_max_priority_kept == 0 and d.recommend_restart
+    assert any("restart" in a for a in d.alerts)
+    # a clean spell resets everything
+    for t in range(3):
+        d = s.apply(Proposal(batch_cap=2), Knobs(1), CALM, 30.0 + t)
+    assert d.breaker_level == 0 and d.shed_max_priority_kept is None and d.knobs.batch_cap == 2
+
+
+def test_breaker_recovers_after_clean_intervals():
+    s = shield(ROOMY, recover_after=3)
+    s.apply(Proposal(), Knobs(100), SLOW, 0.0)
+    held = [s.apply(Proposal(batch_cap=90), Knobs(70), CALM, float(t)) for t in (1, 2)]
+    assert all(d.knobs.batch_cap == 70 and d.breaker_level == 1 for d in held)
+    d = s.apply(Proposal(batch_cap=90), Knobs(70), CALM, 3.0)
+    assert d.breaker_level == 0 and d.knobs.batch_cap == 90
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="breaker_shrink"):
+        ShieldConfig(breaker_shrink=0.5)
+    with pytest.raises(ValueError, match="min_batch"):
+        ShieldConfig(min_batch=10, max_batch=5)
+    with pytest.raises(ValueError, match="unknown shield config"):
+        ShieldConfig.from_cfg({"max_step": 0.3})
+    with pytest.raises(ValueError, match="breach_metrics"):
+        ShieldConfig(breach_metrics=("p50",))
+
+
+# --- invariants -------------------------------------------------------------------------
+def check_invariants(s: Shield, cur: Knobs, d) -> None:
+    k, cfg = d.knobs, s.cfg
+    assert cfg.min_batch <= k.batch_cap <= s.max_batch
+    assert k.bucketing in BUCKETING_MODES
+    assert s.capabilities.can_run(k.kv_dtype)
+    step = s.max_step(cur.batch_cap)
+    assert abs(k.batch_cap - cur.batch_cap) <= step, (cur, k, step)
+    frac = s.predicted_fraction(k.batch_cap, k.kv_dtype)
+    assert frac == pytest.approx(d.predicted_memory_fraction)
+    if frac > cfg.memory_ceiling + 1e-12:
+        # only allowed while walking down from an over-ceiling setting as fast as allowed
+        assert k.batch_cap == max(cfg.min_batch, cur.batch_cap - step), (cur, k, frac)
+    if s.predicted_fraction(cur.batch_cap, k.kv_dtype) > cfg.memory_ceiling + 1e-12:
+        assert k.batch_cap <= cur.batch_cap
+        assert k.batch_cap < cur.batch_cap or cur.batch_cap == cfg.min_batch
+
+
+weird_ints = st.one_of(
+    st.none(), st.integers(-(10**18), 10**18), st.integers(-3, 300),
+    st.sampled_from([float("nan"), float("inf"), -float("inf"), 2.5, "7", True]),
+)
+dtypes = st.sampled_from(["auto", "bfloat16", "fp8", "fp8_e5m2", "int8_per_token_head", "int8", "", None, 42])
+buckets = st.one_of(st.none(), st.sampled_from(BUCKETING_MODES), st.text(max_size=8))
+inputs = st.builds(
+    ShieldInputs,
+    preemptions=st.integers(0, 50),
+    oom=st.booleans(),
+    ttft_p99_ms=st.floats(0, 1e5, allow_nan=False),
+    e2el_p99_ms=st.floats(0, 1e6, allow_nan=False),
+    mean_context_len=st.floats(0, 1e5, allow_nan=False),
+    num_running=st.integers(0, 300),
+    num_kv_blocks_used=st.one_of(st.none(), st.integers(0, 10**6)),
+    demand=st.integers(0, 1000),
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    proposal=st.builds(Proposal, batch_cap=weird_ints, bucketing=buckets, kv_dtype=dtypes),
+    kv_scale=st.sampled_from([0.001, 0.1, 1.0, 3.0]),
+    cur_cap=st.integers(1, 256),
+    cur_dtype=st.sampled_from(["auto", "fp8", "int8_per_token_head"]),
+    cur_bucket=st.sampled_from(BUCKETING_MODES),
+    inp=inputs,
+    now=st.floats(0, 5000),
+    min_batch=st.integers(1, 8),
+)
+def test_invariants_hold_for_arbitrary_proposals(proposal, kv_scale, cur_cap, cur_dtype, cur_bucket, inp, now, min_batch):
+    s = shield(kv_scale, min_batch=min_batch, overhead_frac=0.002, min_dtype_dwell_s=100.0)
+    cur = Knobs(max(cur_cap, min_batch), cur_bucket, cur_dtype)
+    d = s.apply(proposal, cur, inp, now)
+    check_invariants(s, cur, d)
+    assert set(d.interventions) <= set(s.num_interventions)
+
+
+def test_10000_random_and_adversarial_steps():
+    rng = np.random.default_rng(1)
+    s = shield(1.0, overhead_frac=0.002, min_dtype_dwell_s=50.0, breaker_cooldown_s=1.0)
+    knobs = Knobs(32)
+    choices_dtype = ["auto", "fp8", "fp8_e5m2", "int8", "int8_per_token_head", None, "bfloat16"]
+    special = [None, 0, -1, -(10**9), 10**9, 2**63, float("nan"), 1.5, "x", 256, 1]
+    t, over_ceiling, switches = 0.0, 0, 0
+    for i in range(10_000):
+        t += float(rng.exponential(0.5))
+        mode = i % 4
+        if mode == 0:
+            cap = int(rng.integers(-50, 600))
+        elif mode == 1:
+            cap = special[int(rng.integers(len(special)))]
+        elif mode == 2:  # bang-bang
+            cap = 10**6 if (i // 8) % 2 else -(10**6)
+        else:
+            cap = knobs.batch_cap + int(rng.integers(-3, 4))
+        proposal = Proposal(
+            batch_cap=cap,
+            bucketing=[None, "fifo", "weighted", "shortest_first", "lifo"][int(rng.integers(5))],
+            kv_dtype=choices_dtype[int(rng.integers(len(choices_dtype)))],
+        )
+        inp = ShieldInputs(
+            preemptions=int(rng.poisson(3)),
+            oom=bool(rng.random() < 0.01),
+            ttft_p99_ms=float(rng.lognormal(6.5, 1.0)),
+            # context spikes (long prompts) put the current cap over the ceiling now and then
+            mean_context_len=float(rng.lognormal(7, 1)) * (30.0 if (i // 200) % 5 == 0 else 1.0),
+            num_running=knobs.batch_cap,
+            num_kv_blocks_used=int(rng.integers(0, 20_000)),
+            demand=int(rng.integers(0, 800)),
+        )
+        d = s.apply(proposal, knobs, inp, t)
+        check_invariants(s, knobs, d)
+        over_ceiling += s.predicted_fraction(knobs.batch_cap, d.knobs.kv_dtype) > s.cfg.memory_ceiling
+        switches += d.dtype_switched
+        knobs = d.knobs
+    assert s.num_decisions == 10_000
+    assert s.num_interventions["step_limit"] > 100 and s.num_interventions["breaker_shrink"] > 10
+    assert s.num_interventions["memory_ceiling"] > 50 and s.num_interventions["dtype_unavailable"] > 100
+    assert over_ceiling > 50 and switches > 20  # the hard branches were exercised
