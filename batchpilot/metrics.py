@@ -150,7 +150,10 @@ VLLM_GAUGES: dict[str, tuple[str, ...]] = {
 VLLM_COUNTERS: dict[str, tuple[str, ...]] = {
     "num_preemptions": ("vllm:num_preemptions_total",),
     # Tokens looked up in / found in the prefix cache (old names carried a "gpu_" prefix).
-    "prefix_cache_queries": ("vllm:prefix_cache_queries_total", "vllm:gpu_prefix_cache_queries_total"),
+    "prefix_cache_queries": (
+        "vllm:prefix_cache_queries_total",
+        "vllm:gpu_prefix_cache_queries_total",
+    ),
     "prefix_cache_hits": ("vllm:prefix_cache_hits_total", "vllm:gpu_prefix_cache_hits_total"),
     "prompt_tokens": ("vllm:prompt_tokens_total",),
     "generation_tokens": ("vllm:generation_tokens_total",),

@@ -55,7 +55,7 @@ class TraceOptions:
 
     #: Arrivals are sped up by this factor (2.0 = twice the request rate).
     time_scale: float = 1.0
-    #: Window start, in seconds after the trace's first arrival.
+    #: Window start, in seconds after the trace's first timestamp (of any row, skipped or not).
     start_s: float = 0.0
     #: Window length in trace seconds; ``None`` = to the end.
     duration_s: float | None = None
@@ -144,6 +144,12 @@ class _Raw:
     hashes: list[tuple[int, ...]] | None = None
     skipped: Counter = field(default_factory=Counter)
     rows_read: int = 0
+    #: Earliest timestamp of any parsed row, skipped ones included: the trace's time origin,
+    #: so a window means the same whichever rows a filter removes.
+    t0: float = math.inf
+
+    def saw(self, t: float) -> None:
+        self.t0 = min(self.t0, t)
 
 
 # --- field parsing ---------------------------------------------------------------------------
@@ -201,7 +207,9 @@ def _csv_rows(path: Path, required: tuple[str, ...]):
         missing = [c for c in required if c not in header]
         if missing:
             raise TraceFormatError(
-                path, 1, f"missing column(s) {missing}; header is {header}, expected {list(required)}"
+                path,
+                1,
+                f"missing column(s) {missing}; header is {header}, expected {list(required)}",
             )
         index = {c: header.index(c) for c in required}
         for row in reader:
@@ -224,6 +232,7 @@ def _read_azure(path: Path, opts: TraceOptions) -> _Raw:
             raw.skipped[SKIP_BLANK] += 1
             continue
         raw.time_s.append(_wallclock(path, line, row["TIMESTAMP"]))
+        raw.saw(raw.time_s[-1])
         raw.prompt.append(_tokens(path, line, "ContextTokens", row["ContextTokens"]))
         raw.output.append(_tokens(path, line, "GeneratedTokens", row["GeneratedTokens"]))
     return raw
@@ -238,6 +247,7 @@ def _read_burstgpt(path: Path, opts: TraceOptions) -> _Raw:
             raw.skipped[SKIP_BLANK] += 1
             continue
         t = _seconds(path, line, "Timestamp", row["Timestamp"])
+        raw.saw(t)
         prompt = _tokens(path, line, "Request tokens", row["Request tokens"])
         output = _tokens(path, line, "Response tokens", row["Response tokens"])
         if opts.model is not None and row["Model"].strip() != opts.model:
@@ -263,20 +273,27 @@ def _read_mooncake(path: Path, opts: TraceOptions) -> _Raw:
             try:
                 obj = json.loads(text)
             except json.JSONDecodeError as e:
-                raise TraceFormatError(path, line, f"invalid JSON ({e.msg} at column {e.colno})") from None
+                raise TraceFormatError(
+                    path, line, f"invalid JSON ({e.msg} at column {e.colno})"
+                ) from None
             if not isinstance(obj, dict):
-                raise TraceFormatError(path, line, f"expected a JSON object, got {type(obj).__name__}")
+                raise TraceFormatError(
+                    path, line, f"expected a JSON object, got {type(obj).__name__}"
+                )
             for key in ("timestamp", "input_length", "output_length"):
                 if key not in obj:
                     raise TraceFormatError(path, line, f"missing field {key!r}; has {sorted(obj)}")
             raw.time_s.append(_seconds(path, line, "timestamp", obj["timestamp"], 1e-3))
+            raw.saw(raw.time_s[-1])
             raw.prompt.append(_tokens(path, line, "input_length", obj["input_length"]))
             raw.output.append(_tokens(path, line, "output_length", obj["output_length"]))
             hashes = obj.get("hash_ids", [])
             if not isinstance(hashes, list) or not all(
                 isinstance(h, int) and not isinstance(h, bool) for h in hashes
             ):
-                raise TraceFormatError(path, line, f"hash_ids must be a list of integers, got {hashes!r}")
+                raise TraceFormatError(
+                    path, line, f"hash_ids must be a list of integers, got {hashes!r}"
+                )
             raw.hashes.append(tuple(hashes))  # type: ignore[union-attr]
     return raw
 
@@ -316,10 +333,11 @@ def read_trace(
 ) -> TraceArrays:
     """Read a trace file and shape it for replay (see ``TraceOptions``).
 
-    Steps, in order: parse; sort by time (stable; the report says if needed); times relative to
-    the first arrival; spread quantised buckets; keep the window ``[start_s, start_s +
-    duration_s)`` and shift it to 0; divide by ``time_scale``; raise zero token counts to 1;
-    clip or skip requests longer than ``max_model_len``.
+    Steps, in order: parse; sort by time (stable; the report says if needed); make times
+    relative to the trace's first timestamp (skipped rows included); spread quantised buckets;
+    keep the window ``[start_s, start_s + duration_s)`` and shift it to 0; divide by
+    ``time_scale``; raise zero token counts to 1; clip or skip requests longer than
+    ``max_model_len``.
     """
     opts = options or TraceOptions()
     p = Path(path)
@@ -342,7 +360,7 @@ def read_trace(
             hashes = [hashes[i] for i in order]
         report.resorted = True
     if t.size:
-        t = t - t[0]
+        t = t - raw.t0
     if opts.spread_quantum_s is not None:
         t = spread_in_buckets(t, opts.spread_quantum_s)
 

@@ -19,6 +19,7 @@ A stream is a pure function of the config and the ``np.random.Generator`` it is 
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,7 +66,8 @@ class ConstantRate:
 
 @dataclass(frozen=True, slots=True)
 class RampRate:
-    """``start_rate`` until ``ramp_start_s``, linear to ``end_rate`` at ``ramp_end_s``, then flat."""
+    """``start_rate`` until ``ramp_start_s``, linear to ``end_rate`` at ``ramp_end_s``, then
+    flat."""
 
     start_rate: float
     end_rate: float
@@ -77,7 +79,8 @@ class RampRate:
         _check_rate("end_rate", self.end_rate)
         if not (0 <= self.ramp_start_s < self.ramp_end_s):
             raise ValueError(
-                f"need 0 <= ramp_start_s < ramp_end_s, got {self.ramp_start_s} and {self.ramp_end_s}"
+                "need 0 <= ramp_start_s < ramp_end_s, got "
+                f"{self.ramp_start_s} and {self.ramp_end_s}"
             )
 
     def __call__(self, t: np.ndarray) -> np.ndarray:
@@ -99,7 +102,9 @@ class DiurnalRate:
     def __post_init__(self) -> None:
         _check_rate("mean_rate", self.mean_rate)
         if not 0 <= self.amplitude <= 1:
-            raise ValueError(f"amplitude must be in [0, 1] (rate never negative), got {self.amplitude}")
+            raise ValueError(
+                f"amplitude must be in [0, 1] (rate never negative), got {self.amplitude}"
+            )
         if not self.period_s > 0:
             raise ValueError(f"period_s must be > 0, got {self.period_s}")
 
@@ -301,7 +306,9 @@ def sample_priorities(rng: np.random.Generator, shares: Sequence[float], n: int)
     """Priority classes 0..len(shares)-1 drawn with the given shares (0 = core)."""
     w = np.asarray(shares, dtype=np.float64)
     if w.ndim != 1 or w.size == 0 or np.any(~np.isfinite(w)) or np.any(w < 0) or w.sum() <= 0:
-        raise ValueError(f"priority shares must be non-negative with a positive sum, got {list(shares)}")
+        raise ValueError(
+            f"priority shares must be non-negative with a positive sum, got {list(shares)}"
+        )
     if w.size == 1:
         return np.zeros(n, dtype=np.int64)
     return rng.choice(w.size, size=n, p=w / w.sum()).astype(np.int64)
@@ -425,7 +432,9 @@ class RequestStream:
 # --- config -> stream -----------------------------------------------------------------------------
 _MISSING = object()
 #: Keys every kind accepts; ``seed_offset`` is for the caller (added to the episode seed).
-_COMMON_KEYS = ("kind", "duration_s", "rate_scale", "seed_offset", "priorities", "name", "description")
+_COMMON_KEYS = (
+    "kind", "duration_s", "rate_scale", "seed_offset", "priorities", "name", "description",
+)
 
 
 class _Keys:
@@ -445,8 +454,10 @@ class _Keys:
             return default
         return self.d[key]
 
-    def num(self, key: str, default: Any = _MISSING, *, lo: float | None = None, lo_open: bool = False,
-            hi: float | None = None) -> float:
+    def num(
+        self, key: str, default: Any = _MISSING, *, lo: float | None = None,
+        lo_open: bool = False, hi: float | None = None,
+    ) -> float:
         v = self.get(key, default)
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
             raise self.err(key, f"must be a finite number, got {v!r}")
@@ -506,7 +517,9 @@ def _lengths(k: _Keys) -> LengthDist:
     kind = d.get("kind")
     try:
         if kind == "fixed":
-            dist: LengthDist = FixedLengths(int(lk.num("prompt", lo=1)), int(lk.num("output", lo=1)))
+            dist: LengthDist = FixedLengths(
+                int(lk.num("prompt", lo=1)), int(lk.num("output", lo=1))
+            )
         elif kind == "uniform":
             pa, pb = lk.range("prompt", lo=1)
             oa, ob = lk.range("output", lo=1)
@@ -556,15 +569,20 @@ def _randomized(
     rate = _loguniform(rng, k.range("rate", lo=0, lo_open=True)) * scale
     burst = _loguniform(rng, k.range("burstiness", lo=0, lo_open=True))
     base = LognormalLengths(
-        _loguniform(rng, k.range("prompt_mean", lo=1)), float(rng.uniform(*k.range("prompt_sigma", lo=0))),
-        _loguniform(rng, k.range("output_mean", lo=1)), float(rng.uniform(*k.range("output_sigma", lo=0))),
+        _loguniform(rng, k.range("prompt_mean", lo=1)),
+        float(rng.uniform(*k.range("prompt_sigma", lo=0))),
+        _loguniform(rng, k.range("output_mean", lo=1)),
+        float(rng.uniform(*k.range("output_sigma", lo=0))),
     )
     lo_n, hi_n = k.range("num_phases", lo=0)
     n_changes = int(rng.integers(int(lo_n), int(hi_n) + 1))
     window = k.range("phase_window", lo=0)
     if window[1] >= 1:
-        raise k.err("phase_window", f"must lie inside [0, 1) (fractions of duration_s), got {window}")
-    rate_f, len_f = k.range("phase_rate_factor", lo=0, lo_open=True), k.range("phase_length_factor", lo=0, lo_open=True)
+        raise k.err(
+            "phase_window", f"must lie inside [0, 1) (fractions of duration_s), got {window}"
+        )
+    rate_f = k.range("phase_rate_factor", lo=0, lo_open=True)
+    len_f = k.range("phase_length_factor", lo=0, lo_open=True)
     change_s = tuple(sorted(float(x) for x in rng.uniform(*window, size=n_changes) * duration))
     rates, dists = [rate], [base]
     for _ in range(n_changes):
@@ -586,7 +604,10 @@ def _randomized(
     pr = sample_priorities(rng, k.get("priorities", [1.0]), t.size)
     info = {
         "kind": "randomized", "rate": rate, "burstiness": burst, "change_s": list(change_s),
-        "rates": rates, "lengths": [(d.prompt_mean, d.prompt_sigma, d.output_mean, d.output_sigma) for d in dists],
+        "rates": rates,
+        "lengths": [
+            (d.prompt_mean, d.prompt_sigma, d.output_mean, d.output_sigma) for d in dists
+        ],
         "clipped": clipped,
     }
     return RequestStream(t, p, o, priority=pr, duration_s=duration, info=info)
@@ -605,8 +626,13 @@ def build_workload(
     kind = d.get("kind")
     if kind not in WORKLOAD_KINDS:
         raise k.err("kind", f"must be one of {WORKLOAD_KINDS}, got {kind!r}")
-    if not (isinstance(max_model_len, int) and max_model_len >= 2):
-        raise ValueError(f"max_model_len must be an int >= 2, got {max_model_len!r}")
+    if (
+        isinstance(max_model_len, bool)
+        or not isinstance(max_model_len, numbers.Integral)
+        or max_model_len < 2
+    ):
+        raise ValueError(f"max_model_len must be an integer >= 2, got {max_model_len!r}")
+    max_model_len = int(max_model_len)
     scale = k.num("rate_scale", 1.0, lo=0, lo_open=True)
 
     if kind == "trace":
@@ -621,7 +647,10 @@ def build_workload(
                 duration_s=None if dur is None else k.num("duration_s", lo=0, lo_open=True),
                 max_model_len=max_model_len,
                 overflow=k.get("overflow", "clip"),
-                spread_quantum_s=k.get("spread_quantum_s", None),
+                spread_quantum_s=(
+                    None if k.get("spread_quantum_s", None) is None
+                    else k.num("spread_quantum_s", lo=0, lo_open=True)
+                ),
                 model=k.get("model", None),
             )
         except ValueError as e:
@@ -642,18 +671,26 @@ def build_workload(
     if kind == "mixture":
         comps = k.get("components")
         if not isinstance(comps, Sequence) or isinstance(comps, str) or not comps:
-            raise k.err("components", f"must be a non-empty list of workload configs, got {comps!r}")
+            raise k.err(
+                "components", f"must be a non-empty list of workload configs, got {comps!r}"
+            )
         k.finish()
         streams = []
         for i, c in enumerate(comps):
             sub = _as_dict(c)
             if sub.get("kind") == "mixture":
-                raise WorkloadConfigError(f"{where}.components[{i}]: a mixture cannot nest a mixture")
+                raise WorkloadConfigError(
+                    f"{where}.components[{i}]: a mixture cannot nest a mixture"
+                )
             sub.setdefault("duration_s", duration)
             sub["rate_scale"] = float(sub.get("rate_scale", 1.0)) * scale
-            streams.append(build_workload(sub, rng, max_model_len, where=f"{where}.components[{i}]"))
+            streams.append(
+                build_workload(sub, rng, max_model_len, where=f"{where}.components[{i}]")
+            )
         return RequestStream.merge(
-            streams, duration_s=duration, info={"kind": "mixture", "components": [s.info for s in streams]}
+            streams,
+            duration_s=duration,
+            info={"kind": "mixture", "components": [s.info for s in streams]},
         )
     if kind == "randomized":
         stream = _randomized(k, rng, max_model_len, duration, scale)

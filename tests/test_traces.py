@@ -160,6 +160,8 @@ def test_burstgpt_failures_counted_not_silently_dropped(tmp_path: Path):
     assert "failed (0 response tokens): 2" in tr.report.summary()
     gpt4 = read_trace(p, "burstgpt", TraceOptions(model="GPT-4"))
     assert len(gpt4) == 1 and gpt4.report.skipped == {SKIP_OTHER_MODEL: 4}
+    # The time origin is the trace's first row, not the first row a filter kept.
+    assert list(gpt4.arrival_s) == [113.0]
 
 
 # --- malformed input -----------------------------------------------------------------------------

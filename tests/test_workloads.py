@@ -359,3 +359,24 @@ def test_randomized_bad_range_named():
     cfg["rate"] = [50, 10]
     with pytest.raises(WorkloadConfigError, match=r"workload\.rate"):
         build_workload(cfg, rng(), 8192)
+
+
+def test_generic_trace_group_composes_with_hydra_overrides(tmp_path):
+    from batchpilot.config import load_config
+
+    p = tmp_path / "burst.csv"
+    p.write_text(
+        "Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type\n"
+        + "".join(f"{2 * i},ChatGPT,{100 + i},{0 if i % 5 == 0 else 20},0,Conversation log\n" for i in range(50))
+    )
+    cfg = load_config([
+        "workload=trace", f"workload.path={p}", "workload.format=burstgpt",
+        "workload.start_s=10", "workload.duration_s=60", "workload.time_scale=2",
+    ])
+    s = build_workload(cfg.workload, rng(), np.int64(8192))
+    # Time origin is the first row (a failure, skipped, still counts). Rows at 10..68 s:
+    # 30 rows, 6 of them failures (i % 5 == 0), replayed twice as fast.
+    assert len(s) == 24 and s.duration_s == pytest.approx(30.0)
+    assert s.info["report"].skipped["failed (0 response tokens)"] == 10
+    assert s.arrival_s[0] == pytest.approx(1.0)  # row i=6 at 12 s -> (12 - 10) / 2
+    assert s.arrival_s[-1] == pytest.approx(29.0)  # row i=34 at 68 s
