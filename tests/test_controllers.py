@@ -1,0 +1,163 @@
+"""Baseline controllers: PID direction, length weighting, anti-windup; AIMD sawtooth; static
+settings and the factory."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from batchpilot.policies.controllers import (
+    AIMDConfig,
+    AIMDController,
+    Controller,
+    PIDConfig,
+    PIDController,
+    StaticController,
+    build_controller,
+    initial_knobs,
+    register_controller,
+)
+from batchpilot.policies.knobs import Knobs, Proposal
+from batchpilot.serving.telemetry import Snapshot
+
+POLICY_DIR = Path(__file__).resolve().parent.parent / "conf" / "policy"
+
+
+def snap(ttft_p99_ms: float = 100.0, queue: int = 10, mean_prompt_len: float = 512.0,
+         preemptions: int = 0, cap: int = 32) -> Snapshot:
+    return Snapshot(
+        time=0.0, interval_s=0.05, arrival_rate=10.0, mean_prompt_len=mean_prompt_len,
+        queue_depth=(queue, 0, 0), num_running=cap, num_waiting_engine=0, kv_cache_usage=0.5,
+        request_throughput=5.0, output_throughput=500.0, request_goodput=5.0,
+        ttft_p50_ms=ttft_p99_ms / 2, ttft_p99_ms=ttft_p99_ms, tpot_p50_ms=10.0, tpot_p99_ms=20.0,
+        e2el_p50_ms=1000.0, e2el_p99_ms=2000.0, slo_attainment=1.0, preemptions=preemptions,
+        rejected=0, shield_interventions=0, knobs=Knobs(cap), time_since_dtype_switch_s=0.0,
+    )
+
+
+def pid(**over) -> PIDController:
+    return PIDController(PIDConfig(**{"slo_ms": 1000.0, "target_frac": 0.8, **over}))
+
+
+def test_pid_raises_cap_when_far_under_target_with_queue():
+    c = pid()
+    p = c.decide(snap(ttft_p99_ms=50.0, queue=20), Knobs(32))
+    assert p.batch_cap is not None and p.batch_cap > 32
+    assert p.batch_cap <= 32 + int(0.25 * 32) + 1  # a bounded, gradient-style step
+
+
+def test_pid_holds_without_queue_and_lowers_above_target():
+    c = pid()
+    assert c.decide(snap(ttft_p99_ms=50.0, queue=0), Knobs(32)).batch_cap == 32
+    assert c.integral == 0.0  # no demand: nothing winds up
+    c = pid()
+    p = c.decide(snap(ttft_p99_ms=3000.0, queue=20), Knobs(32))
+    assert p.batch_cap is not None and p.batch_cap < 32
+
+
+def test_pid_converges_on_a_plant_and_stays_near_target():
+    """Latency grows with the cap (p99 = 10 ms x cap); target 800 ms -> cap near 80."""
+    c = pid()
+    cap = 10
+    history = []
+    for _ in range(300):
+        cap = c.decide(snap(ttft_p99_ms=10.0 * cap, queue=50), Knobs(cap)).batch_cap
+        history.append(cap)
+    tail = history[-50:]
+    assert 65 <= min(tail) and max(tail) <= 90, tail
+
+
+def test_pid_length_weighting_shrinks_upward_steps():
+    short = pid().decide(snap(ttft_p99_ms=50.0, mean_prompt_len=256), Knobs(100)).batch_cap
+    long_ = pid().decide(snap(ttft_p99_ms=50.0, mean_prompt_len=8192), Knobs(100)).batch_cap
+    assert short > long_ > 100
+    # downward steps are not weighted
+    d_short = pid().decide(snap(ttft_p99_ms=3000.0, mean_prompt_len=256), Knobs(100)).batch_cap
+    d_long = pid().decide(snap(ttft_p99_ms=3000.0, mean_prompt_len=8192), Knobs(100)).batch_cap
+    assert d_short == d_long < 100
+
+
+@pytest.mark.parametrize("at,first,then,direction", [(256, 10.0, 3000.0, -1), (1, 5000.0, 10.0, +1)])
+def test_pid_anti_windup_recovers_promptly_after_saturation(at, first, then, direction):
+    c = pid(max_batch=256, min_batch=1)
+    for _ in range(2000):  # pinned at a bound with the error pushing into it
+        p = c.decide(snap(ttft_p99_ms=first, queue=100), Knobs(at))
+        assert p.batch_cap == at
+    assert abs(c.integral) <= c.cfg.integral_limit
+    moves = []
+    for _ in range(3):
+        moves.append(c.decide(snap(ttft_p99_ms=then, queue=100), Knobs(at)).batch_cap - at)
+    assert any(m * direction > 0 for m in moves[:2]), moves  # within two decisions
+    assert moves[-1] * direction > 0
+
+
+def test_pid_reset_forgets_state():
+    c = pid()
+    for _ in range(10):
+        c.decide(snap(ttft_p99_ms=10.0), Knobs(32))
+    c.reset(Knobs(32))
+    assert c.integral == 0.0 and c.output == 0.0 and c.prev_error is None
+
+
+def test_aimd_sawtooth():
+    """p99 = 10 ms x cap against a 1000 ms SLO: +4 up to just over 100, then x0.75, repeat."""
+    c = AIMDController(AIMDConfig(slo_ms=1000.0, additive_increase=4, multiplicative_decrease=0.75,
+                                  initial_batch_cap=32))
+    cap, caps = 32, []
+    for _ in range(200):
+        new = c.decide(snap(ttft_p99_ms=10.0 * cap, queue=50), Knobs(cap)).batch_cap
+        if 10.0 * cap > 1000.0:
+            assert new == int(cap * 0.75)
+        else:
+            assert new == cap + 4
+        cap = new
+        caps.append(cap)
+    peaks = [caps[i] for i in range(1, len(caps) - 1) if caps[i - 1] < caps[i] > caps[i + 1]]
+    assert len(peaks) >= 5 and all(100 < p <= 104 for p in peaks), peaks
+    assert min(caps[50:]) >= 75  # troughs at ~0.75 x peak
+
+
+def test_aimd_holds_without_queue_and_cuts_on_preemptions():
+    c = AIMDController(AIMDConfig(slo_ms=1000.0))
+    assert c.decide(snap(ttft_p99_ms=10.0, queue=0), Knobs(40)).batch_cap == 40
+    assert c.decide(snap(ttft_p99_ms=10.0, preemptions=3), Knobs(40)).batch_cap == 30
+    assert c.decide(snap(ttft_p99_ms=5000.0), Knobs(1)).batch_cap == 1  # floor at min_batch
+
+
+def test_configs_build_the_right_controllers():
+    built = {}
+    for name in ("pid", "aimd", "static", "vllm_default"):
+        cfg = OmegaConf.load(POLICY_DIR / f"{name}.yaml")
+        built[name] = build_controller(cfg, max_num_seqs=256, slo_ms={"ttft": 1000.0, "tpot": 100.0, "e2el": None})
+        assert isinstance(built[name], Controller)
+    assert isinstance(built["pid"], PIDController) and built["pid"].cfg.slo_ms == 1000.0
+    assert isinstance(built["aimd"], AIMDController)
+    assert isinstance(built["vllm_default"], StaticController) and built["vllm_default"].name == "vllm_default"
+    p = built["vllm_default"].decide(snap(), Knobs(32))
+    assert p == Proposal(batch_cap=256, bucketing="fifo", kv_dtype="auto")
+    small = build_controller(OmegaConf.load(POLICY_DIR / "vllm_default.yaml"), max_num_seqs=64)
+    assert small.decide(snap(), Knobs(32)).batch_cap == 64
+    assert initial_knobs(OmegaConf.load(POLICY_DIR / "vllm_default.yaml"), 256) == Knobs(256, "fifo", "auto")
+    assert initial_knobs(OmegaConf.load(POLICY_DIR / "pid.yaml"), 16).batch_cap == 16
+
+
+def test_factory_rejects_unknown_and_accepts_registered_kinds():
+    with pytest.raises(ValueError, match="unknown policy kind"):
+        build_controller({"kind": "ppo_not_registered"}, 256)
+    with pytest.raises(ValueError, match="unknown keys"):
+        build_controller({"kind": "pid", "kpp": 1.0}, 256)
+    with pytest.raises(ValueError, match="metric"):
+        build_controller({"kind": "aimd", "metric": "p50"}, 256)
+
+    class Fixed:
+        name = "fixed"
+
+        def reset(self, knobs: Knobs) -> None: ...
+
+        def decide(self, snapshot: Snapshot, knobs: Knobs) -> Proposal:
+            return Proposal(batch_cap=7)
+
+    register_controller("test_fixed", lambda cfg, n: Fixed())
+    assert build_controller({"kind": "test_fixed"}, 256).decide(snap(), Knobs(1)).batch_cap == 7
