@@ -1,0 +1,629 @@
+"""SimEngine: vLLM V1's scheduler on a virtual clock, fast enough to train on.
+
+Each iteration (as ``vllm/v1/core/sched/scheduler.py``): a token budget
+``max_num_batched_tokens``; the running requests go first in admission order (decodes take one
+token each, the one partially prefilled request takes what is left of the budget for its next
+chunk); then waiting requests are admitted in queue order with chunked prefill while the budget,
+``max_num_seqs`` (and ``set_max_active``) and KV blocks allow. KV lives in paged blocks
+allocated on demand; when a running request cannot get a block, the most recently admitted
+running request is preempted by recompute (blocks freed, back to the front of the queue, its
+generated tokens re-prefilled with the prompt) and no new request is admitted that iteration.
+Prefix caching works on the requests' ``prefix_hashes`` (Mooncake 512-token blocks): a hit
+skips those tokens and shares their blocks; unreferenced cached blocks are evicted LRU.
+
+Speed: decoding requests are never visited one by one. They are kept as aggregates (count, sum
+of context offsets, a histogram of block phases, a heap of finish iterations), so an iteration
+costs O(events), and ``advance_until`` adds up whole pure-decode stretches (no prefill, no
+finish, no admission possible, enough blocks) in closed form. Results equal stepping one
+iteration at a time.
+
+Simplifications (documented, deliberate): a preempted request's own KV is not found in the
+prefix cache when it resumes (only ``prefix_hashes`` blocks are cached); cached-but-unreferenced
+blocks are reused only after plain free blocks run out (vLLM mixes them in one LRU queue); the
+clock charges the step time after scheduling (no CPU/GPU overlap).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import OrderedDict, deque
+from dataclasses import dataclass, fields
+from typing import Any, Literal
+
+from batchpilot.envs.engine import (
+    KV_DTYPES_8BIT,
+    KV_DTYPES_16BIT,
+    DtypeUnavailable,
+    Engine,
+    EngineCapabilities,
+    EngineStats,
+    FinishedRequest,
+    MemoryModel,
+    Request,
+    RequestRejected,
+    StepResult,
+    merge_into,
+)
+from batchpilot.envs.specs import HardwareSpec, ModelSpec
+from batchpilot.envs.step_time import StepTimeModel
+
+_ALL_DTYPES = KV_DTYPES_16BIT + KV_DTYPES_8BIT
+#: Fixed CUDA-graph / NCCL / allocator reserve added to the activation estimate, bytes.
+_RESERVE_BYTES = 0.5e9
+
+
+@dataclass(frozen=True, slots=True)
+class SimEngineConfig:
+    """Scheduler and memory settings of the simulated vLLM engine (``conf/engine/sim.yaml``)."""
+
+    kind: Literal["sim"] = "sim"
+    #: Tokens per KV block (vLLM ``--block-size``).
+    block_size: int = 16
+    #: Most requests running at once (vLLM ``--max-num-seqs``).
+    max_num_seqs: int = 256
+    #: Token budget of one iteration (vLLM ``--max-num-batched-tokens``).
+    max_num_batched_tokens: int = 8192
+    #: Share of device memory for weights + activations + KV.
+    gpu_memory_utilization: float = 0.9
+    kv_dtype: str = "auto"
+    enable_prefix_caching: bool = True
+    #: Activation workspace per rank, GB; ``None`` = estimate from the token budget and model.
+    activation_workspace_gb: float | None = None
+    #: Cap on KV blocks, as vLLM's ``num_gpu_blocks_override``; ``None`` = from memory.
+    num_gpu_blocks_override: int | None = None
+    #: ``requeue``: restart preempts everything in flight by recompute; ``drain``: finish the
+    #: running requests first (no admissions), then restart.
+    restart_mode: Literal["requeue", "drain"] = "requeue"
+    #: The simulator is deterministic; kept so runs record the seed they were made with.
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        def bad(name: str, fix: str) -> ValueError:
+            return ValueError(f"SimEngineConfig.{name}={getattr(self, name)!r} is invalid: {fix}")
+
+        if self.kind != "sim":
+            raise bad("kind", "must be 'sim' for SimEngine")
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise bad(name, "must be a positive integer")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise bad("max_num_batched_tokens", f"must be >= max_num_seqs={self.max_num_seqs} (as vLLM requires)")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise bad("gpu_memory_utilization", "must be in (0, 1]")
+        if self.kv_dtype not in _ALL_DTYPES:
+            raise bad("kv_dtype", f"use one of {_ALL_DTYPES}")
+        if self.activation_workspace_gb is not None and self.activation_workspace_gb < 0:
+            raise bad("activation_workspace_gb", "must be >= 0 GB or null (estimate)")
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
+            raise bad("num_gpu_blocks_override", "must be a positive block count or null")
+        if self.restart_mode not in ("requeue", "drain"):
+            raise bad("restart_mode", "use 'requeue' or 'drain'")
+
+    @classmethod
+    def from_cfg(cls, cfg: Any) -> "SimEngineConfig":
+        """Build from the Hydra ``engine`` node; unknown keys raise."""
+        data = dict(cfg.items())
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise ValueError(f"SimEngineConfig: unknown config keys {unknown}; known keys are {sorted(names)}")
+        return cls(**data)
+
+
+class _Seq:
+    """Book-keeping of one request inside the engine."""
+
+    __slots__ = ("req", "rid", "prompt", "out", "gen", "computed", "held", "shared", "reg_done",
+                 "first_token_time", "npre", "base", "phase", "epoch", "decoding")
+
+    def __init__(self, req: Request, out: int) -> None:
+        self.req = req
+        self.rid = req.request_id
+        self.prompt = req.prompt_len
+        self.out = out
+        self.gen = 0  # output tokens produced so far
+        self.computed = 0  # tokens with KV computed (prefill phase only; decoders are implicit)
+        self.held = 0  # blocks held in prefill phase (shared ones included)
+        self.shared: list[int] = []  # prefix-cache hashes this request references, in order
+        self.reg_done = False  # stopped registering prefix blocks
+        self.first_token_time = math.nan
+        self.npre = 0
+        self.base = 0  # decode: context at iteration j is base + j
+        self.phase = 0  # decode: needs a new block at iteration j iff (phase + j) % bs == 0
+        self.epoch = 0  # bumps when leaving the decode set, invalidating heap entries
+        self.decoding = False
+
+
+class SimEngine(Engine):
+    """Simulated vLLM V1 engine (see module docstring)."""
+
+    def __init__(self, hardware: HardwareSpec, model: ModelSpec, config: SimEngineConfig | None = None) -> None:
+        self.hw = hardware
+        self.model = model
+        self.cfg = config or SimEngineConfig()
+        reason = hardware.kv_dtype_reason(self.cfg.kv_dtype)
+        if reason is not None:
+            raise DtypeUnavailable(reason)
+        self._now = 0.0
+        self._it = 0  # global iteration counter
+        self._max_active = self.cfg.max_num_seqs
+        self._draining = False
+        self._pending = StepResult(start_time=0.0, duration=0.0)
+        self._num_preemptions = 0
+        self._pc_queries = 0
+        self._pc_hits = 0
+        self._ids: set[str] = set()
+        self._waiting: deque[_Seq] = deque()
+        self._running: dict[str, _Seq] = {}
+        self._configure(self.cfg.kv_dtype)
+
+    @classmethod
+    def from_cfg(cls, cfg: Any) -> "SimEngine":
+        """Build from the full composed config (``cfg.hardware``, ``cfg.model``, ``cfg.engine``)."""
+        return cls(HardwareSpec.from_cfg(cfg.hardware), ModelSpec.from_cfg(cfg.model),
+                   SimEngineConfig.from_cfg(cfg.engine))
+
+    # ---- memory ------------------------------------------------------------------------------
+    def _activation_bytes(self) -> float:
+        if self.cfg.activation_workspace_gb is not None:
+            return self.cfg.activation_workspace_gb * 1e9
+        m, tp = self.model, self.model.tensor_parallel
+        per_token = 2.0 * (4 * m.hidden_size + 3 * m.intermediate_size / tp)
+        logits = 4.0 * self.cfg.max_num_seqs * m.vocab_size / tp
+        return self.cfg.max_num_batched_tokens * per_token + logits + _RESERVE_BYTES
+
+    def _blocks_for(self, kv_dtype: str) -> int:
+        budget = self.cfg.gpu_memory_utilization * self.hw.memory_gb * 1e9
+        free = budget - self.model.weights_bytes_per_rank - self._activation_bytes()
+        n = int(free // self.model.kv_block_bytes(kv_dtype, self.cfg.block_size))
+        if self.cfg.num_gpu_blocks_override is not None:
+            n = min(n, self.cfg.num_gpu_blocks_override) if n > 0 else self.cfg.num_gpu_blocks_override
+        if n < 1:
+            raise ValueError(
+                f"{self.model.name} does not fit on {self.hw.name}: weights {self.model.weights_bytes_per_rank / 1e9:.1f} GB"
+                f" + activations {self._activation_bytes() / 1e9:.1f} GB per rank exceed gpu_memory_utilization x memory"
+                f" = {budget / 1e9:.1f} GB; raise model.tensor_parallel or use a larger GPU")
+        return n
+
+    def _configure(self, kv_dtype: str) -> None:
+        """(Re)build capacity, the step-time model and an empty block pool for ``kv_dtype``."""
+        self._kv_dtype = kv_dtype
+        self._total_blocks = self._blocks_for(kv_dtype)
+        self._free = self._total_blocks
+        self._cache: dict[int, int] = {}  # hash -> refcount
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # refcount-0 hashes, LRU first
+        self._st = StepTimeModel.build(self.hw, self.model, kv_dtype, self.cfg.max_num_batched_tokens,
+                                       self.cfg.max_num_seqs)
+        bs = self.cfg.block_size
+        self._bph = 512 // bs if 512 % bs == 0 else 0  # blocks per prefix hash (0 = caching off)
+        self._n_dec = 0
+        self._sum_base = 0
+        self._cnt = [0] * bs
+        self._heap: list[tuple[int, int, int, _Seq]] = []
+        self._hseq = 0
+        self._partial: _Seq | None = None
+
+    # ---- Engine API --------------------------------------------------------------------------
+    @property
+    def now(self) -> float:
+        return self._now
+
+    @property
+    def kv_dtype(self) -> str:
+        return self._kv_dtype
+
+    @property
+    def num_kv_blocks_total(self) -> int:
+        return self._total_blocks
+
+    def capabilities(self) -> EngineCapabilities:
+        return EngineCapabilities(
+            kv_dtypes={d: self.hw.kv_dtype_reason(d) for d in _ALL_DTYPES},
+            max_model_len=self.model.max_model_len, max_num_seqs=self.cfg.max_num_seqs,
+            max_num_batched_tokens=self.cfg.max_num_batched_tokens, block_size=self.cfg.block_size,
+            supports_max_active=True)
+
+    def memory_model(self) -> MemoryModel:
+        return MemoryModel(
+            budget_bytes=self.cfg.gpu_memory_utilization * self.hw.memory_gb * 1e9,
+            weights_bytes=self.model.weights_bytes_per_rank, activation_bytes=self._activation_bytes(),
+            block_size=self.cfg.block_size,
+            kv_block_bytes={d: self.model.kv_block_bytes(d, self.cfg.block_size) for d in _ALL_DTYPES},
+            num_kv_blocks_total=self._total_blocks)
+
+    def add_request(self, request: Request) -> None:
+        rid = request.request_id
+        if rid in self._ids:
+            raise ValueError(f"request id {rid!r} is already in the engine; ids must be unique")
+        if request.prompt_len < 1 or request.output_len < 1:
+            raise RequestRejected(rid, "invalid_length", f"prompt_len={request.prompt_len} and output_len="
+                                  f"{request.output_len} must both be >= 1")
+        mml = self.model.max_model_len
+        if request.prompt_len > mml:
+            raise RequestRejected(rid, "prompt_too_long", f"prompt_len={request.prompt_len} > max_model_len={mml}")
+        # vLLM stops a request at max_model_len: the output is clipped, not rejected.
+        out = max(1, min(request.output_len, mml - request.prompt_len))
+        need = -(-(request.prompt_len + out) // self.cfg.block_size)
+        if need > self._total_blocks:
+            raise RequestRejected(rid, "exceeds_kv_capacity", f"needs {need} KV blocks, the cache has "
+                                  f"{self._total_blocks}; use a smaller request or an 8-bit KV dtype")
+        self._ids.add(rid)
+        self._waiting.append(_Seq(request, out))
+
+    def set_max_active(self, n: int) -> bool:
+        """Limit running requests (as vLLM's ``max_num_active_reqs``): stops admissions while
+        ``n`` or more run; never preempts."""
+        if n < 0:
+            raise ValueError(f"set_max_active(n={n}): n must be >= 0")
+        self._max_active = min(int(n), self.cfg.max_num_seqs)
+        return True
+
+    def idle_until(self, t: float) -> None:
+        if t > self._now:
+            self._now = t
+
+    def stats(self) -> EngineStats:
+        used = self._total_blocks - self._available()
+        return EngineStats(time=self._now, num_running=len(self._running), num_waiting=len(self._waiting),
+                           num_kv_blocks_used=used, num_kv_blocks_total=self._total_blocks,
+                           kv_cache_usage=used / self._total_blocks, num_preemptions=self._num_preemptions,
+                           prefix_cache_queries=self._pc_queries, prefix_cache_hits=self._pc_hits)
+
+    def restart(self, kv_dtype: str | None = None) -> float:
+        """Rebuild with ``kv_dtype``; charges ``model.restart_base_s`` on the clock. In-flight
+        requests are re-queued by recompute (each counts one preemption) or drained first."""
+        new = self._kv_dtype if kv_dtype is None else kv_dtype
+        reason = self.hw.kv_dtype_reason(new)
+        if reason is not None:
+            raise DtypeUnavailable(reason)
+        if self.cfg.restart_mode == "drain":
+            self._draining = True
+            try:
+                while self._running:
+                    self._iterate(self._pending)
+            finally:
+                self._draining = False
+        for seq in reversed(list(self._running.values())):
+            self._preempt(seq)
+            seq.npre += 1  # recomputed after the restart
+        self._running.clear()
+        self._configure(new)
+        cost = self.model.restart_base_s
+        self._now += cost
+        return cost
+
+    def step(self) -> StepResult:
+        agg = self._take_pending()
+        self._iterate(agg)
+        agg.duration = self._now - agg.start_time
+        return agg
+
+    def advance_until(self, t_end: float, stop_on_finish: bool = False) -> StepResult:
+        agg = self._take_pending()
+        while self._now < t_end:
+            if self._partial is None and self._n_dec and not self._can_admit():
+                self._fast_forward(t_end, stop_on_finish, agg)
+                if self._now >= t_end:
+                    break
+            nfin = len(agg.finished)
+            if not self._iterate(agg):
+                self.idle_until(t_end)
+                break
+            if stop_on_finish and len(agg.finished) > nfin:
+                break
+        agg.duration = self._now - agg.start_time
+        return agg
+
+    # ---- internals ---------------------------------------------------------------------------
+    def _take_pending(self) -> StepResult:
+        agg, self._pending = self._pending, StepResult(start_time=self._now, duration=0.0)
+        if agg.num_iterations == 0 and not agg.finished:
+            agg = StepResult(start_time=self._now, duration=0.0)
+        return agg
+
+    def _available(self) -> int:
+        return self._free + len(self._evictable) * self._bph
+
+    def _take_blocks(self, n: int) -> None:
+        """Allocate ``n`` blocks: plain free ones first, then evict LRU unreferenced cache entries."""
+        while self._free < n:
+            h, _ = self._evictable.popitem(last=False)
+            del self._cache[h]
+            self._free += self._bph
+        self._free -= n
+
+    def _release(self, seq: _Seq, held: int) -> None:
+        """Give back a request's ``held`` blocks (private ones freed, shared ones de-referenced)."""
+        bph = self._bph
+        self._free += held - len(seq.shared) * bph
+        cache, ev = self._cache, self._evictable
+        for h in reversed(seq.shared):
+            c = cache[h] - 1
+            cache[h] = c
+            if c == 0:
+                ev[h] = None
+        seq.shared = []
+        seq.held = 0
+
+    def _leave_decode(self, seq: _Seq) -> None:
+        self._n_dec -= 1
+        self._sum_base -= seq.base
+        self._cnt[seq.phase] -= 1
+        seq.epoch += 1
+        seq.decoding = False
+
+    def _preempt(self, seq: _Seq) -> None:
+        """Recompute-preempt ``seq``: free its KV, put it at the front of the waiting queue."""
+        if seq.decoding:
+            held = -(-(seq.base + self._it - 1) // self.cfg.block_size)  # KV after the last iteration
+            self._leave_decode(seq)
+        else:
+            held = seq.held
+        self._release(seq, held)
+        if self._partial is seq:
+            self._partial = None
+        seq.computed = 0
+        seq.reg_done = False
+        self._running.pop(seq.rid, None)
+        self._waiting.appendleft(seq)
+
+    def _lookup(self, seq: _Seq) -> int:
+        """Number of leading prefix hashes of ``seq`` found in the cache (usable as hits)."""
+        hashes = seq.req.prefix_hashes
+        if not hashes or not self._bph or seq.req.prefix_block_tokens != 512:
+            return 0
+        cache = self._cache
+        n = 0
+        # Only full 512-token prompt blocks, and keep >= 1 token to compute (as vLLM).
+        limit = min(len(hashes), seq.prompt // 512, (seq.prompt + seq.gen - 1) // 512)
+        while n < limit and hashes[n] in cache:
+            n += 1
+        return n
+
+    def _admission_need(self, seq: _Seq, budget: int) -> tuple[int, int, int]:
+        """(hits, chunk, blocks still needed beyond what is available) for admitting ``seq``."""
+        hits = self._lookup(seq) if self.cfg.enable_prefix_caching else 0
+        start = hits * 512
+        chunk = min(seq.prompt + seq.gen - start, budget)
+        new = -(-(start + chunk) // self.cfg.block_size) - hits * self._bph
+        ev = self._evictable
+        locked = sum(1 for h in seq.req.prefix_hashes[:hits] if h in ev) * self._bph
+        return hits, chunk, new - (self._available() - locked)
+
+    def _can_admit(self) -> bool:
+        if not self._waiting or self._draining or len(self._running) >= self._max_active:
+            return False
+        budget = self.cfg.max_num_batched_tokens - self._n_dec
+        if budget <= 0:
+            return False
+        return self._admission_need(self._waiting[0], budget)[2] <= 0
+
+    def _register(self, seq: _Seq) -> None:
+        """Publish fully computed 512-token prompt blocks of ``seq`` in the prefix cache."""
+        hashes = seq.req.prefix_hashes
+        upto = min(len(hashes), min(seq.computed, seq.prompt) // 512)
+        cache = self._cache
+        k = len(seq.shared)
+        while k < upto:
+            h = hashes[k]
+            if h in cache:  # computed twice (admitted before the other copy was cached)
+                seq.reg_done = True
+                return
+            cache[h] = 1
+            seq.shared.append(h)
+            k += 1
+
+    def _schedule_running(self, budget: int) -> tuple[int, list[tuple[_Seq, int, int]], bool]:
+        """Allocate this iteration's blocks for the running requests, preempting from the back
+        when blocks run out. Returns (budget left, [(partial, chunk, prior)], preempted?)."""
+        bs = self.cfg.block_size
+        j = self._it
+        p = self._partial
+        need = self._cnt[(-j) % bs] if self._n_dec else 0
+        pchunk = pneed = 0
+        if p is not None:
+            pchunk = min(p.prompt + p.gen - p.computed, budget - self._n_dec)
+            pneed = -(-(p.computed + pchunk) // bs) - p.held
+        if need + pneed <= self._available():
+            self._take_blocks(need + pneed)
+            sched = [(p, pchunk, p.computed)] if p is not None else []
+            if p is not None:
+                p.held += pneed
+            return budget - self._n_dec - pchunk, sched, False
+        # Slow path: vLLM's running loop with preemption of the most recently admitted.
+        order = list(self._running.values())
+        avail = self._available()
+        i = 0
+        preempted = False
+        sched: list[tuple[_Seq, int, int]] = []
+        left = budget
+        while i < len(order):
+            seq = order[i]
+            if seq.decoding:
+                r_need, r_tok = (1 if (seq.phase + j) % bs == 0 else 0), 1
+            else:
+                r_tok = min(seq.prompt + seq.gen - seq.computed, left)
+                r_need = -(-(seq.computed + r_tok) // bs) - seq.held
+            victim_self = False
+            while avail < r_need:
+                victim = order.pop()
+                self._preempt(victim)
+                self._num_preemptions += 1
+                self._pending_preempted.append(victim.rid)
+                victim.npre += 1
+                preempted = True
+                avail = self._available()
+                if victim is seq:
+                    victim_self = True
+                    break
+            if victim_self:
+                break
+            self._take_blocks(r_need)
+            avail -= r_need
+            left -= r_tok
+            if not seq.decoding:
+                seq.held += r_need
+                sched.append((seq, r_tok, seq.computed))
+            i += 1
+        return left, sched, preempted
+
+    def _iterate(self, agg: StepResult) -> bool:
+        """Run one iteration into ``agg``; False when there is nothing to run."""
+        cfg = self.cfg
+        if not self._running and not self._can_admit():
+            return False
+        bs = cfg.block_size
+        j = self._it
+        self._pending_preempted = agg.preempted
+        left, prefills, preempted = self._schedule_running(cfg.max_num_batched_tokens)
+        n = self._n_dec  # decoders scheduled (after any preemption)
+        # Admit waiting requests (not in an iteration that preempted).
+        if not preempted and not self._draining:
+            waiting, running = self._waiting, self._running
+            while waiting and left > 0 and len(running) < self._max_active:
+                seq = waiting[0]
+                hits, chunk, short = self._admission_need(seq, left)
+                if short > 0:
+                    break
+                waiting.popleft()
+                running[seq.rid] = seq
+                if cfg.enable_prefix_caching:
+                    self._pc_queries += seq.prompt + seq.gen
+                if hits:
+                    self._pc_hits += hits * 512
+                    ev, cache = self._evictable, self._cache
+                    for h in seq.req.prefix_hashes[:hits]:
+                        cache[h] += 1
+                        ev.pop(h, None)
+                    seq.shared = list(seq.req.prefix_hashes[:hits])
+                    seq.computed = hits * 512
+                    seq.held = hits * self._bph
+                new = -(-(seq.computed + chunk) // bs) - seq.held
+                self._take_blocks(new)
+                seq.held += new
+                prefills.append((seq, chunk, seq.computed))
+                left -= chunk
+        if n == 0 and not prefills:
+            return preempted  # everything was preempted: no time passes, the next call admits
+        # Step time from aggregates.
+        ptok = 0
+        pairs = 0.0
+        pctx = 0
+        for seq, c, prior in prefills:
+            ptok += c
+            pairs += c * (prior + (c + 1) / 2)
+            pctx += prior + c
+        dt = self._st.step_time(ptok, pairs, pctx, n, self._sum_base + n * j, n + len(prefills))
+        t = self._now + dt
+        # Apply prefill progress.
+        out_tokens = n
+        for seq, c, prior in prefills:
+            seq.computed = prior + c
+            if self.cfg.enable_prefix_caching and seq.req.prefix_hashes and not seq.reg_done:
+                self._register(seq)
+            total = seq.prompt + seq.gen
+            if seq.computed < total:
+                self._partial = seq
+                continue
+            if self._partial is seq:
+                self._partial = None
+            seq.gen += 1
+            out_tokens += 1
+            if seq.gen == 1:
+                seq.first_token_time = t
+                agg.first_tokens.append((seq.rid, seq.req.arrival_time, t))
+            if seq.gen >= seq.out:
+                self._finish(seq, seq.held, t, agg)
+                continue
+            L = seq.computed
+            seq.base = L - j
+            seq.phase = (L - j - 1) % bs
+            seq.decoding = True
+            self._n_dec += 1
+            self._sum_base += seq.base
+            self._cnt[seq.phase] += 1
+            self._hseq += 1
+            heapq.heappush(self._heap, (j + seq.out - seq.gen, self._hseq, seq.epoch, seq))
+        # Decoders: finishes at this iteration.
+        heap = self._heap
+        while heap and heap[0][0] <= j:
+            f, _, ep, seq = heapq.heappop(heap)
+            if ep != seq.epoch:
+                continue
+            seq.gen = seq.out
+            self._leave_decode(seq)
+            self._finish(seq, -(-(seq.base + j) // bs), t, agg)
+        agg.num_iterations += 1
+        agg.num_prefill_tokens += ptok
+        agg.num_decode_tokens += n
+        agg.num_output_tokens += out_tokens
+        self._now = t
+        self._it = j + 1
+        return True
+
+    def _finish(self, seq: _Seq, held: int, t: float, agg: StepResult) -> None:
+        self._release(seq, held)
+        del self._running[seq.rid]
+        self._ids.discard(seq.rid)
+        r = seq.req
+        agg.finished.append(FinishedRequest(r.request_id, r.arrival_time, seq.first_token_time, t, r.prompt_len,
+                                            seq.out, r.priority, seq.npre))
+
+    def _clean_heap(self) -> None:
+        heap = self._heap
+        while heap and heap[0][2] != heap[0][3].epoch:
+            heapq.heappop(heap)
+
+    def _fast_forward(self, t_end: float, stop_on_finish: bool, agg: StepResult) -> None:
+        """Run, in closed form, the pure-decode iterations before the next event: a finish,
+        block exhaustion, or the first iteration starting at or after ``t_end``."""
+        self._clean_heap()
+        j, n, bs = self._it, self._n_dec, self.cfg.block_size
+        k_fin = self._heap[0][0] - j if self._heap else 1 << 62  # iterations before the finishing one
+        if k_fin <= 0:
+            return
+        a, b = self._st.decode_coeffs(n)
+        a0 = a + b * (self._sum_base + n * j)  # first iteration's time
+        bn = b * n
+        D = t_end - self._now
+
+        def span(k: int) -> float:
+            return k * a0 + bn * (k * (k - 1) / 2.0)
+
+        # Smallest k with span(k) >= D: iterations 0..k-1 start before t_end.
+        if bn > 0:
+            q = a0 - bn / 2.0
+            k_time = max(0, math.ceil((-q + math.sqrt(q * q + 2.0 * bn * D)) / bn))
+        else:
+            k_time = max(0, math.ceil(D / a0))
+        while k_time > 0 and span(k_time - 1) >= D:
+            k_time -= 1
+        while span(k_time) < D:
+            k_time += 1
+        K = min(k_fin, k_time)
+        # Blocks: the decode set needs cnt[(-(j+m)) % bs] blocks at iteration j+m.
+        cnt = self._cnt
+        cyc = [cnt[(-(j + m)) % bs] for m in range(bs)]
+        avail = self._available()
+
+        def need(k: int) -> int:
+            qk, rk = divmod(k, bs)
+            return qk * n + sum(cyc[:rk])
+
+        if need(K) > avail:
+            c = avail // n
+            rem = avail - c * n
+            m = 0
+            while cyc[m] <= rem:
+                rem -= cyc[m]
+                m += 1
+            K = c * bs + m
+        if K <= 0:
+            return
+        self._take_blocks(need(K))
+        self._now += span(K)
+        self._it = j + K
+        agg.num_iterations += K
+        agg.num_decode_tokens += n * K
+        agg.num_output_tokens += n * K
