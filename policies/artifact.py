@@ -86,7 +86,8 @@ class Artifact:
     normalization: Normalization | None
     nvec: tuple[int, ...]
     activation: str
-    layers: tuple[tuple[np.ndarray, np.ndarray], ...]  # (weight (out, in), bias (out,)); last = action_net
+    #: (weight (out, in), bias (out,)) per Linear, in order; the last one is action_net.
+    layers: tuple[tuple[np.ndarray, np.ndarray], ...]
 
 
 # --- helpers shared by writer and reader ----------------------------------------------------
@@ -148,7 +149,9 @@ def write_artifact(
         w = np.ascontiguousarray(w, dtype=np.float32)
         b = np.ascontiguousarray(b, dtype=np.float32)
         if w.ndim != 2 or b.shape != (w.shape[0],):
-            raise ValueError(f"layer {wn}: weight {w.shape} and bias {b.shape} do not form a Linear")
+            raise ValueError(
+                f"layer {wn}: weight {w.shape} and bias {b.shape} do not form a Linear"
+            )
         tensors[wn], tensors[bn] = w, b
         layer_meta.append({"weight": wn, "bias": bn, "shape": list(w.shape)})
     blob = _st_save(tensors, metadata={"format": FORMAT_NAME})
@@ -215,7 +218,11 @@ def _features_diff(got: list[str], want: list[str]) -> str:
     if extra:
         parts.append(f"not expected {extra}")
     if not parts:
-        moved = [f"{i}: artifact {g!r} vs expected {w!r}" for i, (g, w) in enumerate(zip(got, want)) if g != w]
+        moved = [
+            f"{i}: artifact {g!r} vs expected {w!r}"
+            for i, (g, w) in enumerate(zip(got, want))
+            if g != w
+        ]
         parts.append("same features in a different order (" + "; ".join(moved) + ")")
     return ", ".join(parts)
 
@@ -268,9 +275,12 @@ def read_artifact(
         raise _fail(root, f"{MANIFEST_FILE} malformed section: {type(e).__name__}: {e}") from e
 
     if expected_features is not None and features != list(expected_features):
-        raise _fail(root, "observation features differ: " + _features_diff(features, list(expected_features)))
+        diff = _features_diff(features, list(expected_features))
+        raise _fail(root, f"observation features differ: {diff}")
     if expected_nvec is not None and nvec != tuple(expected_nvec):
-        raise _fail(root, f"action nvec {list(nvec)} differs from the expected {list(expected_nvec)}")
+        raise _fail(
+            root, f"action nvec {list(nvec)} differs from the expected {list(expected_nvec)}"
+        )
     if activation not in ACTIVATIONS:
         raise _fail(root, f"network.activation {activation!r} not one of {ACTIVATIONS}")
     if not isinstance(layer_meta, list) or not layer_meta:
@@ -283,10 +293,13 @@ def read_artifact(
             var = np.asarray(norm_raw["var"], dtype=np.float64)
             eps, clip = float(norm_raw["epsilon"]), float(norm_raw["clip_obs"])
         except (KeyError, TypeError, ValueError) as e:
-            raise _fail(root, f"observation.normalization malformed: {type(e).__name__}: {e}") from e
+            msg = f"observation.normalization malformed: {type(e).__name__}: {e}"
+            raise _fail(root, msg) from e
         n = len(features)
         if mean.shape != (n,) or var.shape != (n,):
-            raise _fail(root, f"normalization mean {mean.shape}/var {var.shape} must both be ({n},)")
+            raise _fail(
+                root, f"normalization mean {mean.shape}/var {var.shape} must both be ({n},)"
+            )
         if (var < 0).any() or not (eps > 0 and clip > 0 and math.isfinite(clip)):
             raise _fail(root, "normalization needs var >= 0, epsilon > 0 and a finite clip_obs > 0")
         normalization = Normalization(mean, var, eps, clip)
@@ -335,7 +348,9 @@ def read_artifact(
         layers.append((w.astype(np.float32), b.astype(np.float32)))
         in_dim = w.shape[0]
     if in_dim != sum(nvec):
-        raise _fail(root, f"action head has {in_dim} outputs but sum(nvec {list(nvec)}) = {sum(nvec)}")
+        raise _fail(
+            root, f"action head has {in_dim} outputs but sum(nvec {list(nvec)}) = {sum(nvec)}"
+        )
 
     return Artifact(
         path=root,

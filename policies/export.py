@@ -12,10 +12,10 @@ lazily so that importing this module stays cheap.
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import zipfile
-import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
@@ -44,7 +44,9 @@ class ExportError(RuntimeError):
 def action_section(nvec: Sequence[int]) -> dict[str, Any]:
     """The manifest's action description: batchpilot's ``MultiDiscrete([5, 3, 3])``."""
     if tuple(nvec) != ACTION_NVEC:
-        raise ExportError(f"model action space nvec {list(nvec)} is not batchpilot's {list(ACTION_NVEC)}")
+        raise ExportError(
+            f"model action space nvec {list(nvec)} is not batchpilot's {list(ACTION_NVEC)}"
+        )
     return {
         "type": "MultiDiscrete",
         "nvec": list(ACTION_NVEC),
@@ -66,20 +68,24 @@ def _actor_layers(policy: Any) -> tuple[str, list[tuple[np.ndarray, np.ndarray]]
 
     extractor = getattr(policy, "pi_features_extractor", policy.features_extractor)
     if not isinstance(extractor, FlattenExtractor):
-        raise ExportError(f"features extractor {type(extractor).__name__} not supported (only FlattenExtractor)")
+        raise ExportError(
+            f"features extractor {type(extractor).__name__} not supported (only FlattenExtractor)"
+        )
     layers: list[tuple[np.ndarray, np.ndarray]] = []
     acts: set[str] = set()
     for i, mod in enumerate(policy.mlp_extractor.policy_net):
         if isinstance(mod, nn.Linear):
             if mod.bias is None:
                 raise ExportError(f"policy_net[{i}] is a Linear without bias; not supported")
-            layers.append((mod.weight.detach().cpu().numpy().copy(), mod.bias.detach().cpu().numpy().copy()))
+            layers.append((_np(mod.weight), _np(mod.bias)))
         elif isinstance(mod, nn.Tanh):
             acts.add("tanh")
         elif isinstance(mod, nn.ReLU):
             acts.add("relu")
         else:
-            raise ExportError(f"policy_net[{i}] is {type(mod).__name__}; only Linear, Tanh and ReLU are supported")
+            raise ExportError(
+                f"policy_net[{i}] is {type(mod).__name__}; only Linear, Tanh and ReLU are supported"
+            )
     if len(acts) > 1:
         raise ExportError(f"policy_net mixes activations {sorted(acts)}; the runtime applies one")
     fn = getattr(policy, "activation_fn", None)
@@ -88,8 +94,12 @@ def _actor_layers(policy: Any) -> tuple[str, list[tuple[np.ndarray, np.ndarray]]
     head = policy.action_net
     if not isinstance(head, nn.Linear):
         raise ExportError(f"action_net is {type(head).__name__}, expected a Linear")
-    layers.append((head.weight.detach().cpu().numpy().copy(), head.bias.detach().cpu().numpy().copy()))
+    layers.append((_np(head.weight), _np(head.bias)))
     return activation, layers
+
+
+def _np(t: Any) -> np.ndarray:
+    return t.detach().cpu().numpy().copy()
 
 
 def _normalization(vecnormalize: "VecNormalize | None", n_features: int) -> Normalization | None:
@@ -100,8 +110,11 @@ def _normalization(vecnormalize: "VecNormalize | None", n_features: int) -> Norm
         raise ExportError("VecNormalize over a Dict observation space is not supported")
     mean, var = np.asarray(rms.mean, dtype=np.float64), np.asarray(rms.var, dtype=np.float64)
     if mean.shape != (n_features,):
-        raise ExportError(f"VecNormalize stats have shape {mean.shape}, the model expects ({n_features},)")
-    return Normalization(mean=mean, var=var, epsilon=float(vecnormalize.epsilon), clip_obs=float(vecnormalize.clip_obs))
+        raise ExportError(
+            f"VecNormalize stats have shape {mean.shape}, the model expects ({n_features},)"
+        )
+    eps, clip = float(vecnormalize.epsilon), float(vecnormalize.clip_obs)
+    return Normalization(mean=mean, var=var, epsilon=eps, clip_obs=clip)
 
 
 def torch_logits(policy: Any, obs_norm: np.ndarray) -> np.ndarray:
@@ -132,14 +145,18 @@ def check_parity(
     max_logit_err = float(np.abs(runtime.logits(obs) - ref_logits).max())
     scale = max(1.0, float(np.abs(ref_logits).max()))
     if not max_logit_err <= LOGIT_RTOL * scale:
-        raise ExportError(f"parity failed: runtime logits differ from torch by {max_logit_err:.2e} (scale {scale:.2g})")
+        raise ExportError(
+            f"parity failed: runtime logits differ from torch by {max_logit_err:.2e} "
+            f"(scale {scale:.2g})"
+        )
     # Decisions may differ only where two logits are within a few rounding errors of each other.
     tie_tol = max(10.0 * max_logit_err, 1e-7)
     maskable = _is_maskable(model)
     masks_list: list[np.ndarray | None] = [None]
     if maskable:
         m = rng.random((n, runtime.n_logits)) < 0.7
-        for s, k in zip(runtime._starts, runtime.nvec):  # keep one allowed value per sub-action
+        starts = np.concatenate([[0], np.cumsum(runtime.nvec)[:-1]])
+        for s, k in zip(starts, runtime.nvec):  # keep one allowed value per sub-action
             m[np.arange(n), s + rng.integers(0, k, size=n)] = True
         masks_list.append(m)
     mismatches = ties = 0
@@ -148,14 +165,16 @@ def check_parity(
             ref, _ = model.predict(obs_norm, action_masks=masks, deterministic=True)
         else:
             ref, _ = model.predict(obs_norm, deterministic=True)
-        bad, tie = parity_mismatches(ref, runtime.act(obs, masks), ref_logits, masks, runtime.nvec, tie_tol)
+        got = runtime.act(obs, masks)
+        bad, tie = parity_mismatches(ref, got, ref_logits, masks, runtime.nvec, tie_tol)
         mismatches, ties = mismatches + bad, ties + tie
     if mismatches:
         raise ExportError(
             f"parity failed: runtime and SB3 disagree on {mismatches} of {n * len(masks_list)} "
             f"decisions (max logit error {max_logit_err:.2e})"
         )
-    return {"n": float(n * len(masks_list)), "max_logit_err": max_logit_err, "near_ties": float(ties)}
+    n_total = float(n * len(masks_list))
+    return {"n": n_total, "max_logit_err": max_logit_err, "near_ties": float(ties)}
 
 
 def parity_mismatches(
@@ -240,7 +259,9 @@ def export_policy(
     return out
 
 
-def load_sb3(model_path: str | os.PathLike[str], vecnorm_path: str | os.PathLike[str] | None = None) -> tuple[Any, "VecNormalize | None"]:
+def load_sb3(
+    model_path: str | os.PathLike[str], vecnorm_path: str | os.PathLike[str] | None = None
+) -> tuple[Any, "VecNormalize | None"]:
     """Load a saved model (MaskablePPO or PPO, told apart by the policy class recorded in the
     zip) and, if given, its VecNormalize statistics (SB3's own pickle, from our training run)."""
     path = Path(model_path)

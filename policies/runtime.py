@@ -97,11 +97,16 @@ class PolicyRuntime:
         m = np.asarray(mask, dtype=bool)
         want = (self.n_logits,) if batch is None else (batch, self.n_logits)
         if m.shape != want and not (batch is not None and m.shape == (self.n_logits,)):
-            raise ValueError(f"action mask shape {m.shape}: expected {want} (flat MaskablePPO layout)")
+            raise ValueError(
+                f"action mask shape {m.shape}: expected {want} (flat MaskablePPO layout)"
+            )
         allowed = np.logical_or.reduceat(m, self._starts, axis=-1)
         if not allowed.all():
-            dead = sorted(set(np.flatnonzero(~allowed.reshape(-1, len(self.nvec)).all(axis=0)).tolist()))
-            raise ValueError(f"action mask allows no value for sub-action(s) {dead} of nvec {list(self.nvec)}")
+            per_sub = allowed.reshape(-1, len(self.nvec)).all(axis=0)
+            dead = np.flatnonzero(~per_sub).tolist()
+            raise ValueError(
+                f"action mask allows no value for sub-action(s) {dead} of nvec {list(self.nvec)}"
+            )
         return m
 
     # --- forward -----------------------------------------------------------------------------
@@ -150,7 +155,13 @@ class PolicyRuntime:
         return padded[..., self._gather].argmax(axis=-1)
 
 
-def benchmark_runtime(artifact_dir: str | os.PathLike[str], n_calls: int = 20_000, *, with_mask: bool = False, seed: int = 0) -> dict[str, float]:
+def benchmark_runtime(
+    artifact_dir: str | os.PathLike[str],
+    n_calls: int = 20_000,
+    *,
+    with_mask: bool = False,
+    seed: int = 0,
+) -> dict[str, float]:
     """Decision latency of ``act`` on single observations (the bench's ``policy`` target).
 
     Observations are drawn beforehand, uniform in the observation box, so only ``act`` is

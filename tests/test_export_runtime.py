@@ -61,7 +61,9 @@ class DummyServeEnv(gym.Env):
         return m
 
 
-def _make(algo: type, net_arch: list[int], activation: str, learn: int) -> tuple[object, VecNormalize]:
+def _make(
+    algo: type, net_arch: list[int], activation: str, learn: int
+) -> tuple[object, VecNormalize]:
     import torch.nn as nn
 
     venv = VecNormalize(DummyVecEnv([DummyServeEnv]), norm_obs=True, norm_reward=True, clip_obs=5.0)
@@ -69,8 +71,12 @@ def _make(algo: type, net_arch: list[int], activation: str, learn: int) -> tuple
     venv.reset()
     for _ in range(200):  # non-trivial running stats before (and beyond) learning
         venv.step(np.array([venv.action_space.sample()]))
-    kwargs = dict(net_arch=dict(pi=net_arch, vf=[16]), activation_fn={"tanh": nn.Tanh, "relu": nn.ReLU}[activation])
-    model = algo("MlpPolicy", venv, n_steps=128, batch_size=64, n_epochs=1, seed=0, policy_kwargs=kwargs, device="cpu")
+    act_fn = {"tanh": nn.Tanh, "relu": nn.ReLU}[activation]
+    kwargs = dict(net_arch=dict(pi=net_arch, vf=[16]), activation_fn=act_fn)
+    model = algo(
+        "MlpPolicy", venv, n_steps=128, batch_size=64, n_epochs=1, seed=0,
+        policy_kwargs=kwargs, device="cpu",
+    )
     if learn:
         model.learn(learn)
     venv.training = False
@@ -83,7 +89,9 @@ def maskable(tmp_path_factory) -> tuple[object, VecNormalize, Path]:
     out = tmp_path_factory.mktemp("art") / "policy"
     from batchpilot.policies.export import export_policy
 
-    export_policy(model, venv, out, shield=SHIELD, slo=SLO, train_config=TRAIN_CFG, parity_samples=512)
+    export_policy(
+        model, venv, out, shield=SHIELD, slo=SLO, train_config=TRAIN_CFG, parity_samples=512
+    )
     return model, venv, out
 
 
@@ -138,13 +146,16 @@ def test_plain_ppo_relu_without_vecnormalize(tmp_path: Path) -> None:
     from batchpilot.policies.export import export_policy
 
     model, venv = _make(PPO, [32], "relu", learn=0)
-    out = export_policy(model, None, tmp_path / "p", shield=SHIELD, slo=SLO, train_config={}, parity_samples=256)
+    out = export_policy(
+        model, None, tmp_path / "p", shield=SHIELD, slo=SLO, train_config={}, parity_samples=256
+    )
     m = json.loads((out / MANIFEST_FILE).read_text())
     assert m["network"]["activation"] == "relu" and m["observation"]["normalization"] is None
     rt = PolicyRuntime.from_dir(out)
     obs = np.random.default_rng(3).uniform(0, 10, (2000, N_FEAT)).astype(np.float32)
     ref, _ = model.predict(obs, deterministic=True)
-    real, ties = parity_mismatches(ref, rt.act(obs), torch_logits(model.policy, obs), None, ACTION_NVEC, 1e-6)
+    logits = torch_logits(model.policy, obs)
+    real, ties = parity_mismatches(ref, rt.act(obs), logits, None, ACTION_NVEC, 1e-6)
     assert real == 0 and ties <= 2, (real, ties)
 
 
@@ -170,11 +181,13 @@ def test_manifest_records_what_serving_needs(maskable) -> None:
     assert m["observation"]["features"] == list(FEATURE_NAMES)
     norm = m["observation"]["normalization"]
     assert norm["mean"] == venv.obs_rms.mean.tolist() and norm["clip_obs"] == 5.0
-    assert m["action"]["nvec"] == list(ACTION_NVEC) and m["action"]["names"] == ["batch", "bucketing", "kv_dtype"]
+    assert m["action"]["nvec"] == list(ACTION_NVEC)
+    assert m["action"]["names"] == ["batch", "bucketing", "kv_dtype"]
     assert m["shield"]["max_step_frac"] == 0.3 and m["slo"] == SLO
     assert m["training"]["config_sha256"] == config_sha256(TRAIN_CFG)
     assert m["library_versions"]["torch"] and m["library_versions"]["sb3-contrib"]
-    assert [layer["shape"] for layer in m["network"]["layers"]] == [[64, N_FEAT], [64, 64], [11, 64]]
+    shapes = [layer["shape"] for layer in m["network"]["layers"]]
+    assert shapes == [[64, N_FEAT], [64, 64], [11, 64]]
     assert sorted(p.name for p in out.iterdir()) == [MANIFEST_FILE, WEIGHTS_FILE]
 
 
@@ -234,7 +247,8 @@ def test_wrong_format_version_refused(maskable, tmp_path: Path) -> None:
 def test_feature_mismatch_names_the_features(maskable) -> None:
     out = maskable[2]
     other = list(FEATURE_NAMES[:-1]) + ["gpu_temperature"]
-    with pytest.raises(PolicyLoadError, match=r"missing from artifact \['gpu_temperature'\].*not expected \['shield_interventions'\]"):
+    msg = r"missing from artifact \['gpu_temperature'\].*not expected \['shield_interventions'\]"
+    with pytest.raises(PolicyLoadError, match=msg):
         PolicyRuntime.from_dir(out, expected_features=other)
     swapped = list(FEATURE_NAMES)
     swapped[0], swapped[1] = swapped[1], swapped[0]
@@ -250,7 +264,11 @@ def test_nan_and_misshapen_weights_refused(maskable, tmp_path: Path) -> None:
     src = maskable[2]
     for name, mutate, msg in [
         ("nan", lambda t: t["policy_net.0.weight"].__setitem__((0, 0), np.nan), "non-finite"),
-        ("shape", lambda t: t.__setitem__("action_net.bias", np.zeros(10, np.float32)), "shapes of network.layers"),
+        (
+            "shape",
+            lambda t: t.__setitem__("action_net.bias", np.zeros(10, np.float32)),
+            "shapes of network.layers",
+        ),
         ("gone", lambda t: t.pop("action_net.weight"), "'action_net.weight'.*missing"),
     ]:
         p = tmp_path / name
@@ -259,7 +277,8 @@ def test_nan_and_misshapen_weights_refused(maskable, tmp_path: Path) -> None:
         mutate(tensors)
         blob = save(tensors)
         (p / WEIGHTS_FILE).write_bytes(blob)  # re-hashed: only the content check can catch it
-        _edit_manifest(p, lambda m: m["weights"].update(sha256=hashlib.sha256(blob).hexdigest(), bytes=len(blob)))
+        sha = hashlib.sha256(blob).hexdigest()
+        _edit_manifest(p, lambda m: m["weights"].update(sha256=sha, bytes=len(blob)))
         with pytest.raises(PolicyLoadError, match=msg):
             PolicyRuntime.from_dir(p)
 
@@ -288,7 +307,10 @@ def test_export_refuses_parity_failure(monkeypatch, tmp_path: Path) -> None:
     real = PolicyRuntime._logits
     monkeypatch.setattr(PolicyRuntime, "_logits", lambda self, h: real(self, h)[..., ::-1].copy())
     with pytest.raises(ex.ExportError, match="parity failed: runtime logits differ"):
-        ex.export_policy(model, venv, tmp_path / "x", shield=SHIELD, slo=SLO, train_config={}, parity_samples=256)
+        ex.export_policy(
+            model, venv, tmp_path / "x", shield=SHIELD, slo=SLO, train_config={},
+            parity_samples=256,
+        )
 
 
 # --- dependency-light import + latency --------------------------------------------------------
@@ -299,7 +321,8 @@ def test_runtime_imports_without_torch_or_sb3(maskable) -> None:
         "import numpy as np\n"
         f"rt = PolicyRuntime.from_dir({str(maskable[2])!r})\n"
         f"print(rt.act(np.ones({N_FEAT}, np.float32)).tolist())\n"
-        "heavy = [m for m in ('torch', 'stable_baselines3', 'sb3_contrib', 'gymnasium') if m in sys.modules]\n"
+        "heavy = ('torch', 'stable_baselines3', 'sb3_contrib', 'gymnasium')\n"
+        "heavy = [m for m in heavy if m in sys.modules]\n"
         "assert not heavy, heavy\n"
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
@@ -310,3 +333,36 @@ def test_benchmark_runtime_reports_latency(maskable) -> None:
     res = benchmark_runtime(maskable[2], n_calls=2000)
     assert res["n_calls"] == 2000 and 0 < res["p50_us"] <= res["p99_us"]
     assert res["p50_us"] < 1000  # generous: shared CI cores; the real target is p99 < 100 us
+
+
+# --- entry point ------------------------------------------------------------------------------
+def test_export_script_smoke(tmp_path: Path) -> None:
+    """scripts/export.py writes a loadable artifact and records the training run's shield."""
+    model, venv = _make(MaskablePPO, [16], "tanh", learn=0)
+    run = tmp_path / "run"
+    (run / ".hydra").mkdir(parents=True)
+    model.save(run / "model.zip")
+    venv.save(run / "vecnormalize.pkl")
+    (run / ".hydra" / "config.yaml").write_text(
+        "seed: 7\nshield:\n  max_step_frac: 0.2\n  memory_ceiling: 0.75\n"
+    )
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run(
+        [
+            sys.executable,
+            str(root / "scripts" / "export.py"),
+            f"model_path={run / 'model.zip'}",
+            f"vecnorm_path={run / 'vecnormalize.pkl'}",
+            f"out_dir={tmp_path / 'art'}",
+            "parity_samples=256",
+        ],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path,
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    rt = PolicyRuntime.from_dir(tmp_path / "art")
+    m = rt.manifest
+    assert m["shield"] == {"max_step_frac": 0.2, "memory_ceiling": 0.75}
+    assert m["slo"]["ttft_ms"] == 1000.0  # fallback from conf/slo/default.yaml
+    assert m["training"]["config"]["seed"] == 7
+    assert m["observation"]["normalization"]["mean"] == venv.obs_rms.mean.tolist()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["art", "run"]  # no Hydra outputs/ litter

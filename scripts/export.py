@@ -1,0 +1,67 @@
+"""Export a trained policy to the artifact the gateway serves (no torch needed there).
+
+    python scripts/export.py model_path=... vecnorm_path=... out_dir=...
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+log = logging.getLogger("export")
+
+
+def _training_config(cfg: DictConfig) -> tuple[dict[str, Any], str]:
+    """The training run's resolved config and where it came from ({} if none is found)."""
+    if cfg.train_config_path is not None:
+        candidates = [Path(cfg.train_config_path)]
+        if not candidates[0].is_file():
+            raise FileNotFoundError(f"train_config_path={candidates[0]} does not exist")
+    else:
+        model_dir = Path(cfg.model_path).resolve().parent
+        candidates = [d / ".hydra" / "config.yaml" for d in (model_dir, model_dir.parent)]
+    for path in candidates:
+        if path.is_file():
+            loaded = OmegaConf.load(path)
+            try:
+                container = OmegaConf.to_container(loaded, resolve=True)
+            except Exception:  # interpolations that only resolve inside the training app
+                container = OmegaConf.to_container(loaded, resolve=False)
+            return dict(container), str(path)  # type: ignore[arg-type]
+    return {}, "none found"
+
+
+def export(cfg: DictConfig) -> Path:
+    from batchpilot.policies.export import export_policy, load_sb3
+    from batchpilot.serving.telemetry import FEATURE_NAMES
+
+    train_cfg, source = _training_config(cfg)
+    log.info("training config: %s", source)
+    shield = train_cfg.get("shield") or OmegaConf.to_container(cfg.shield, resolve=True)
+    slo = train_cfg.get("slo") or OmegaConf.to_container(cfg.slo, resolve=True)
+    model, vecnorm = load_sb3(cfg.model_path, cfg.vecnorm_path)
+    out = export_policy(
+        model,
+        vecnorm,
+        cfg.out_dir,
+        features=FEATURE_NAMES,
+        shield=shield,  # type: ignore[arg-type]
+        slo=slo,  # type: ignore[arg-type]
+        train_config=train_cfg,
+        parity_samples=int(cfg.parity_samples),
+    )
+    log.info("exported %s (parity checked on %d observations)", out, cfg.parity_samples)
+    return out
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="export")
+def main(cfg: DictConfig) -> None:
+    export(cfg)
+
+
+if __name__ == "__main__":
+    main()
