@@ -220,6 +220,11 @@ class Decision:
     def num_interventions(self) -> int:
         return len(self.interventions)
 
+    @property
+    def shed_below_priority(self) -> int | None:
+        """Alias of ``shed_max_priority_kept`` (what ``Admission.shed`` takes)."""
+        return self.shed_max_priority_kept
+
 
 class Shield:
     """Turns proposals into knobs inside the hard limits; keeps the breaker and calibration state."""
@@ -229,11 +234,12 @@ class Shield:
         cfg: ShieldConfig,
         memory: MemoryModel,
         capabilities: EngineCapabilities,
-        slo: SLO,
+        slo: SLO | None = None,
         now: float = 0.0,
     ) -> None:
         self.cfg = cfg
-        self.slo = slo
+        #: Breach thresholds are multiples of these objectives (pass the run's SLO).
+        self.slo = slo if slo is not None else SLO()
         self.memory = memory
         self.capabilities = capabilities
         self.max_batch = cfg.max_batch
@@ -254,6 +260,10 @@ class Shield:
             )
         self.max_batch = max(self.cfg.min_batch, min(self.cfg.max_batch, capabilities.max_num_seqs))
 
+    def update_memory_model(self, memory: MemoryModel) -> None:
+        """After an engine restart (e.g. a new KV dtype) the block layout may differ."""
+        self.set_engine(memory, self.capabilities)
+
     def reset(self, now: float) -> None:
         """Start of an episode / a fresh engine: no breaker, no calibration, dwell counts from now."""
         self.last_dtype_switch = now
@@ -273,6 +283,11 @@ class Shield:
         kv = batch * blocks_per_req * self.kv_calibration * m.kv_block_bytes[kv_dtype]
         overhead = self.cfg.overhead_frac * m.budget_bytes * math.sqrt(max(batch, 0))
         return (m.weights_bytes + m.activation_bytes + kv + overhead) / m.budget_bytes
+
+    def predict_fraction(self, knobs: Knobs, snap: Snapshot | None = None) -> float:
+        """``predicted_fraction`` at these knobs (``snap`` is accepted for symmetry; the
+        context estimate is the shield's own, updated by ``apply``/``observe``)."""
+        return self.predicted_fraction(knobs.batch_cap, knobs.kv_dtype)
 
     def max_feasible_batch(self, kv_dtype: str) -> int:
         """Largest cap in [0, max_batch] whose prediction is within the ceiling (0: none)."""
@@ -302,8 +317,13 @@ class Shield:
     def max_step(self, current: int) -> int:
         return max(self.cfg.min_step, int(math.floor(self.cfg.max_step_frac * current + 1e-9)))
 
-    def apply(self, proposal: Proposal, current: Knobs, inputs: ShieldInputs, now: float) -> Decision:
-        """The knobs to apply for ``proposal`` given the knobs in force and the last interval."""
+    def apply(
+        self, proposal: Proposal, current: Knobs, inputs: ShieldInputs | Snapshot, now: float
+    ) -> Decision:
+        """The knobs to apply for ``proposal`` given the knobs in force and the last interval
+        (a ``Snapshot`` is converted with ``ShieldInputs.from_snapshot``)."""
+        if isinstance(inputs, Snapshot):
+            inputs = ShieldInputs.from_snapshot(inputs, num_kv_blocks_total=self.memory.num_kv_blocks_total)
         if current.kv_dtype not in self.memory.kv_block_bytes:
             raise ValueError(
                 f"current kv_dtype {current.kv_dtype!r} has no entry in the memory model "

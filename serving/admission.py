@@ -61,6 +61,14 @@ class Rejection:
         return self.request.request_id
 
 
+#: Config spellings accepted for the fields (``conf/env/default.yaml`` uses the left ones).
+_CFG_ALIASES = {
+    "bucket_boundaries": "boundaries",
+    "bucket_weights": "weights",
+    "adaptive_buckets": "adapt_boundaries",
+}
+
+
 @dataclass(slots=True)
 class AdmissionConfig:
     """Admission settings (the ``admission`` node of the env / serve config)."""
@@ -120,6 +128,11 @@ class AdmissionConfig:
         """Build from a config node (DictConfig or mapping); missing keys keep their defaults,
         unknown keys raise so typos do not pass silently."""
         data = dict(node or {})
+        for alias, name in _CFG_ALIASES.items():
+            if alias in data:
+                if name in data:
+                    raise ValueError(f"admission config sets both {alias!r} and {name!r}")
+                data[name] = data.pop(alias)
         known = set(cls.__dataclass_fields__)
         unknown = set(data) - known
         if unknown:

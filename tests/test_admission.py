@@ -288,3 +288,12 @@ class AdmissionMachine(RuleBasedStateMachine):
 
 AdmissionMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=60, deadline=None)
 TestAdmissionMachine = AdmissionMachine.TestCase
+
+
+def test_from_cfg_accepts_env_spellings():
+    cfg = AdmissionConfig.from_cfg(
+        {"bucket_boundaries": [2048], "bucket_weights": [0.7, 0.3], "adaptive_buckets": True}
+    )
+    assert cfg.boundaries == (2048,) and cfg.weights == (0.7, 0.3) and cfg.adapt_boundaries
+    with pytest.raises(ValueError, match="both"):
+        AdmissionConfig.from_cfg({"bucket_boundaries": [1], "boundaries": [1], "weights": [1, 1]})

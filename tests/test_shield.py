@@ -318,3 +318,22 @@ def test_10000_random_and_adversarial_steps():
     assert s.num_interventions["step_limit"] > 100 and s.num_interventions["breaker_shrink"] > 10
     assert s.num_interventions["memory_ceiling"] > 50 and s.num_interventions["dtype_unavailable"] > 100
     assert over_ceiling > 50 and switches > 20  # the hard branches were exercised
+
+
+def test_snapshot_inputs_are_converted():
+    from batchpilot.serving.telemetry import Snapshot
+
+    snap = Snapshot(
+        time=0.0, interval_s=1.0, arrival_rate=1.0, mean_prompt_len=2048.0, queue_depth=(5, 3, 0),
+        num_running=40, num_waiting_engine=2, kv_cache_usage=0.5, request_throughput=1.0,
+        output_throughput=1.0, request_goodput=1.0, ttft_p50_ms=1.0, ttft_p99_ms=5000.0,
+        tpot_p50_ms=1.0, tpot_p99_ms=1.0, e2el_p50_ms=1.0, e2el_p99_ms=1.0, slo_attainment=1.0,
+        preemptions=0, rejected=0, shield_interventions=0, knobs=Knobs(40), time_since_dtype_switch_s=0.0,
+    )
+    inp = ShieldInputs.from_snapshot(snap, num_kv_blocks_total=10_000)
+    assert (inp.demand, inp.num_kv_blocks_used, inp.mean_context_len) == (50, 5000, 2048.0)
+    s = shield(ROOMY)
+    d = s.apply(Proposal(batch_cap=45), Knobs(40), snap, 1.0)  # p99 TTFT 5 s: breach
+    assert d.knobs.batch_cap == 28 and d.breaker_level == 1
+    assert s.predict_fraction(d.knobs) == pytest.approx(d.predicted_memory_fraction)
+    assert d.shed_below_priority is None
