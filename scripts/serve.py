@@ -1,0 +1,22 @@
+"""Start the batchpilot gateway in front of vLLM.
+
+    .venv/bin/python scripts/serve.py serve.managed=true serve.port=8000
+    .venv/bin/python scripts/serve.py serve.upstreams=[http://127.0.0.1:8001] serve.control.mode=shadow
+"""
+
+from __future__ import annotations
+
+import hydra
+from omegaconf import DictConfig
+
+from batchpilot.config import CONF_DIR
+from batchpilot.serving.gateway import serve
+
+
+@hydra.main(config_path=str(CONF_DIR), config_name="serve_app", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    serve(cfg)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,488 @@
+"""The OpenAI-compatible gateway in front of vLLM (FastAPI app factory ``build_app``).
+
+``/v1/completions`` and ``/v1/chat/completions`` are passed through byte for byte (streaming
+SSE or not; the upstream's status codes, bodies and usage untouched) after three gateway steps:
+validate the body, count the prompt tokens (bucketing and the length check), and wait in
+admission for an in-flight slot. Everything the gateway refuses itself is a ``GatewayError``
+turned into JSON ``{"error": {"message", "type", "code", "reason"}}`` in one place.
+
+The lifespan starts the upstreams (or waits for them), the health loop and the control loop,
+and stops them in reverse order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, AsyncIterator
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from batchpilot.envs.engine import Request as EngineRequest
+from batchpilot.policies.knobs import Knobs
+from batchpilot.serving.lanes import BadRequest, ClientGone, GatewayError, Lane, Refused
+from batchpilot.serving.prom import CONTENT_TYPE, GatewayMetrics, bucket_name
+from batchpilot.serving.settings import ServeConfig
+from batchpilot.serving.telemetry import SLO, Telemetry
+from batchpilot.serving.tokens import PromptCounter
+from batchpilot.serving.upstream import ManagedVLLM, Upstream, UpstreamDown, free_port
+
+log = logging.getLogger(__name__)
+
+#: Request headers not forwarded upstream (hop-by-hop, or recomputed by the client library).
+_DROP_HEADERS = frozenset({"host", "content-length", "connection", "keep-alive", "transfer-encoding",
+                           "authorization", "accept-encoding"})
+#: Response headers not copied back (the ASGI server sets its own).
+_DROP_RESP_HEADERS = frozenset({"content-length", "connection", "keep-alive", "transfer-encoding",
+                                "date", "server", "content-encoding"})
+
+
+@dataclass
+class AppSettings:
+    """Everything ``build_app`` needs besides the serve config: the SLO and the configs of the
+    shield and the fallback controller (top-level nodes of ``conf/serve_app.yaml``)."""
+
+    serve: ServeConfig
+    slo: SLO = field(default_factory=SLO)
+    shield: dict[str, Any] = field(default_factory=dict)
+    policy: dict[str, Any] = field(default_factory=lambda: {"kind": "pid"})
+
+    @classmethod
+    def from_cfg(cls, cfg: Any) -> "AppSettings":
+        """From the composed ``serve_app`` config."""
+        from omegaconf import OmegaConf
+
+        c = OmegaConf.to_container(cfg, resolve=True) if not isinstance(cfg, dict) else cfg
+        slo = c.get("slo") or {}
+        return cls(
+            serve=ServeConfig.from_cfg(c["serve"]),
+            slo=SLO(ttft_ms=slo.get("ttft_ms", 1000.0), tpot_ms=slo.get("tpot_ms", 100.0), e2el_ms=slo.get("e2el_ms")),
+            shield=dict(c.get("shield") or {}),
+            policy=dict(c.get("policy") or {"kind": "pid"}),
+        )
+
+
+def default_model_dir() -> str:
+    from batchpilot.envs.tiny_model import build_tiny_model
+
+    return str(build_tiny_model())
+
+
+class Gateway:
+    """The shared state on ``app.state.gateway``: lanes, prompt counter, metrics, loops."""
+
+    def __init__(self, settings: AppSettings) -> None:
+        self.settings = settings
+        cfg = self.cfg = settings.serve
+        self.metrics = GatewayMetrics()
+        self.started = time.monotonic()
+        self.ready = False
+        self.model_dir = cfg.model
+        upstreams: list[Upstream] = []
+        if cfg.managed:
+            self.model_dir = self.model_dir or default_model_dir()
+            name = cfg.served_model_name or Path(self.model_dir).name
+            for i in range(cfg.num_managed):
+                port = cfg.managed_port_base + i if cfg.managed_port_base else free_port()
+                proc = ManagedVLLM(
+                    self.model_dir, port, served_model_name=name, max_model_len=cfg.max_model_len,
+                    max_num_seqs=cfg.max_num_seqs, kv_dtype=cfg.kv_dtype,
+                    kv_cache_space_gib=cfg.kv_cache_space_gib, extra_args=cfg.extra_vllm_args,
+                    log_path=Path(f"/tmp/batchpilot-vllm-{port}.log"),
+                )
+                upstreams.append(Upstream(proc.url, managed=proc, name=f"vllm{i}"))
+        else:
+            upstreams = [Upstream(u, name=f"vllm{i}") for i, u in enumerate(cfg.upstreams)]
+        self.counter = PromptCounter(cfg.tokenizer, self.model_dir)
+        knobs = Knobs(batch_cap=min(cfg.control.initial_batch_cap, cfg.max_num_seqs),
+                      bucketing=cfg.control.initial_bucketing, kv_dtype=cfg.kv_dtype)
+        self.lanes = [
+            Lane.build(
+                i, up, cfg.admission, knobs,
+                Telemetry(settings.slo, num_buckets=3, window_s=cfg.control.window_s,
+                          max_num_seqs=cfg.max_num_seqs, max_model_len=cfg.max_model_len,
+                          rate_scale=cfg.control.rate_scale, token_rate_scale=cfg.control.token_rate_scale),
+                self.metrics, cfg.retry_after_s,
+            )
+            for i, up in enumerate(upstreams)
+        ]
+        from batchpilot.serving.supervisor import Supervisor
+
+        self.supervisor = Supervisor(cfg, self.lanes, self.metrics)
+        self.control = None  # the ControlLoop, set in the lifespan (needs running upstreams)
+        self.quality = None
+
+    # --- lifecycle -------------------------------------------------------------------------
+    async def start(self) -> None:
+        await self.supervisor.start_all()
+        now = time.monotonic()
+        for ln in self.lanes:
+            ln.telemetry.reset(now)
+        from batchpilot.serving.control_loop import ControlLoop
+        from batchpilot.serving.quality_guard import QualityGuard
+
+        self.quality = QualityGuard(self.cfg.quality_guard, self.metrics)
+        self.control = ControlLoop(self)
+        await self.control.start()
+        self.ready = True
+        log.info("gateway ready on %s:%d in front of %s", self.cfg.host, self.cfg.port,
+                 ", ".join(ln.upstream.url for ln in self.lanes))
+
+    async def stop(self) -> None:
+        self.ready = False
+        if self.control is not None:
+            await self.control.stop()
+        if self.quality is not None:
+            await self.quality.aclose()
+        await self.supervisor.stop_all()
+
+    # --- routing ---------------------------------------------------------------------------
+    def pick_lane(self) -> Lane:
+        """The least-loaded lane that admits now, else one restarting (requests queue for it)."""
+        open_ = [ln for ln in self.lanes if ln.available]
+        if open_:
+            return min(open_, key=lambda ln: ln.load) if len(open_) > 1 else open_[0]
+        waiting = [ln for ln in self.lanes if ln.upstream.restarting or
+                   (ln.upstream.managed is not None and self.cfg.auto_restart)]
+        if waiting:
+            return min(waiting, key=lambda ln: ln.load)
+        raise Refused("upstream_down", "no upstream vLLM server is answering; retry later",
+                      status=503, retry_after=self.cfg.retry_after_s)
+
+    def max_model_len(self, lane: Lane) -> int:
+        info = lane.upstream.info
+        return info.max_model_len if info and info.max_model_len else self.cfg.max_model_len
+
+
+# --- request validation -----------------------------------------------------------------------
+def _parse_body(raw: bytes, chat: bool) -> dict[str, Any]:
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise BadRequest("invalid_json", f"request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise BadRequest("invalid_body", "request body must be a JSON object")
+    field_ = "messages" if chat else "prompt"
+    if field_ not in body:
+        raise BadRequest("missing_field", f"missing required field {field_!r}")
+    v = body[field_]
+    if chat:
+        if not isinstance(v, list) or not v or not all(isinstance(m, dict) and "role" in m for m in v):
+            raise BadRequest("invalid_field", "'messages' must be a non-empty list of {role, content} objects")
+    elif not (isinstance(v, str) or (isinstance(v, list) and v and all(isinstance(x, (str, int)) for x in v))):
+        raise BadRequest("invalid_field", "'prompt' must be a string, a list of strings or a list of token ids")
+    for key in ("max_tokens", "max_completion_tokens"):
+        n = body.get(key)
+        if n is None:
+            continue
+        if isinstance(n, bool) or not isinstance(n, int):
+            raise BadRequest("invalid_field", f"'{key}' must be an integer, got {n!r}")
+        if n < 1:
+            raise BadRequest("invalid_field", f"'{key}' must be at least 1, got {n}")
+    if "stream" in body and not isinstance(body["stream"], bool):
+        raise BadRequest("invalid_field", f"'stream' must be true or false, got {body['stream']!r}")
+    return body
+
+
+def _priority(request: Request, cfg: ServeConfig) -> int:
+    raw = request.headers.get(cfg.priority_header)
+    if raw is None:
+        return cfg.default_priority
+    try:
+        p = int(raw)
+    except ValueError:
+        raise BadRequest("invalid_header", f"header {cfg.priority_header} must be an integer, got {raw!r}") from None
+    if p < 0:
+        raise BadRequest("invalid_header", f"header {cfg.priority_header} must be >= 0 (0 = core), got {p}")
+    return p
+
+
+async def _until_disconnect(request: Request) -> None:
+    """Returns when the client goes away (the body has been read, so the next message the
+    server delivers is ``http.disconnect``)."""
+    while True:
+        msg = await request.receive()
+        if msg["type"] == "http.disconnect":
+            return
+
+
+async def _race_disconnect(request: Request, coro: Any) -> Any:
+    """Run ``coro`` unless the client disconnects first (then cancel it, raise ClientGone)."""
+    task = asyncio.ensure_future(coro)
+    watcher = asyncio.ensure_future(_until_disconnect(request))
+    try:
+        done, _ = await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        watcher.cancel()
+        raise
+    if task in done:
+        watcher.cancel()
+        return task.result()
+    task.cancel()
+    try:
+        await task
+    except (asyncio.CancelledError, Exception):
+        pass
+    raise ClientGone()
+
+
+# --- the proxy ------------------------------------------------------------------------------
+async def _proxy(request: Request, path: str, chat: bool) -> Response:
+    gw: Gateway = request.app.state.gateway
+    cfg = gw.cfg
+    t_arrival = time.monotonic()
+    deadline = t_arrival + cfg.request_timeout_s
+    raw = await request.body()
+    body = _parse_body(raw, chat)
+    priority = _priority(request, cfg)
+    lane = gw.pick_lane()
+    info = lane.upstream.info
+    if "model" not in body and info is not None:
+        body["model"] = info.model
+        raw = json.dumps(body).encode()
+    try:
+        prompt_len = await gw.counter.count(body, chat, lane.upstream.tokenize)
+    except UpstreamDown as exc:
+        raise Refused("upstream_down", str(exc), status=503, retry_after=cfg.retry_after_s) from None
+    except ValueError as exc:  # the upstream's /tokenize refused it
+        raise BadRequest("invalid_prompt", f"could not tokenize the prompt: {exc}") from None
+    max_len = gw.max_model_len(lane)
+    max_tokens = body.get("max_tokens") or body.get("max_completion_tokens")
+    if prompt_len > max_len:
+        raise BadRequest("prompt_too_long",
+                         f"the prompt has {prompt_len} tokens, more than the model's max_model_len={max_len}")
+    if max_tokens is not None and max_tokens > max_len:
+        raise BadRequest("max_tokens_too_large",
+                         f"max_tokens={max_tokens} exceeds the model's max_model_len={max_len}")
+    rid = f"gw-{uuid.uuid4().hex}"
+    req = EngineRequest(rid, t_arrival, prompt_len, int(max_tokens or 16), priority)
+    bucket = lane.admission.bucket_of(prompt_len)
+    await _race_disconnect(request, lane.acquire(req, deadline))
+    stream = bool(body.get("stream"))
+    headers = {k: v for k, v in request.headers.items() if k not in _DROP_HEADERS}
+    timer = _Timer(gw, lane, req, bucket, t_arrival, stream)
+    sampled = gw.quality.maybe_sample(lane, body, chat) if gw.quality is not None else None
+    try:
+        up_req = lane.upstream.client.build_request(
+            "POST", path, content=raw, headers=headers,
+            timeout=httpx.Timeout(max(deadline - time.monotonic(), 0.001)),
+        )
+        resp = await _race_disconnect(request, lane.upstream.client.send(up_req, stream=stream))
+    except ClientGone:
+        timer.finish(ok=False)
+        raise
+    except httpx.TimeoutException:
+        timer.finish(ok=False)
+        raise Refused("timeout", "the upstream did not answer within the request timeout", status=504,
+                      retry_after=cfg.retry_after_s) from None
+    except httpx.HTTPError as exc:
+        timer.finish(ok=False)
+        _upstream_failed(lane, exc)
+    except BaseException:
+        timer.finish(ok=False)
+        raise
+    resp_headers = {k: v for k, v in resp.headers.items() if k not in _DROP_RESP_HEADERS}
+    if not stream or resp.status_code != 200:
+        try:
+            content = resp.content if not stream else await resp.aread()
+        finally:
+            await resp.aclose()
+        timer.finish(ok=resp.status_code == 200, content=content)
+        if sampled is not None and resp.status_code == 200:
+            gw.quality.submit(sampled)
+        gw.metrics.requests.labels(path, str(resp.status_code)).inc()
+        return Response(content, status_code=resp.status_code, headers=resp_headers)
+    gw.metrics.requests.labels(path, "200").inc()
+    if sampled is not None:
+        gw.quality.submit(sampled)
+    return StreamingResponse(_relay(resp, timer, lane), status_code=200, headers=resp_headers)
+
+
+def _upstream_failed(lane: Lane, exc: Exception) -> None:
+    """An in-flight request lost its upstream: fail fast and mark the lane unhealthy."""
+    if isinstance(exc, httpx.ConnectError):
+        lane.upstream.healthy = False
+        raise Refused("upstream_down", f"upstream {lane.name} refused the connection: {exc}",
+                      status=503, retry_after=lane.retry_after_s) from None
+    raise GatewayError("upstream_error", f"upstream {lane.name} failed mid-request: {exc!r}",
+                       status=502, retry_after=lane.retry_after_s) from None
+
+
+async def _relay(resp: httpx.Response, timer: "_Timer", lane: Lane) -> AsyncIterator[bytes]:
+    """Relay SSE chunks as they come; the slot is freed however the stream ends."""
+    ok = False
+    try:
+        async for chunk in resp.aiter_raw():
+            timer.chunk(chunk)
+            yield chunk
+        ok = True
+    except httpx.HTTPError as exc:
+        # Headers are gone already: end the stream with an SSE error event, as vLLM does.
+        lane.upstream.healthy = lane.upstream.healthy and not isinstance(exc, httpx.ConnectError)
+        err = {"error": {"message": f"upstream {lane.name} failed mid-stream: {exc!r}", "type": "upstream_error",
+                         "code": 502}}
+        yield f"data: {json.dumps(err)}\n\ndata: [DONE]\n\n".encode()
+    finally:
+        timer.finish(ok=ok)  # first: the await below may itself be cancelled
+        await resp.aclose()
+
+
+class _Timer:
+    """Times one request for telemetry and the latency histograms, and frees its slot once."""
+
+    __slots__ = ("gw", "lane", "req", "bucket", "t0", "t_send", "t_first", "n_chunks", "stream", "done", "usage_tokens")
+
+    def __init__(self, gw: Gateway, lane: Lane, req: EngineRequest, bucket: int, t0: float, stream: bool) -> None:
+        self.gw, self.lane, self.req, self.bucket, self.t0, self.stream = gw, lane, req, bucket, t0, stream
+        self.t_send = time.monotonic()
+        self.t_first: float | None = None
+        self.n_chunks = 0
+        self.done = False
+        self.usage_tokens: int | None = None
+
+    def chunk(self, data: bytes) -> None:
+        if self.t_first is None:
+            self.t_first = time.monotonic()
+        self.n_chunks += data.count(b"data: ")
+        if b'"usage"' in data:
+            self.usage_tokens = _completion_tokens(data)
+
+    def finish(self, ok: bool, content: bytes | None = None) -> None:
+        if self.done:
+            return
+        self.done = True
+        now = time.monotonic()
+        self.lane.release(self.req.request_id)
+        if not ok:
+            return
+        if content is not None:
+            n = _completion_tokens(content) or self.req.output_len
+            # Non-streaming: the first token is not visible; attribute one n-th of the upstream
+            # time to it (prefill ~ one decode step on short prompts). An estimate, documented.
+            up = now - self.t_send
+            ttft = (self.t_send - self.t0) + up / max(n, 1)
+            tpot = up / max(n, 1)
+        else:
+            n = self.usage_tokens or max(self.n_chunks - 2, 1)
+            first = self.t_first or now
+            ttft = first - self.t0
+            tpot = (now - first) / max(n - 1, 1) if n > 1 else 0.0
+        e2el = now - self.t0
+        tel = self.lane.telemetry
+        tel.on_output_tokens(n)
+        tel.on_finished(now, ttft, tpot, e2el)
+        m = self.gw.metrics
+        b = bucket_name(self.bucket)
+        m.ttft.labels(b).observe(ttft)
+        m.e2el.labels(b).observe(e2el)
+
+
+def _completion_tokens(data: bytes) -> int | None:
+    i = data.rfind(b'"completion_tokens":')
+    if i < 0:
+        return None
+    j = i + len(b'"completion_tokens":')
+    k = j
+    while k < len(data) and data[k : k + 1] in b" 0123456789":
+        k += 1
+    try:
+        return int(data[j:k])
+    except ValueError:
+        return None
+
+
+# --- the app ----------------------------------------------------------------------------------
+def _error_response(exc: GatewayError) -> JSONResponse:
+    headers = {"Retry-After": str(exc.retry_after)} if exc.retry_after is not None else None
+    body = {"error": {"message": exc.message, "type": type(exc).__name__, "code": exc.status, "reason": exc.reason}}
+    return JSONResponse(body, status_code=exc.status, headers=headers)
+
+
+def build_app(settings: AppSettings) -> FastAPI:
+    """The gateway app. The lifespan starts upstreams, health and control loops."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        gw = Gateway(settings)
+        app.state.gateway = gw
+        try:
+            await gw.start()
+            yield
+        finally:
+            await gw.stop()
+
+    app = FastAPI(title="batchpilot gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
+
+    @app.exception_handler(GatewayError)
+    async def _on_gateway_error(request: Request, exc: GatewayError) -> JSONResponse:
+        gw: Gateway = request.app.state.gateway
+        gw.metrics.requests.labels(request.url.path, str(exc.status)).inc()
+        if isinstance(exc, BadRequest):
+            gw.metrics.rejected.labels(exc.reason).inc()
+        return _error_response(exc)
+
+    @app.exception_handler(ClientGone)
+    async def _on_client_gone(request: Request, exc: ClientGone) -> Response:
+        request.app.state.gateway.metrics.rejected.labels("client_gone").inc()
+        return Response(status_code=499)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await _proxy(request, "/v1/completions", chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await _proxy(request, "/v1/chat/completions", chat=True)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        gw: Gateway = request.app.state.gateway
+        lane = gw.pick_lane()
+        try:
+            r = await lane.upstream.client.get("/v1/models", timeout=5.0)
+        except httpx.HTTPError as exc:
+            _upstream_failed(lane, exc)
+        return Response(r.content, status_code=r.status_code, media_type="application/json")
+
+    @app.get("/healthz")
+    async def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/readyz")
+    async def readyz(request: Request) -> JSONResponse:
+        gw: Gateway = request.app.state.gateway
+        ups = {ln.name: {"url": ln.upstream.url, "healthy": ln.upstream.healthy,
+                         "restarting": ln.upstream.restarting} for ln in gw.lanes}
+        ready = gw.ready and any(ln.available for ln in gw.lanes)
+        return JSONResponse({"ready": ready, "upstreams": ups}, status_code=200 if ready else 503)
+
+    @app.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        return Response(request.app.state.gateway.metrics.render(), media_type=CONTENT_TYPE)
+
+    from batchpilot.serving.admin import router as admin_router
+
+    app.include_router(admin_router)
+    return app
+
+
+def serve(cfg: Any) -> None:
+    """Run the gateway until interrupted (``scripts/serve.py``)."""
+    import uvicorn
+
+    settings = AppSettings.from_cfg(cfg)
+    logging.basicConfig(level=settings.serve.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per upstream call otherwise
+    app = build_app(settings)
+    uvicorn.run(app, host=settings.serve.host, port=settings.serve.port, log_level=settings.serve.log_level,
+                access_log=False, timeout_graceful_shutdown=5)

@@ -1,0 +1,221 @@
+"""A lane: one upstream with its own admission queues, telemetry and knobs.
+
+The gateway's asyncio side of ``Admission`` (which is synchronous and shared with training):
+a request waits on a future until ``admit`` hands it a slot; every path out (finished, failed,
+timed out, client gone) goes through ``release`` or ``cancel`` exactly once, so the books of
+admission always balance and no slot leaks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from dataclasses import dataclass, field
+
+from batchpilot.envs.engine import Request
+from batchpilot.policies.knobs import Knobs
+from batchpilot.serving.admission import Admission, AdmissionConfig, Rejection
+from batchpilot.serving.prom import GatewayMetrics, bucket_name
+from batchpilot.serving.telemetry import Telemetry
+from batchpilot.serving.upstream import Upstream
+
+log = logging.getLogger(__name__)
+
+
+class GatewayError(Exception):
+    """A request the gateway answers itself; ``status``/``reason``/``retry_after`` go to the
+    client (mapped to HTTP in one place, ``gateway._error_response``)."""
+
+    status = 500
+
+    def __init__(self, reason: str, message: str, *, status: int | None = None, retry_after: int | None = None) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.message = message
+        if status is not None:
+            self.status = status
+        self.retry_after = retry_after
+
+
+class BadRequest(GatewayError):
+    status = 400
+
+
+class Refused(GatewayError):
+    """Load-related refusals: 429 (queue full, shed) or 503 (timeout, upstream down)."""
+
+    status = 503
+
+
+class ClientGone(Exception):
+    """The client disconnected; nothing is sent back."""
+
+
+#: HTTP status per admission rejection reason.
+REJECT_STATUS = {"queue_full": 429, "shed_low_priority": 429, "timeout": 503, "cancelled": 499}
+REJECT_MESSAGE = {
+    "queue_full": "the gateway's queue for this prompt-length bucket is full; retry later",
+    "shed_low_priority": "overload: low-priority requests are being shed (circuit breaker level 2); retry later",
+    "timeout": "the request did not reach the model within the request timeout; retry later",
+}
+
+
+@dataclass
+class Lane:
+    """One upstream and everything the gateway keeps per upstream."""
+
+    index: int
+    upstream: Upstream
+    admission: Admission
+    telemetry: Telemetry
+    knobs: Knobs
+    metrics: GatewayMetrics
+    retry_after_s: int = 1
+    waiters: dict[str, asyncio.Future] = field(default_factory=dict)
+    breaker_level: int = 0
+    shed_fraction: float = 0.0
+    #: Set while a controller's dtype choice waits for a restart, or when it is only recommended.
+    num_finished: int = 0
+
+    @classmethod
+    def build(
+        cls, index: int, upstream: Upstream, cfg: AdmissionConfig, knobs: Knobs, telemetry: Telemetry,
+        metrics: GatewayMetrics, retry_after_s: int,
+    ) -> "Lane":
+        lane = cls(index, upstream, Admission(cfg, knobs), telemetry, knobs, metrics, retry_after_s)
+        lane._publish_knobs()
+        return lane
+
+    @property
+    def name(self) -> str:
+        return self.upstream.name
+
+    @property
+    def available(self) -> bool:
+        """Admits requests now (healthy and not draining for a restart)."""
+        return self.upstream.healthy and not self.upstream.restarting
+
+    @property
+    def load(self) -> float:
+        a = self.admission
+        return (a.num_waiting + a.num_in_flight) / max(a.batch_cap, 1)
+
+    # --- knobs ---------------------------------------------------------------------------------
+    def set_knobs(self, knobs: Knobs) -> None:
+        self.admission.set_knobs(knobs)
+        self.knobs = knobs
+        self._publish_knobs()
+        self.pump()
+
+    def _publish_knobs(self) -> None:
+        m, n = self.metrics, self.name
+        m.batch_cap.labels(n).set(self.knobs.batch_cap)
+        from batchpilot.policies.knobs import BUCKETING_MODES
+        from batchpilot.envs.engine import KV_DTYPES_8BIT
+
+        for mode in BUCKETING_MODES:
+            m.bucketing.labels(n, mode).set(float(mode == self.knobs.bucketing))
+        m.kv_8bit.labels(n).set(float(self.knobs.kv_dtype in KV_DTYPES_8BIT))
+
+    # --- slots -----------------------------------------------------------------------------
+    async def acquire(self, req: Request, deadline: float) -> None:
+        """Wait for an in-flight slot until ``deadline`` (monotonic). Raises ``Refused`` for a
+        full queue, shedding or timeout; on cancellation (client gone) the request leaves the
+        queue."""
+        now = time.monotonic()
+        if self.breaker_level >= 2 and req.priority > 0 and random.random() < self.shed_fraction:
+            self._count_rejected("shed_low_priority")
+            raise Refused("shed_low_priority", REJECT_MESSAGE["shed_low_priority"], status=429,
+                          retry_after=self.retry_after_s)
+        self.telemetry.on_arrival(now, req.prompt_len)
+        rej = self.admission.submit(req, now)
+        if rej is not None:
+            self._raise_rejection(rej)
+        fut = asyncio.get_running_loop().create_future()
+        self.waiters[req.request_id] = fut
+        self.pump()
+        if fut.done():  # admitted at once: the common case, no timer needed
+            return
+        try:
+            await asyncio.wait_for(fut, timeout=max(deadline - time.monotonic(), 0.0))
+        except asyncio.TimeoutError:
+            self.waiters.pop(req.request_id, None)
+            if self.admission.is_in_flight(req.request_id):  # admitted in the same instant
+                return
+            self.admission.cancel(req.request_id, time.monotonic())
+            self._count_rejected("timeout")
+            raise Refused("timeout", REJECT_MESSAGE["timeout"], status=503, retry_after=self.retry_after_s) from None
+        except asyncio.CancelledError:
+            self.waiters.pop(req.request_id, None)
+            if self.admission.is_in_flight(req.request_id):
+                self.release(req.request_id)
+            else:
+                self.admission.cancel(req.request_id, time.monotonic())
+                self.metrics.rejected.labels("cancelled").inc()
+            raise
+        except Refused:
+            raise  # a queued request that was shed: the future carries the Refused
+
+    def release(self, request_id: str) -> None:
+        """Free the slot of a request that left the upstream (any way). Idempotent per id."""
+        if self.admission.is_in_flight(request_id):
+            self.admission.on_finished(request_id)
+            self.pump()
+
+    def pump(self) -> None:
+        """Hand free slots to waiting requests (in the bucketing order)."""
+        if not self.available:
+            self._publish_queue()
+            return
+        now = time.monotonic()
+        for r in self.admission.admit(now):
+            fut = self.waiters.pop(r.request_id, None)
+            if fut is None or fut.done():  # its waiter gave up in the same instant
+                self.admission.on_finished(r.request_id)
+                continue
+            fut.set_result(None)
+        self._publish_queue()
+
+    def shed_queued(self, max_priority_kept: int | None) -> int:
+        """Breaker level 2: reject queued requests below the kept priority."""
+        out = self.admission.shed(max_priority_kept, time.monotonic())
+        for rej in out:
+            self._fail_waiter(rej)
+        # Arrivals are shed by share (``shed_fraction``), not wholesale: lift the blanket ban.
+        self.admission.max_priority_kept = None
+        return len(out)
+
+    def fail_all_waiting(self, reason: str, message: str) -> None:
+        """Reject everything queued (gateway shutdown)."""
+        for rid in list(self.waiters):
+            fut = self.waiters.pop(rid)
+            self.admission.cancel(rid, time.monotonic())
+            if not fut.done():
+                fut.set_exception(Refused(reason, message, status=503, retry_after=self.retry_after_s))
+
+    # --- helpers ---------------------------------------------------------------------------
+    def _fail_waiter(self, rej: Rejection) -> None:
+        self._count_rejected(rej.reason)
+        fut = self.waiters.pop(rej.request_id, None)
+        if fut is not None and not fut.done():
+            fut.set_exception(
+                Refused(rej.reason, REJECT_MESSAGE.get(rej.reason, rej.reason),
+                        status=REJECT_STATUS.get(rej.reason, 503), retry_after=self.retry_after_s)
+            )
+
+    def _raise_rejection(self, rej: Rejection) -> None:
+        self._count_rejected(rej.reason)
+        raise Refused(rej.reason, REJECT_MESSAGE.get(rej.reason, rej.reason),
+                      status=REJECT_STATUS.get(rej.reason, 503), retry_after=self.retry_after_s)
+
+    def _count_rejected(self, reason: str) -> None:
+        self.metrics.rejected.labels(reason).inc()
+        self.telemetry.on_rejected()
+
+    def _publish_queue(self) -> None:
+        m, n = self.metrics, self.name
+        for i, d in enumerate(self.admission.queue_depths):
+            m.queue_depth.labels(n, bucket_name(i)).set(d)
+        m.in_flight.labels(n).set(self.admission.num_in_flight)

