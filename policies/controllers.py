@@ -35,6 +35,21 @@ def p99_ms(snap: Snapshot, metric: str) -> float:
     return {"ttft": snap.ttft_p99_ms, "tpot": snap.tpot_p99_ms, "e2el": snap.e2el_p99_ms}[metric]
 
 
+def backlog(snap: Snapshot) -> int:
+    """Requests waiting (admission queues + the engine's own queue)."""
+    return snap.queue_total + snap.num_waiting_engine
+
+
+def steering_metric(
+    snap: Snapshot, cap: int, metric: str, slo_ms: float, queue_aware: bool, tpot_slo_ms: float | None
+) -> tuple[str, float]:
+    """(metric, its SLO) to steer on this interval: ``metric``, or TPOT while queue-aware
+    and more requests wait than run (queueing latency says nothing about the batch)."""
+    if queue_aware and metric != "tpot" and tpot_slo_ms and backlog(snap) > cap:
+        return "tpot", float(tpot_slo_ms)
+    return metric, slo_ms
+
+
 def _node(cfg: Any) -> dict[str, Any]:
     return dict(cfg or {})
 
@@ -75,6 +90,11 @@ class PIDConfig:
     deadband: float = 0.02
     #: The guide samples every 50 ms; the caller runs decide() at this interval.
     interval_s: float = 0.05
+    #: With more requests waiting than running, TTFT/E2E measure the queue, not the batch, and a
+    #: smaller cap would only lengthen it: steer on TPOT (engine-side) until the backlog clears.
+    queue_aware: bool = True
+    #: TPOT SLO in ms for queue-aware steering (filled from the top config's SLO).
+    tpot_slo_ms: float | None = 100.0
     initial_batch_cap: int = 32
     min_batch: int = 1
     max_batch: int = 256
@@ -116,15 +136,16 @@ class PIDController:
         self.prev_error: float | None = None
         self.output = 0.0
 
-    def error(self, snap: Snapshot) -> float:
-        target = self.cfg.target_frac * self.cfg.slo_ms
-        p99 = p99_ms(snap, self.cfg.metric)
+    def error(self, snap: Snapshot, cap: int) -> float:
+        metric, slo = steering_metric(snap, cap, self.cfg.metric, self.cfg.slo_ms, self.cfg.queue_aware, self.cfg.tpot_slo_ms)
+        target = self.cfg.target_frac * slo
+        p99 = p99_ms(snap, metric)
         e = (target - p99) / target if math.isfinite(p99) else -self.cfg.error_clip
         return min(max(e, -self.cfg.error_clip), 1.0)
 
     def decide(self, snapshot: Snapshot, knobs: Knobs) -> Proposal:
         c = self.cfg
-        e = self.error(snapshot)
+        e = self.error(snapshot, knobs.batch_cap)
         has_queue = snapshot.queue_total > 0 or snapshot.num_waiting_engine > 0
         if e > 0 and not has_queue:
             e = 0.0  # room to grow but nobody to admit: hold, and let nothing wind up
@@ -172,6 +193,9 @@ class AIMDConfig:
     multiplicative_decrease: float = 0.75
     #: Treat preemptions in the interval as a breach too (memory pressure).
     decrease_on_preemption: bool = True
+    #: As PIDConfig.queue_aware: judge the SLO on TPOT while the backlog exceeds the cap.
+    queue_aware: bool = True
+    tpot_slo_ms: float | None = 100.0
     initial_batch_cap: int = 32
     min_batch: int = 1
     max_batch: int = 256
@@ -202,7 +226,8 @@ class AIMDController:
     def decide(self, snapshot: Snapshot, knobs: Knobs) -> Proposal:
         c = self.cfg
         cap = knobs.batch_cap
-        breach = p99_ms(snapshot, c.metric) > c.target_frac * c.slo_ms
+        metric, slo = steering_metric(snapshot, cap, c.metric, c.slo_ms, c.queue_aware, c.tpot_slo_ms)
+        breach = p99_ms(snapshot, metric) > c.target_frac * slo
         breach = breach or (c.decrease_on_preemption and snapshot.preemptions > 0)
         if breach:
             new = min(int(math.floor(cap * c.multiplicative_decrease)), cap - 1)
@@ -295,10 +320,12 @@ def build_controller(cfg_policy: Any, max_num_seqs: int, slo_ms: dict[str, float
     kind = d.get("kind")
     if kind not in CONTROLLER_BUILDERS:
         raise ValueError(f"unknown policy kind {kind!r}; known: {sorted(CONTROLLER_BUILDERS)}")
-    if slo_ms and kind in ("pid", "aimd") and "slo_ms" not in d:
+    if slo_ms and kind in ("pid", "aimd"):
         slo = slo_ms.get(d.get("metric", "ttft"))
-        if slo is not None:
+        if slo is not None and "slo_ms" not in d:
             d["slo_ms"] = float(slo)
+        if "tpot_slo_ms" not in d:
+            d["tpot_slo_ms"] = slo_ms.get("tpot")
     return CONTROLLER_BUILDERS[kind](d, max_num_seqs)
 
 

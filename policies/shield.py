@@ -14,11 +14,14 @@ no policy can take the service outside these limits:
   last one, only to a runnable dtype (refusals carry the engine's reason), and only when the
   predicted gain pays for the restart (see ``Shield._dtype_gate``);
 * **circuit breaker** (graded): on an OOM, a preemption storm or P99 latency above
-  ``breach_factor`` x SLO, level 1 shrinks the cap by ``breaker_shrink`` (x0.7, itself within the
+  ``breach_factor`` x SLO that the engine causes, level 1 shrinks the cap by ``breaker_shrink`` (x0.7, itself within the
   30 % step); if that would go below ``min_batch``, level 2 also sheds low-priority load in
   admission; after ``alert_after`` (3) adjustments in a row that leave the breach in place an
   alert is raised; when ``restart_after`` more cuts at level 2 (shedding on) still leave it,
-  level 3 recommends an engine restart.
+  level 3 recommends an engine restart. A TTFT/E2E breach with a backlog bigger than the batch
+  is overload, not an engine problem (TTFT counts the admission queue): shrinking the batch
+  would lengthen the queue and spiral down, so the breaker goes straight to level 2 (shed) and
+  leaves the cap to the controller.
 
 Memory model. vLLM pre-allocates its whole KV pool at start, so device memory in use does not
 move with the batch. "Memory" here is what the engine *needs* at a setting: weights +
@@ -99,7 +102,10 @@ class ShieldConfig:
     preemption_storm: int = 10
     #: P99 above breach_factor x SLO on any of ``breach_metrics`` is a breach.
     breach_factor: float = 1.5
-    breach_metrics: tuple[str, ...] = ("ttft", "e2el")
+    breach_metrics: tuple[str, ...] = ("ttft", "tpot", "e2el")
+    #: A TTFT/E2E breach while more than this x cap requests wait is overload (queueing): the
+    #: breaker sheds instead of shrinking the batch, which would only lengthen the queue.
+    overload_backlog_factor: float = 1.0
     #: Level-1 shrink factor of the cap.
     breaker_shrink: float = 0.7
     #: Seconds after a breaker shrink before the next one (latency windows need time to show it).
@@ -271,6 +277,7 @@ class Shield:
         self.num_breached_in_row = 0
         self.num_clean_in_row = 0
         self.num_failed_sheds = 0
+        self.last_breach_kind = "engine"
         self.last_breaker_action = -math.inf
         self.kv_calibration = 1.0
         self.context_len = float(self.cfg.initial_context_len)
@@ -456,37 +463,57 @@ class Shield:
             return have
         return want
 
-    def _breached(self, inputs: ShieldInputs) -> str | None:
-        """Why the last interval counts as a breach, or None."""
+    def _breached(self, inputs: ShieldInputs, cur: int) -> tuple[str, str] | None:
+        """(why, kind) when the last interval counts as a breach, else None. ``kind`` is
+        "engine" (the batch is too big for the engine: OOM, preemption storm, TPOT, or a
+        TTFT/E2E breach without a backlog) or "overload" (a TTFT/E2E breach while more requests
+        wait than run: the latency is queueing, and a smaller batch would only lengthen it)."""
         if inputs.oom:
-            return "engine out of memory"
+            return "engine out of memory", "engine"
         if inputs.preemptions >= self.cfg.preemption_storm:
-            return f"preemption storm ({inputs.preemptions} >= {self.cfg.preemption_storm})"
+            return f"preemption storm ({inputs.preemptions} >= {self.cfg.preemption_storm})", "engine"
         slo_ms = {"ttft": self.slo.ttft_ms, "tpot": self.slo.tpot_ms, "e2el": self.slo.e2el_ms}
         seen = {"ttft": inputs.ttft_p99_ms, "tpot": inputs.tpot_p99_ms, "e2el": inputs.e2el_p99_ms}
-        for m in self.cfg.breach_metrics:
+        found: tuple[str, str] | None = None
+        backlog = max(0, inputs.demand - inputs.num_running)
+        for m in sorted(self.cfg.breach_metrics, key=lambda m: m != "tpot"):  # engine-side first
             limit = slo_ms[m]
-            if limit is not None and seen[m] > self.cfg.breach_factor * limit:
-                return f"p99 {m} {seen[m]:.0f} ms > {self.cfg.breach_factor} x SLO {limit:.0f} ms"
-        return None
+            if limit is None or not seen[m] > self.cfg.breach_factor * limit:
+                continue
+            why = f"p99 {m} {seen[m]:.0f} ms > {self.cfg.breach_factor} x SLO {limit:.0f} ms"
+            if m == "tpot" or backlog <= self.cfg.overload_backlog_factor * cur:
+                return why, "engine"
+            found = found or (f"{why} with {backlog} waiting", "overload")
+        return found
 
     def _breaker(
         self, inputs: ShieldInputs, cur: int, now: float, why: dict[str, str], alerts: list[str]
     ) -> tuple[int, int | None]:
         """Advance the breaker; returns (level, upper bound on the cap or None)."""
         cfg = self.cfg
-        reason = self._breached(inputs)
-        if reason is None:
+        breach = self._breached(inputs, cur)
+        if breach is None:
             self.num_breached_in_row = 0
             self.num_clean_in_row += 1
             if self.breaker_level and self.num_clean_in_row >= cfg.recover_after:
                 self.breaker_level = 0
                 self.num_failed_sheds = 0
-            if self.breaker_level:
+            if self.breaker_level and self.last_breach_kind == "engine":
                 why["breaker_hold"] = f"breaker level {self.breaker_level} recovering; cap held at {cur}"
                 return self.breaker_level, cur
-            return 0, None
+            return self.breaker_level, None
+        reason, kind = breach
         self.num_clean_in_row = 0
+        self.last_breach_kind = kind
+        if kind == "overload":
+            # Shed instead of shrinking; the controller may still move the cap (memory allowing).
+            self.num_breached_in_row += 1
+            self.breaker_level = max(self.breaker_level, 2)
+            why["breaker_shed"] = f"{reason}: overload, shedding priority > {cfg.shed_max_priority_kept}"
+            failed = self.num_breached_in_row - 1
+            if failed >= cfg.alert_after:
+                alerts.append(f"overload persists after {failed} sheds in a row: {reason}")
+            return self.breaker_level, None
         if now - self.last_breaker_action < cfg.breaker_cooldown_s:
             why["breaker_hold"] = f"{reason}; waiting for the last cut to show, cap held at {cur}"
             return self.breaker_level, cur

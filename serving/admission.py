@@ -240,6 +240,11 @@ class Admission:
         return tuple(b.num_waiting for b in self._buckets)
 
     @property
+    def max_wait_s(self) -> float | None:
+        """``expire`` does something only when this is set."""
+        return self.cfg.max_wait_s
+
+    @property
     def boundaries(self) -> tuple[int, ...]:
         """Current bucket boundaries (they move when ``adapt_boundaries`` is on)."""
         return tuple(int(round(b)) for b in self._boundaries)
@@ -351,12 +356,15 @@ class Admission:
                 out.append(self._reject(e.request, "timeout", now))
         return out
 
-    def shed(self, max_priority_kept: int | None, now: float = 0.0) -> list[Rejection]:
-        """Breaker level 2: drop waiting requests with ``priority > max_priority_kept`` and
-        reject such new ones until ``shed(None)`` lifts it. Core (low-number) ones are kept."""
-        self.max_priority_kept = max_priority_kept
+    def shed(self, max_priority_kept: int | None, now: float = 0.0, *, persist: bool = False) -> list[Rejection]:
+        """Breaker level 2: drop waiting requests with ``priority > max_priority_kept``; core
+        (low-number) ones stay. One-shot (callers repeat it each interval while the breaker
+        says so); with ``persist`` such new submits are rejected too, until ``shed(None)``."""
         if max_priority_kept is None:
+            self.max_priority_kept = None
             return []
+        if persist:
+            self.max_priority_kept = max_priority_kept
         victims = [e for e in self._waiting.values() if e.request.priority > max_priority_kept]
         out = []
         for e in victims:

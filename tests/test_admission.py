@@ -141,7 +141,7 @@ def test_expire_rejects_only_stale_requests():
     a.check_counts()
 
 
-def test_shed_keeps_core_and_blocks_low_priority_until_lifted():
+def test_shed_keeps_core_one_shot_or_persistent():
     a = make(cap=1)
     for p in (0, 1, 2, 0, 3):
         a.submit(req(10, priority=p, rid=f"p{p}-{next(_ids)}"), 0.0)
@@ -149,6 +149,8 @@ def test_shed_keeps_core_and_blocks_low_priority_until_lifted():
     assert sorted(r.request.priority for r in rej) == [1, 2, 3]
     assert all(r.reason == "shed_low_priority" for r in rej)
     assert a.num_waiting == 2
+    assert a.submit(req(10, priority=1, rid="late"), 1.0) is None  # one-shot: new ones queue
+    assert [r.request_id for r in a.shed(0, 1.5, persist=True)] == ["late"]
     assert a.submit(req(10, priority=1), 1.0).reason == "shed_low_priority"
     assert a.submit(req(10, priority=0), 1.0) is None
     assert a.shed(None) == []
@@ -266,9 +268,9 @@ class AdmissionMachine(RuleBasedStateMachine):
         self.now += dt
         self._rejections(self.a.expire(self.now))
 
-    @rule(level=st.one_of(st.none(), st.integers(0, 2)))
-    def shed(self, level):
-        self._rejections(self.a.shed(level, self.now))
+    @rule(level=st.one_of(st.none(), st.integers(0, 2)), persist=st.booleans())
+    def shed(self, level, persist):
+        self._rejections(self.a.shed(level, self.now, persist=persist))
 
     @rule(cap=st.integers(1, 8), mode=st.sampled_from(BUCKETING_MODES))
     def knobs(self, cap, mode):

@@ -81,7 +81,7 @@ def test_pid_length_weighting_shrinks_upward_steps():
 
 @pytest.mark.parametrize("at,first,then,direction", [(256, 10.0, 3000.0, -1), (1, 5000.0, 10.0, +1)])
 def test_pid_anti_windup_recovers_promptly_after_saturation(at, first, then, direction):
-    c = pid(max_batch=256, min_batch=1)
+    c = pid(max_batch=256, min_batch=1, queue_aware=False)
     for _ in range(2000):  # pinned at a bound with the error pushing into it
         p = c.decide(snap(ttft_p99_ms=first, queue=100), Knobs(at))
         assert p.batch_cap == at
@@ -91,6 +91,18 @@ def test_pid_anti_windup_recovers_promptly_after_saturation(at, first, then, dir
         moves.append(c.decide(snap(ttft_p99_ms=then, queue=100), Knobs(at)).batch_cap - at)
     assert any(m * direction > 0 for m in moves[:2]), moves  # within two decisions
     assert moves[-1] * direction > 0
+
+
+def test_queue_aware_steers_on_tpot_in_overload():
+    """TTFT 5 s with 200 waiting behind 32 running is queueing; TPOT 20 ms says the engine has room."""
+    overload = snap(ttft_p99_ms=5000.0, queue=200, cap=32)
+    assert pid().decide(overload, Knobs(32)).batch_cap > 32
+    assert pid(queue_aware=False).decide(overload, Knobs(32)).batch_cap < 32
+    aimd = AIMDController(AIMDConfig(slo_ms=1000.0, tpot_slo_ms=100.0))
+    assert aimd.decide(overload, Knobs(32)).batch_cap == 36
+    assert AIMDController(AIMDConfig(slo_ms=1000.0, queue_aware=False)).decide(overload, Knobs(32)).batch_cap == 24
+    # the same TTFT without a backlog is the batch's fault
+    assert pid().decide(snap(ttft_p99_ms=5000.0, queue=5, cap=32), Knobs(32)).batch_cap < 32
 
 
 def test_pid_reset_forgets_state():
@@ -123,7 +135,7 @@ def test_aimd_holds_without_queue_and_cuts_on_preemptions():
     c = AIMDController(AIMDConfig(slo_ms=1000.0))
     assert c.decide(snap(ttft_p99_ms=10.0, queue=0), Knobs(40)).batch_cap == 40
     assert c.decide(snap(ttft_p99_ms=10.0, preemptions=3), Knobs(40)).batch_cap == 30
-    assert c.decide(snap(ttft_p99_ms=5000.0), Knobs(1)).batch_cap == 1  # floor at min_batch
+    assert c.decide(snap(ttft_p99_ms=5000.0, queue=1), Knobs(1)).batch_cap == 1  # floor at min_batch
 
 
 def test_configs_build_the_right_controllers():

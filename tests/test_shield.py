@@ -169,6 +169,27 @@ def test_breaker_level1_shrinks_by_030_and_overrides_proposal():
     assert shield(ROOMY).apply(Proposal(), Knobs(100), ShieldInputs(preemptions=9), 1.0).breaker_level == 0
 
 
+def test_overload_breach_sheds_instead_of_shrinking():
+    """TTFT high because 300 wait behind 100 running: cutting the batch would deepen the queue."""
+    s = shield(ROOMY)
+    overload = ShieldInputs(ttft_p99_ms=5000.0, demand=400, num_running=100)
+    d = s.apply(Proposal(batch_cap=120), Knobs(100), overload, 1.0)
+    assert d.knobs.batch_cap == 120 and d.breaker_level == 2 and d.shed_max_priority_kept == 0
+    assert "breaker_shed" in d.interventions and "breaker_shrink" not in d.interventions
+    # the same latency with no backlog is the engine's: shrink
+    d = shield(ROOMY).apply(Proposal(), Knobs(100), ShieldInputs(ttft_p99_ms=5000.0, demand=110, num_running=100), 1.0)
+    assert d.knobs.batch_cap == 70 and d.breaker_level == 1
+    # a TPOT breach is always the engine's, backlog or not
+    tpot = ShieldInputs(tpot_p99_ms=500.0, demand=400, num_running=100)
+    assert shield(ROOMY).apply(Proposal(), Knobs(100), tpot, 1.0).knobs.batch_cap == 70
+    # sustained overload alerts after 3 failed sheds, and clean intervals lift the shedding
+    alerts = [bool(s.apply(Proposal(), Knobs(100), overload, 2.0 + t).alerts) for t in range(4)]
+    assert alerts == [False, False, True, True]
+    for t in range(3):
+        d = s.apply(Proposal(batch_cap=110), Knobs(100), CALM, 10.0 + t)
+    assert d.breaker_level == 0 and d.shed_max_priority_kept is None and d.knobs.batch_cap == 110
+
+
 def test_breaker_cooldown_holds_cap():
     s = shield(ROOMY, breaker_cooldown_s=2.0)
     assert s.apply(Proposal(), Knobs(100), SLOW, 10.0).knobs.batch_cap == 70
