@@ -30,7 +30,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol, Sequence
 
 from batchpilot.policies.knobs import BUCKETING_MODES, Knobs
