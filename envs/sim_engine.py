@@ -149,7 +149,7 @@ class SimEngine(Engine):
         self._it = 0  # global iteration counter
         self._max_active = self.cfg.max_num_seqs
         self._draining = False
-        self._pending = StepResult(start_time=0.0, duration=0.0)
+        self._pending: StepResult | None = None  # iterations run by a draining restart
         self._num_preemptions = 0
         self._pc_queries = 0
         self._pc_hits = 0
@@ -212,6 +212,14 @@ class SimEngine(Engine):
     @property
     def kv_dtype(self) -> str:
         return self._kv_dtype
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
 
     @property
     def num_kv_blocks_total(self) -> int:
@@ -279,6 +287,8 @@ class SimEngine(Engine):
             raise DtypeUnavailable(reason)
         if self.cfg.restart_mode == "drain":
             self._draining = True
+            if self._pending is None:
+                self._pending = StepResult(start_time=self._now, duration=0.0)
             try:
                 while self._running:
                     self._iterate(self._pending)
@@ -317,9 +327,10 @@ class SimEngine(Engine):
 
     # ---- internals ---------------------------------------------------------------------------
     def _take_pending(self) -> StepResult:
-        agg, self._pending = self._pending, StepResult(start_time=self._now, duration=0.0)
-        if agg.num_iterations == 0 and not agg.finished:
-            agg = StepResult(start_time=self._now, duration=0.0)
+        """The result to fill: a fresh one, or what a draining restart produced."""
+        if self._pending is None:
+            return StepResult(start_time=self._now, duration=0.0)
+        agg, self._pending = self._pending, None
         return agg
 
     def _available(self) -> int:
@@ -387,9 +398,11 @@ class SimEngine(Engine):
         start = hits * 512
         chunk = min(seq.prompt + seq.gen - start, budget)
         new = -(-(start + chunk) // self.cfg.block_size) - hits * self._bph
-        ev = self._evictable
-        locked = sum(1 for h in seq.req.prefix_hashes[:hits] if h in ev) * self._bph
-        return hits, chunk, new - (self._available() - locked)
+        avail = self._free + len(self._evictable) * self._bph
+        if hits:  # hit entries that sit in the evictable pool stop being available once shared
+            ev = self._evictable
+            avail -= sum(1 for h in seq.req.prefix_hashes[:hits] if h in ev) * self._bph
+        return hits, chunk, new - avail
 
     def _can_admit(self) -> bool:
         if not self._waiting or self._draining or len(self._running) >= self._max_active:

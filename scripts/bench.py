@@ -25,23 +25,25 @@ def bench_sim(cfg: DictConfig) -> dict[str, Any]:
     rng = np.random.default_rng(cfg.seed)
     mml = engine.model.max_model_len
     chunk = 4096
+    rate, max_waiting = float(b.arrival_rate_per_s), int(b.max_waiting)
+    p_mu, o_mu, sigma = np.log(float(b.prompt_mean)), np.log(float(b.output_mean)), float(b.length_sigma)
     iters = finished = added = skipped = 0
     run_weighted = 0.0
     t = 0.0
     start = time.perf_counter()
     deadline = start + float(b.wall_seconds)
     while time.perf_counter() < deadline:
-        gaps = rng.exponential(1.0 / b.arrival_rate_per_s, chunk)
-        prompts = np.clip(rng.lognormal(np.log(b.prompt_mean), b.length_sigma, chunk), 1, mml // 2).astype(int)
-        outputs = np.clip(rng.lognormal(np.log(b.output_mean), b.length_sigma, chunk), 1, mml // 2).astype(int)
+        gaps = rng.exponential(1.0 / rate, chunk).tolist()
+        prompts = np.clip(rng.lognormal(p_mu, sigma, chunk), 1, mml // 2).astype(int).tolist()
+        outputs = np.clip(rng.lognormal(o_mu, sigma, chunk), 1, mml // 2).astype(int).tolist()
         for i in range(chunk):
-            t += float(gaps[i])
+            t += gaps[i]
             r = engine.advance_until(t)
             iters += r.num_iterations
             finished += len(r.finished)
-            run_weighted += r.num_iterations * engine.stats().num_running
-            if len(engine._waiting) < b.max_waiting:
-                engine.add_request(Request(f"b{added + skipped}", t, int(prompts[i]), int(outputs[i])))
+            run_weighted += r.num_iterations * engine.num_running
+            if engine.num_waiting < max_waiting:
+                engine.add_request(Request(f"b{added + skipped}", t, prompts[i], outputs[i]))
                 added += 1
             else:
                 skipped += 1
