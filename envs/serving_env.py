@@ -69,7 +69,7 @@ def slo_from_cfg(node: Any) -> SLO:
 class ServingEnv(gym.Env):
     """See the module docstring: it is this environment's manual."""
 
-    metadata = {"render_modes": ["ansi"]}
+    metadata = {"render_modes": ["ansi"], "render_fps": 1}
 
     def __init__(
         self,
@@ -230,7 +230,7 @@ class ServingEnv(gym.Env):
         cap = min(int(e.initial_batch_cap), self._max_num_seqs)
         self.knobs = Knobs(batch_cap=cap, bucketing=str(e.initial_bucketing), kv_dtype=self.engine.kv_dtype)
         self.admission = Admission(self.admission_cfg, self.knobs)
-        self.shield = Shield(self.shield_cfg, self.engine.memory_model(), self._caps)
+        self.shield = Shield(self.shield_cfg, self.engine.memory_model(), self._caps, slo=self.slo, now=self.engine.now)
         self.telemetry = Telemetry(
             slo=self.slo,
             num_buckets=self.admission_cfg.num_buckets,
