@@ -69,7 +69,63 @@ def bench_sim(cfg: DictConfig) -> dict[str, Any]:
     }
 
 
-TARGETS: dict[str, Callable[[DictConfig], dict[str, Any]]] = {"sim": bench_sim}
+def bench_env(cfg: DictConfig) -> dict[str, Any]:
+    """ServingEnv steps per wall second on the simulator, 1 s interval, moderate load."""
+    from batchpilot.config import load_config
+    from batchpilot.envs.serving_env import ServingEnv
+
+    b = cfg.env_bench
+    env_cfg = load_config(
+        [f"hardware={cfg.hardware_name}", f"model={cfg.model_name}", "engine=sim",
+         f"workload={b.workload}", f"workload.rate={b.rate}", f"env.interval_s={b.interval_s}"]
+    )
+    env = ServingEnv(cfg=env_cfg)
+    env.reset(seed=int(cfg.seed))
+    hold = np.array([2, 0, 0])  # keep the cap, FIFO, keep the dtype
+    steps = episodes = 0
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < float(b.wall_seconds):
+        _, _, terminated, truncated, info = env.step(hold)
+        steps += 1
+        if terminated or truncated:
+            episodes += 1
+            env.reset()
+    wall = time.perf_counter() - t0
+    env.close()
+    return {
+        "env_steps_per_s": round(steps / wall, 1),
+        "steps": steps,
+        "episodes": episodes,
+        "interval_s": float(b.interval_s),
+        "arrival_rate": float(b.rate),
+        "last_kv_cache_usage": round(info["metrics"]["kv_cache_usage"], 3),
+        "last_num_running": info["metrics"]["num_running"],
+        "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+    }
+
+
+def bench_policy(cfg: DictConfig) -> dict[str, Any]:
+    """Decision latency of the dependency-light runtime on the shipped (or given) policy."""
+    from batchpilot.config import REPO_ROOT
+    from batchpilot.policies.runtime import benchmark_runtime
+
+    path = cfg.policy_bench.path or REPO_ROOT / "policies" / "pretrained"
+    return benchmark_runtime(path, int(cfg.policy_bench.n_calls), with_mask=True)
+
+
+def bench_gateway(cfg: DictConfig) -> dict[str, Any]:
+    """Added latency of the gateway over calling a real `vllm serve` directly."""
+    from batchpilot.serving.bench import bench_gateway as run
+
+    return run(cfg)
+
+
+TARGETS: dict[str, Callable[[DictConfig], dict[str, Any]]] = {
+    "sim": bench_sim,
+    "env": bench_env,
+    "policy": bench_policy,
+    "gateway": bench_gateway,
+}
 
 
 @hydra.main(config_path="../conf", config_name="bench", version_base="1.3")
