@@ -1,0 +1,325 @@
+"""Evaluation results out: rows to JSON/CSV, the mean ± 95 % CI table, plots, and W&B.
+
+Input is what ``batchpilot.policies.evaluation`` produces: one row per (controller, workload,
+seed) with the ``ROW_KEYS`` below, and per (controller, workload) a ``Timeline`` of the first
+seed's episode (one point per control interval). Nothing here runs an engine.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+#: Identity columns of a row.
+ID_KEYS: tuple[str, ...] = ("policy", "workload", "seed", "model", "hardware", "engine")
+#: Metric columns of a row (``vllm bench serve`` names plus the controller's footprint).
+METRIC_KEYS: tuple[str, ...] = (
+    "request_throughput",
+    "output_throughput",
+    "request_goodput",
+    "slo_attainment",
+    "mean_ttft_ms",
+    "p99_ttft_ms",
+    "mean_tpot_ms",
+    "p99_tpot_ms",
+    "p99_e2el_ms",
+    "peak_kv_usage",
+    "preemptions",
+    "shield_interventions",
+    "dtype_switches",
+    "rejected",
+    "completed",
+)
+#: Every column of results.json / results.csv, in order. ``knobs`` is the fixed setting a
+#: static controller ran (best_static's pick), ``wall_s`` the episode's wall time, ``error``
+#: the engine failure that ended an episode early ("" when none).
+ROW_KEYS: tuple[str, ...] = (*ID_KEYS, *METRIC_KEYS, "knobs", "wall_s", "error")
+#: The compact table for the README: the headline metrics.
+HEADLINE_KEYS: tuple[str, ...] = (
+    "request_goodput",
+    "slo_attainment",
+    "request_throughput",
+    "output_throughput",
+    "p99_ttft_ms",
+    "p99_tpot_ms",
+    "peak_kv_usage",
+    "preemptions",
+    "shield_interventions",
+    "rejected",
+)
+
+
+@dataclass(slots=True)
+class Timeline:
+    """One episode over time, a point per control interval (what the plots draw)."""
+
+    time: list[float] = field(default_factory=list)
+    arrival_rate: list[float] = field(default_factory=list)
+    queue_depth: list[float] = field(default_factory=list)
+    batch_cap: list[float] = field(default_factory=list)
+    kv_cache_usage: list[float] = field(default_factory=list)
+    p99_ttft_ms: list[float] = field(default_factory=list)
+
+    def add(self, info: Mapping[str, Any]) -> None:
+        m = info["metrics"]
+        self.time.append(float(m["time"]))
+        self.arrival_rate.append(float(m["arrival_rate"]))
+        self.queue_depth.append(float(m["queue_depth"]))
+        self.batch_cap.append(float(info["knobs"]["batch_cap"]))
+        self.kv_cache_usage.append(float(m["kv_cache_usage"]))
+        self.p99_ttft_ms.append(float(m["p99_ttft_ms"]))
+
+
+# --- statistics ------------------------------------------------------------------------------
+def _t_cdf(x: float, df: int) -> float:
+    """Student-t CDF at ``x >= 0`` by Simpson integration of the density (no SciPy here)."""
+    if x <= 0:
+        return 0.5
+    n = 4000  # even; the density is smooth, so this is accurate to ~1e-10 for df >= 1
+    t = np.linspace(0.0, x, n + 1)
+    logc = math.lgamma((df + 1) / 2) - math.lgamma(df / 2) - 0.5 * math.log(df * math.pi)
+    pdf = np.exp(logc - (df + 1) / 2 * np.log1p(t * t / df))
+    w = np.ones(n + 1)
+    w[1:-1:2], w[2:-1:2] = 4.0, 2.0
+    return 0.5 + float(np.dot(w, pdf)) * (x / n) / 3.0
+
+
+def t_quantile(p: float, df: int) -> float:
+    """The ``p`` quantile (``p`` in [0.5, 1)) of Student's t with ``df`` degrees of freedom."""
+    if not 0.5 <= p < 1 or df < 1:
+        raise ValueError(f"need 0.5 <= p < 1 and df >= 1, got p={p}, df={df}")
+    lo, hi = 0.0, 1.0
+    while _t_cdf(hi, df) < p:
+        hi *= 2.0
+    for _ in range(60):
+        mid = 0.5 * (lo + hi)
+        lo, hi = (mid, hi) if _t_cdf(mid, df) < p else (lo, mid)
+    return 0.5 * (lo + hi)
+
+
+def mean_ci(values: Sequence[float], level: float = 0.95) -> tuple[float, float, int]:
+    """(mean, half-width of the ``level`` t-interval, n) over the finite values.
+    The half-width is NaN with fewer than two values."""
+    v = np.asarray([x for x in values if x is not None and math.isfinite(x)], dtype=np.float64)
+    n = int(v.size)
+    if n == 0:
+        return math.nan, math.nan, 0
+    mean = float(v.mean())
+    if n < 2:
+        return mean, math.nan, n
+    half = t_quantile(0.5 + level / 2, n - 1) * float(v.std(ddof=1)) / math.sqrt(n)
+    return mean, half, n
+
+
+def aggregate(rows: Sequence[Mapping[str, Any]], keys: Sequence[str] = METRIC_KEYS) -> list[dict[str, Any]]:
+    """Per (workload, policy), in first-seen order: ``{key: (mean, ci_half, n)}`` over seeds."""
+    groups: dict[tuple[str, str], list[Mapping[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault((str(r["workload"]), str(r["policy"])), []).append(r)
+    out = []
+    for (wl, pol), rs in groups.items():
+        entry: dict[str, Any] = {"workload": wl, "policy": pol, "seeds": len(rs)}
+        for k in keys:
+            entry[k] = mean_ci([float(r[k]) for r in rs])
+        out.append(entry)
+    return out
+
+
+# --- table -----------------------------------------------------------------------------------
+def _fmt(x: float) -> str:
+    if not math.isfinite(x):
+        return "–"
+    a = abs(x)
+    if a >= 1000:
+        return f"{x:,.0f}"
+    if a >= 100:
+        return f"{x:.1f}"
+    if a >= 1:
+        return f"{x:.2f}"
+    return f"{x:.3f}"
+
+
+def markdown_table(rows: Sequence[Mapping[str, Any]], keys: Sequence[str] = METRIC_KEYS) -> str:
+    """Mean ± 95 % CI (t-distribution, over seeds) per workload and controller."""
+    agg = aggregate(rows, keys)
+    head = ["workload", "policy", "n", *keys]
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] * 3 + ["---:"] * len(keys)) + "|"]
+    for e in agg:
+        cells = [e["workload"], e["policy"], str(e["seeds"])]
+        for k in keys:
+            mean, half, _ = e[k]
+            cells.append(_fmt(mean) if not math.isfinite(half) else f"{_fmt(mean)} ± {_fmt(half)}")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+# --- files -----------------------------------------------------------------------------------
+def write_rows(rows: Sequence[Mapping[str, Any]], out_dir: Path) -> tuple[Path, Path]:
+    """results.json (a list of row objects) and results.csv (``ROW_KEYS`` columns)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    jpath, cpath = out_dir / "results.json", out_dir / "results.csv"
+    clean = [{k: _jsonable(r.get(k)) for k in ROW_KEYS} for r in rows]
+    jpath.write_text(json.dumps(clean, indent=1) + "\n")
+    with cpath.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(ROW_KEYS))
+        w.writeheader()
+        for r in clean:
+            w.writerow({k: "" if v is None else v for k, v in r.items()})
+    return jpath, cpath
+
+
+def _jsonable(v: Any) -> Any:
+    if isinstance(v, float) and not math.isfinite(v):
+        return None  # JSON has no NaN; null reads back as "not measured"
+    if isinstance(v, (np.floating, np.integer)):
+        return _jsonable(v.item())
+    return v
+
+
+def write_timelines(timelines: Mapping[tuple[str, str], Timeline], out_dir: Path) -> Path:
+    path = out_dir / "timelines.json"
+    data = [{"workload": wl, "policy": pol, **asdict(tl)} for (wl, pol), tl in timelines.items()]
+    path.write_text(json.dumps(data) + "\n")
+    return path
+
+
+# --- plots -----------------------------------------------------------------------------------
+def _safe(name: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in name)
+
+
+def plot_timelines(
+    timelines: Mapping[tuple[str, str], Timeline], out_dir: Path, slo_ttft_ms: float | None
+) -> list[Path]:
+    """Per workload: load (arrival rate, admission queue), each controller's batch cap, KV
+    usage and p99 TTFT over time. One PNG per workload."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    by_wl: dict[str, dict[str, Timeline]] = {}
+    for (wl, pol), tl in timelines.items():
+        by_wl.setdefault(wl, {})[pol] = tl
+    paths = []
+    for wl, tls in by_wl.items():
+        fig, axes = plt.subplots(4, 1, figsize=(8, 9), sharex=True)
+        first = next(iter(tls.values()))
+        ax = axes[0]
+        ax.plot(first.time, first.arrival_rate, color="k", lw=1.2, label="arrivals/s")
+        ax.set_ylabel("arrivals (req/s)")
+        ax.set_ylim(bottom=0)
+        ax.set_title(f"{wl}: load and each controller's knobs (first seed; drain not shown)", fontsize=10)
+        queue = ax.twinx()
+        queue.set_ylabel("admission queue (dotted)")
+        for i, (pol, tl) in enumerate(tls.items()):
+            color = f"C{i % 10}"
+            queue.plot(tl.time, tl.queue_depth, lw=0.8, ls=":", color=color)
+            axes[1].plot(tl.time, tl.batch_cap, lw=1.0, color=color, label=pol)
+            axes[2].plot(tl.time, tl.kv_cache_usage, lw=1.0, color=color, label=pol)
+            axes[3].plot(tl.time, tl.p99_ttft_ms, lw=1.0, color=color, label=pol)
+        queue.set_ylim(bottom=0)
+        ax.legend(fontsize=7, loc="upper left")
+        axes[1].set_ylabel("batch cap")
+        axes[1].legend(fontsize=7, ncol=3, loc="upper right")
+        axes[2].set_ylabel("KV usage")
+        axes[2].set_ylim(0, 1.05)
+        axes[3].set_ylabel("p99 TTFT (ms)")
+        axes[3].set_yscale("symlog", linthresh=100)
+        axes[3].set_ylim(bottom=0)
+        if slo_ttft_ms is not None:
+            axes[3].axhline(slo_ttft_ms, color="r", ls="--", lw=0.8)
+            axes[3].annotate("SLO", (0.005, slo_ttft_ms), xycoords=("axes fraction", "data"), color="r", fontsize=7)
+        axes[3].set_xlabel("engine time (s)")
+        fig.tight_layout()
+        p = out_dir / f"timeline_{_safe(wl)}.png"
+        fig.savefig(p, dpi=80)
+        plt.close(fig)
+        paths.append(p)
+    return paths
+
+
+def plot_goodput_vs_slo(rows: Sequence[Mapping[str, Any]], out_dir: Path) -> Path:
+    """Request goodput against SLO attainment, one panel per workload, a point per controller
+    (mean over seeds, 95 % CI bars)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    agg = aggregate(rows, ("request_goodput", "slo_attainment"))
+    workloads = list(dict.fromkeys(e["workload"] for e in agg))
+    policies = list(dict.fromkeys(e["policy"] for e in agg))
+    colors = {p: f"C{i % 10}" for i, p in enumerate(policies)}
+    fig, axes = plt.subplots(1, len(workloads), figsize=(4.2 * len(workloads), 3.8), squeeze=False)
+    for ax, wl in zip(axes[0], workloads):
+        for e in (e for e in agg if e["workload"] == wl):
+            (gx, gh, _), (sx, sh, _) = e["request_goodput"], e["slo_attainment"]
+            ax.errorbar(
+                sx, gx, xerr=None if math.isnan(sh) else sh, yerr=None if math.isnan(gh) else gh,
+                fmt="o", color=colors[e["policy"]], label=e["policy"], capsize=3,
+            )
+        ax.set_title(wl, fontsize=9)
+        ax.set_xlabel("SLO attainment")
+        ax.set_ylabel("request goodput (req/s)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    p = out_dir / "goodput_vs_slo.png"
+    fig.savefig(p, dpi=80)
+    plt.close(fig)
+    return p
+
+
+# --- Weights & Biases ------------------------------------------------------------------------
+def log_to_wandb(
+    logger_cfg: Mapping[str, Any],
+    run_config: Mapping[str, Any],
+    rows: Sequence[Mapping[str, Any]],
+    table_md: str,
+    plots: Sequence[Path],
+    out_dir: Path,
+) -> Path | None:
+    """Rows, the aggregated table and the plots to a W&B run (``conf/logger``: offline by
+    default; the ``WANDB_MODE`` environment variable wins). Returns the run folder, or None
+    when the logger has W&B off."""
+    if not logger_cfg.get("wandb", False):
+        return None
+    import wandb
+
+    mode = os.environ.get("WANDB_MODE", str(logger_cfg.get("mode", "offline")))
+    run = wandb.init(
+        project=str(logger_cfg.get("project", "batchpilot")),
+        entity=logger_cfg.get("entity"),
+        group=logger_cfg.get("group"),
+        tags=list(logger_cfg.get("tags") or []),
+        mode=mode,  # type: ignore[arg-type]
+        dir=str(out_dir),
+        job_type="evaluate",
+        config=dict(run_config),
+        reinit="finish_previous",
+    )
+    try:
+        run.log({"results": wandb.Table(columns=list(ROW_KEYS), data=[[_jsonable(r.get(k)) for k in ROW_KEYS] for r in rows])})
+        agg = aggregate(rows)
+        cols = ["workload", "policy", "seeds"] + [f"{k}_{s}" for k in METRIC_KEYS for s in ("mean", "ci95")]
+        data = [
+            [e["workload"], e["policy"], e["seeds"]] + [_jsonable(x) for k in METRIC_KEYS for x in e[k][:2]]
+            for e in agg
+        ]
+        run.log({"summary": wandb.Table(columns=cols, data=data)})
+        run.log({"summary_markdown": wandb.Html(f"<pre>{table_md}</pre>")})
+        run.log({f"plots/{p.stem}": wandb.Image(str(p)) for p in plots})
+        return Path(run.dir).parent
+    finally:
+        run.finish()
