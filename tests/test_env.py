@@ -1,0 +1,141 @@
+"""ServingEnv on the simulator: Gymnasium conventions, the info contract, masking, the shield's
+invariants under random and adversarial actions, determinism and request accounting."""
+
+from __future__ import annotations
+
+import math
+
+import gymnasium as gym
+import numpy as np
+import pytest
+from gymnasium.utils.env_checker import check_env
+
+import batchpilot.envs  # noqa: F401  (registers the id)
+from batchpilot.config import load_config
+from batchpilot.envs import ENV_ID
+from batchpilot.envs.engine import KV_DTYPES_8BIT
+from batchpilot.envs.serving_env import ServingEnv
+from batchpilot.policies.controllers import build_controller
+from batchpilot.policies.knobs import BUCKETING_MODES
+
+SHORT = ["env.episode_s=20", "workload.duration_s=20"]
+
+
+def make(*overrides: str) -> ServingEnv:
+    return ServingEnv(cfg=load_config([*SHORT, *overrides]))
+
+
+def test_registered_default_is_the_simulator_and_passes_check_env():
+    env = gym.make(ENV_ID)
+    assert env.unwrapped.cfg.engine.kind == "sim"
+    check_env(env.unwrapped, skip_render_check=False)
+    env.close()
+
+
+def test_info_contract_and_observation_bounds():
+    env = make()
+    obs, info = env.reset(seed=1)
+    assert env.observation_space.contains(obs)
+    for _ in range(10):
+        obs, r, term, trunc, info = env.step(env.action_space.sample())
+        assert env.observation_space.contains(obs) and math.isfinite(r)
+        assert {"batch_cap", "bucketing", "kv_dtype"} <= set(info["knobs"])
+        assert 0.0 <= info["predicted_memory_fraction"] <= 0.8 + 1e-9
+        assert isinstance(info["shield"], dict)
+        assert set(info["reward_terms"]) >= {"throughput", "latency", "memory", "slo_miss"}
+
+
+def test_same_seed_same_episode():
+    def rollout(seed: int) -> list[float]:
+        env = make()
+        env.action_space.seed(seed)
+        obs, _ = env.reset(seed=seed)
+        out = [float(obs.sum())]
+        for _ in range(15):
+            obs, r, *_ = env.step(env.action_space.sample())
+            out += [float(obs.sum()), r]
+        return out
+
+    assert rollout(3) == rollout(3)
+    assert rollout(3) != rollout(4)
+
+
+def test_unavailable_dtype_is_masked_and_reported_never_mapped():
+    env = make("hardware.kv8_dtypes=[int8_per_token_head]", "env.kv8_dtype=fp8")
+    env.reset(seed=0)
+    mask = env.action_masks()
+    assert mask.tolist()[-1] is False  # "8-bit" (fp8 here) is masked
+    assert "fp8" in env.unavailable and "h100" in env.unavailable["fp8"].lower()
+    # Choosing it anyway: the shield refuses, reports it, and the dtype stays 16-bit.
+    _, _, _, _, info = env.step(np.array([2, 0, 2]))
+    assert info["knobs"]["kv_dtype"] == "auto"
+    assert any("fp8" in str(v) for v in info["shield"].values())
+
+
+def test_8bit_switch_pays_off_where_kv_binds_and_charges_the_restart():
+    # Llama-3-70B on A100-80GB is KV-bound: 8-bit KV doubles the blocks and the shield allows it.
+    env = make("model=llama3_70b", "hardware=a100_80gb", "workload=poisson", "env.episode_s=300",
+               "workload.duration_s=300", "shield.min_dtype_dwell_s=0")
+    env.reset(seed=0)
+    blocks16 = env.engine.memory_model().num_kv_blocks_total
+    for _ in range(50):
+        t0 = env.engine.now
+        _, _, _, _, info = env.step(np.array([4, 0, 2]))
+        if info["knobs"]["kv_dtype"] in KV_DTYPES_8BIT:
+            break
+    else:
+        pytest.fail(f"8-bit KV never applied: {env.shield.num_interventions}")
+    assert env.engine.memory_model().num_kv_blocks_total > 1.8 * blocks16
+    assert env.engine.now - t0 >= float(env.cfg.model.restart_base_s)  # restart charged
+    assert env.episode_metrics()["dtype_switches"] == 1.0
+
+
+def test_8bit_refused_where_it_gains_nothing():
+    # Llama-3-8B on H100: max_num_seqs binds before KV does, so the restart is not worth it.
+    env = make("shield.min_dtype_dwell_s=0")
+    env.reset(seed=0)
+    for _ in range(15):
+        _, _, _, _, info = env.step(np.array([4, 0, 2]))
+        assert info["knobs"]["kv_dtype"] == "auto"
+    assert env.shield.num_interventions["dtype_not_worth"] > 0
+
+
+@pytest.mark.parametrize("adversarial", [False, True])
+def test_10k_steps_never_break_the_shield(adversarial: bool):
+    """Random and adversarial (always max up / always flip dtype) actions, 10,000 steps."""
+    env = make("env.episode_s=50", "workload.duration_s=50")
+    env.reset(seed=7)
+    rng = np.random.default_rng(7)
+    max_seqs = env.engine.capabilities().max_num_seqs
+    prev_cap = env.knobs.batch_cap
+    for i in range(10_000):
+        if adversarial:
+            a = np.array([4 if (i // 50) % 2 == 0 else 0, rng.integers(3), 1 + i % 2])
+        else:
+            a = env.action_space.sample()
+        _, _, term, trunc, info = env.step(a)
+        cap = info["knobs"]["batch_cap"]
+        assert 1 <= cap <= max_seqs
+        assert abs(cap - prev_cap) <= max(1, math.floor(0.3 * prev_cap)), (prev_cap, cap, info["shield"])
+        assert info["predicted_memory_fraction"] <= 0.8 + 1e-9
+        assert info["knobs"]["bucketing"] in BUCKETING_MODES
+        prev_cap = cap
+        if term or trunc:
+            env.reset()
+            prev_cap = env.knobs.batch_cap
+
+
+def test_every_request_ends_finished_or_rejected_with_drain():
+    env = make("env.drain_on_truncate=true", "workload=bursty", "workload.duration_s=20")
+    cfg = env.cfg
+    ctl = build_controller(cfg.policy, env.engine.capabilities().max_num_seqs)
+    env.reset(seed=2)
+    ctl.reset(env.knobs)
+    arrived = len(env.stream)
+    while True:
+        _, _, term, trunc, info = env.step_proposal(ctl.decide(env.snapshot, env.knobs))
+        if term or trunc:
+            break
+    m = info["episode_metrics"]
+    assert m["completed"] + m["rejected"] == arrived
+    assert m["completed"] > 0.5 * arrived
