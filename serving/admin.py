@@ -50,7 +50,9 @@ async def status(request: Request) -> dict[str, Any]:
     return {
         "control": gw.control.status(),
         "quality_guard": {"output_diff_rate": q.diff_rate, "samples": q.num_samples, "blocks_8bit": q.blocks_8bit},
-        "restarts": {ln.name: ln.upstream.num_restarts for ln in gw.lanes},
+        "upstreams": {ln.name: {"url": ln.upstream.url, "restarts": ln.upstream.num_restarts,
+                                "pid": ln.upstream.managed.pid if ln.upstream.managed else None}
+                      for ln in gw.lanes},
     }
 
 

@@ -134,7 +134,7 @@ class ServeConfig:
     managed_port_base: int = 0
     max_num_seqs: int = 256
     max_model_len: int = 2048
-    kv_cache_space_gib: float = 1.0
+    kv_cache_space_gib: int = 1
     kv_dtype: str = "auto"
     kv8_dtype: str = "fp8"
     extra_vllm_args: list[str] = field(default_factory=lambda: ["--enforce-eager"])

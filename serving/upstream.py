@@ -65,7 +65,7 @@ class ManagedVLLM:
         max_model_len: int,
         max_num_seqs: int,
         kv_dtype: str = "auto",
-        kv_cache_space_gib: float = 1.0,
+        kv_cache_space_gib: int = 1,
         extra_args: list[str] | None = None,
         log_path: Path | None = None,
     ) -> None:

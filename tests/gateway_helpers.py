@@ -1,0 +1,156 @@
+"""Running a real gateway (``scripts/serve.py``, managed ``vllm serve`` on the tiny model) for
+the gateway tests, and a small async load generator. Every process started here is ended in
+``finally`` (the gateway, and its vLLM process group in case the gateway could not)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import httpx
+
+from batchpilot.config import REPO_ROOT
+from batchpilot.serving.upstream import free_port
+
+TOKEN = "test-token"
+AUTH = {"authorization": f"Bearer {TOKEN}"}
+
+
+@dataclass
+class RunningGateway:
+    url: str
+    proc: subprocess.Popen
+    log_path: str
+
+    def status(self) -> dict[str, Any]:
+        return httpx.get(f"{self.url}/admin/status", headers=AUTH, timeout=10).json()
+
+    def upstream_pids(self) -> list[int]:
+        return [u["pid"] for u in self.status()["upstreams"].values() if u["pid"]]
+
+    def metric(self, name: str, **labels: str) -> float:
+        """Sum of a gateway metric's samples matching ``labels``."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        text = httpx.get(f"{self.url}/metrics", timeout=10).text
+        total = 0.0
+        for fam in text_string_to_metric_families(text):
+            for s in fam.samples:
+                if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                    total += s.value
+        return total
+
+
+def wait_ready(url: str, timeout_s: float, proc: subprocess.Popen | None = None) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"gateway exited with code {proc.returncode}")
+        try:
+            if httpx.get(f"{url}/readyz", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"{url}/readyz not 200 after {timeout_s} s")
+
+
+@contextlib.contextmanager
+def running_gateway(*overrides: str, timeout_s: float = 240.0) -> Iterator[RunningGateway]:
+    """``scripts/serve.py serve.managed=true`` on a free port, plus ``overrides``."""
+    port = free_port()
+    log_path = f"/tmp/batchpilot-gateway-{port}.log"
+    cmd = [sys.executable, str(REPO_ROOT / "scripts" / "serve.py"), "serve.managed=true", f"serve.port={port}",
+           f"serve.admin_token={TOKEN}", "serve.kv_cache_space_gib=1", "hydra.run.dir=/tmp/batchpilot-hydra",
+           "hydra.output_subdir=null", "hydra/job_logging=none", "hydra/hydra_logging=none", *overrides]
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1")
+    with open(log_path, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT)
+    gw = RunningGateway(f"http://127.0.0.1:{port}", proc, log_path)
+    pids: list[int] = []
+    try:
+        wait_ready(gw.url, timeout_s, proc)
+        pids = gw.upstream_pids()
+        yield gw
+    finally:
+        with contextlib.suppress(Exception):
+            pids = gw.upstream_pids() or pids
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+        for pid in pids:  # the vLLM process group, if the gateway did not stop it
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGKILL)
+
+
+@dataclass
+class Outcome:
+    status: int
+    reason: str | None
+    retry_after: str | None
+    t_start: float
+    t_end: float
+    body: Any = None
+
+
+@dataclass
+class LoadResult:
+    outcomes: list[Outcome] = field(default_factory=list)
+
+    def count(self, status: int) -> int:
+        return sum(o.status == status for o in self.outcomes)
+
+
+async def one_request(client: httpx.AsyncClient, url: str, body: dict[str, Any], *, stream: bool = False,
+                      headers: dict[str, str] | None = None, timeout_s: float = 120.0) -> Outcome:
+    t0 = time.monotonic()
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    try:
+        if stream:
+            async with client.stream("POST", url + path, json={**body, "stream": True}, headers=headers,
+                                     timeout=timeout_s) as r:
+                data = await r.aread()
+                status, text = r.status_code, data.decode(errors="replace")
+                ra = r.headers.get("retry-after")
+        else:
+            r = await client.post(url + path, json=body, headers=headers, timeout=timeout_s)
+            status, text, ra = r.status_code, r.text, r.headers.get("retry-after")
+    except httpx.TimeoutException:
+        return Outcome(-1, "client_timeout", None, t0, time.monotonic())
+    except httpx.HTTPError as exc:
+        return Outcome(-2, repr(exc), None, t0, time.monotonic())
+    reason = None
+    if status != 200:
+        try:
+            reason = httpx.Response(200, content=text).json()["error"].get("reason")
+        except Exception:
+            reason = None
+    return Outcome(status, reason, ra, t0, time.monotonic(), text)
+
+
+async def burst(url: str, n: int, rate: float, body: dict[str, Any], *, stream_every: int = 0,
+                timeout_s: float = 120.0) -> LoadResult:
+    """``n`` requests at ``rate`` per second (open loop), all awaited."""
+    res = LoadResult()
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=200)
+    async with httpx.AsyncClient(limits=limits) as client:
+        tasks = []
+        t0 = time.monotonic()
+        for i in range(n):
+            delay = t0 + i / rate - time.monotonic()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            stream = bool(stream_every) and i % stream_every == 0
+            tasks.append(asyncio.create_task(one_request(client, url, body, stream=stream, timeout_s=timeout_s)))
+        res.outcomes = list(await asyncio.gather(*tasks))
+    return res

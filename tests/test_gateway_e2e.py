@@ -1,0 +1,177 @@
+"""End to end through the gateway to a real ``vllm serve`` (tiny model, loopback): completions
+and chat, streaming and not; bad input; disconnects; admin API and policy fallback."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import pytest
+
+from gateway_helpers import AUTH, RunningGateway, running_gateway
+
+pytestmark = [pytest.mark.live, pytest.mark.slow, pytest.mark.timeout(600)]
+
+
+@pytest.fixture(scope="module")
+def gw() -> RunningGateway:
+    with running_gateway("serve.control.interval_s=0.5", "serve.control.policy_dir=/nonexistent/policy") as g:
+        yield g
+
+
+def _sse_events(text: str) -> list[str]:
+    return [line[6:] for line in text.splitlines() if line.startswith("data: ")]
+
+
+def test_ready_and_health(gw: RunningGateway) -> None:
+    assert httpx.get(f"{gw.url}/healthz").status_code == 200
+    r = httpx.get(f"{gw.url}/readyz")
+    assert r.status_code == 200 and r.json()["ready"] is True
+
+
+def test_completion_non_streaming(gw: RunningGateway) -> None:
+    r = httpx.post(f"{gw.url}/v1/completions", json={"prompt": "hello world", "max_tokens": 5}, timeout=60)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "text_completion"
+    assert body["usage"]["completion_tokens"] == 5
+    assert body["usage"]["prompt_tokens"] > 0
+    assert body["choices"][0]["finish_reason"] == "length"
+
+
+def test_completion_streaming_passes_sse_through(gw: RunningGateway) -> None:
+    body = {"prompt": "hello world", "max_tokens": 4, "stream": True, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", f"{gw.url}/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        text = r.read().decode()
+    events = _sse_events(text)
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert chunks[-1]["usage"]["completion_tokens"] == 4
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+
+
+def test_chat_both_ways(gw: RunningGateway) -> None:
+    msgs = [{"role": "user", "content": "hi there"}]
+    r = httpx.post(f"{gw.url}/v1/chat/completions", json={"messages": msgs, "max_tokens": 3}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["role"] == "assistant"
+    assert r.json()["usage"]["completion_tokens"] == 3
+    with httpx.stream("POST", f"{gw.url}/v1/chat/completions",
+                      json={"messages": msgs, "max_tokens": 3, "stream": True}, timeout=60) as s:
+        events = _sse_events(s.read().decode())
+    assert events[-1] == "[DONE]" and json.loads(events[0])["object"] == "chat.completion.chunk"
+
+
+def test_upstream_errors_pass_through(gw: RunningGateway) -> None:
+    # The gateway does not check sampling parameters: vLLM's own 400 comes back unchanged.
+    r = httpx.post(f"{gw.url}/v1/completions", json={"prompt": "x", "max_tokens": 2, "temperature": -3}, timeout=60)
+    assert r.status_code == 400
+    assert "temperature" in r.text
+
+
+@pytest.mark.parametrize(
+    "raw, reason",
+    [
+        (b"{not json", "invalid_json"),
+        (b"[1, 2]", "invalid_body"),
+        (json.dumps({"max_tokens": 3}).encode(), "missing_field"),
+        (json.dumps({"prompt": "x", "max_tokens": -1}).encode(), "invalid_field"),
+        (json.dumps({"prompt": "x", "max_tokens": "ten"}).encode(), "invalid_field"),
+        (json.dumps({"prompt": "x", "max_tokens": 10**9}).encode(), "max_tokens_too_large"),
+        (json.dumps({"prompt": "ab " * 3000, "max_tokens": 2}).encode(), "prompt_too_long"),
+        (json.dumps({"prompt": {"a": 1}}).encode(), "invalid_field"),
+    ],
+)
+def test_bad_input_gets_clear_4xx(gw: RunningGateway, raw: bytes, reason: str) -> None:
+    r = httpx.post(f"{gw.url}/v1/completions", content=raw, headers={"content-type": "application/json"}, timeout=30)
+    assert 400 <= r.status_code < 500
+    err = r.json()["error"]
+    assert err["reason"] == reason and err["message"]
+
+
+def test_bad_chat_and_priority_header(gw: RunningGateway) -> None:
+    r = httpx.post(f"{gw.url}/v1/chat/completions", json={"messages": "hi"}, timeout=30)
+    assert r.status_code == 400 and "messages" in r.json()["error"]["message"]
+    r = httpx.post(f"{gw.url}/v1/completions", json={"prompt": "x", "max_tokens": 1},
+                   headers={"x-priority": "high"}, timeout=30)
+    assert r.status_code == 400 and "x-priority" in r.json()["error"]["message"]
+
+
+def test_gateway_keeps_serving_after_bad_input(gw: RunningGateway) -> None:
+    for _ in range(3):
+        httpx.post(f"{gw.url}/v1/completions", content=b"\xff\xfe", timeout=30)
+    r = httpx.post(f"{gw.url}/v1/completions", json={"prompt": "still there?", "max_tokens": 2}, timeout=60)
+    assert r.status_code == 200
+
+
+def test_admin_requires_token(gw: RunningGateway) -> None:
+    assert httpx.get(f"{gw.url}/admin/status").status_code == 401
+    assert httpx.get(f"{gw.url}/admin/status", headers={"authorization": "Bearer nope"}).status_code == 401
+    assert httpx.get(f"{gw.url}/admin/status", headers=AUTH).status_code == 200
+
+
+def test_missing_policy_falls_back_to_pid_and_says_so(gw: RunningGateway) -> None:
+    r = httpx.post(f"{gw.url}/admin/mode", json={"mode": "policy"}, headers=AUTH, timeout=30)
+    assert r.status_code == 200
+    out = r.json()
+    assert out["acting"] == "pid" and "load_failed" in out["fallback_reason"]
+    assert gw.metric("batchpilot:policy_fallbacks_total", reason="load_failed") >= 1
+    assert gw.status()["control"]["fallback_reason"]
+    assert httpx.post(f"{gw.url}/admin/mode", json={"mode": "bogus"}, headers=AUTH).status_code == 400
+    httpx.post(f"{gw.url}/admin/mode", json={"mode": "pid"}, headers=AUTH)
+
+
+def test_disconnects_free_slots(gw: RunningGateway) -> None:
+    """A queued client that goes away leaves the queue; a streaming client that goes away
+    frees its slot (the books of admission balance afterwards)."""
+    r = httpx.post(f"{gw.url}/admin/freeze", json={"frozen": True, "knobs": {"batch_cap": 1}}, headers=AUTH)
+    assert r.status_code == 200
+    cancelled_before = gw.metric("batchpilot:requests_rejected_total", reason="cancelled")
+
+    async def lane_state(c: httpx.AsyncClient) -> dict:
+        st = (await c.get(f"{gw.url}/admin/status", headers=AUTH)).json()
+        return next(iter(st["control"]["lanes"].values()))
+
+    async def scenario() -> None:
+        async with httpx.AsyncClient(timeout=60) as c:
+            # ~1 ms per token on the tiny model: this stream holds the only slot for ~2 s.
+            long = {"prompt": "go on", "max_tokens": 1900, "stream": True, "ignore_eos": True}
+            async with c.stream("POST", f"{gw.url}/v1/completions", json=long) as s:
+                it = s.aiter_raw()
+                await it.__anext__()
+                queued = asyncio.create_task(c.post(f"{gw.url}/v1/completions", json={"prompt": "q", "max_tokens": 2}))
+                await asyncio.sleep(0.3)
+                lane = await lane_state(c)
+                assert lane["in_flight"] == 1 and sum(lane["queue_depths"]) == 1, lane
+                queued.cancel()  # the queued client goes away
+                await asyncio.sleep(0.3)
+                assert sum((await lane_state(c))["queue_depths"]) == 0
+            # leaving the stream context closed the streaming client's connection
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:
+                lane = await lane_state(c)
+                if lane["in_flight"] == 0:
+                    break
+                await asyncio.sleep(0.2)
+            assert lane["in_flight"] == 0 and sum(lane["queue_depths"]) == 0
+
+    try:
+        asyncio.run(scenario())
+        assert gw.metric("batchpilot:requests_rejected_total", reason="cancelled") == cancelled_before + 1
+    finally:
+        httpx.post(f"{gw.url}/admin/freeze", json={"frozen": False, "knobs": {"batch_cap": 64}}, headers=AUTH)
+    r = httpx.post(f"{gw.url}/v1/completions", json={"prompt": "after", "max_tokens": 2}, timeout=60)
+    assert r.status_code == 200
+
+
+def test_metrics_exported(gw: RunningGateway) -> None:
+    text = httpx.get(f"{gw.url}/metrics").text
+    for name in ("batchpilot:queue_depth", "batchpilot:knob_batch_cap", "batchpilot:breaker_level",
+                 "batchpilot:ttft_seconds_bucket", "batchpilot:e2e_latency_seconds_bucket",
+                 "batchpilot:output_diff_rate", "batchpilot:upstream_kv_cache_usage"):
+        assert name in text, name
+    assert gw.metric("batchpilot:requests_total", route="/v1/completions", status="200") >= 3
