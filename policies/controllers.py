@@ -313,6 +313,16 @@ register_controller("aimd", _build_aimd)
 register_controller("static", _build_static)
 
 
+def _build_ppo(cfg: Any, max_num_seqs: int) -> Controller:
+    # Imported lazily: loading a policy artifact is only needed for policy=ppo.
+    from batchpilot.policies.ppo_controller import build_ppo_controller
+
+    return build_ppo_controller(cfg, max_num_seqs)
+
+
+register_controller("ppo", _build_ppo)
+
+
 def build_controller(cfg_policy: Any, max_num_seqs: int, slo_ms: dict[str, float | None] | None = None) -> Controller:
     """The controller ``cfg_policy.kind`` names. ``slo_ms`` (``{"ttft": .., "tpot": .., "e2el": ..}``
     from the top config) fills PID/AIMD ``slo_ms`` when the policy config leaves it out."""

@@ -1,0 +1,129 @@
+"""``PPOController``: a trained, exported policy behind the same ``Controller`` protocol as PID,
+AIMD and static (``policies/controllers.py``), so the environment, evaluation and the gateway
+run it the same way: snapshot in, proposal out, the shield in between.
+
+It needs only the dependency-light runtime (numpy + safetensors). The observation is rebuilt
+from the snapshot with ``observation_from_snapshot`` and the scales recorded at training time
+(manifest ``training.config.observation_scales``), so the features mean what they meant in
+training. ``policy=ppo`` with ``path: null`` loads the shipped policy in ``policies/pretrained/``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+
+from batchpilot.policies.actions import action_mask, action_to_proposal
+from batchpilot.policies.artifact import PolicyLoadError
+from batchpilot.policies.knobs import Knobs, Proposal
+from batchpilot.policies.runtime import PolicyRuntime
+from batchpilot.serving.telemetry import SLO, Snapshot, observation_from_snapshot
+
+#: The shipped default policy (what ``policy=ppo`` means when no path is given).
+PRETRAINED_DIR = Path(__file__).resolve().parent / "pretrained"
+
+__all__ = ["PPOController", "PolicyLoadError", "PRETRAINED_DIR", "build_ppo_controller"]
+
+
+def _scales(manifest: Mapping[str, Any], path: Path) -> dict[str, Any]:
+    """Observation scales from the manifest: ``observation_scales`` (written by training), else
+    the training config's ``env`` section."""
+    cfg = manifest.get("training", {}).get("config", {})
+    s = dict(cfg.get("observation_scales") or {})
+    env = cfg.get("env") or {}
+    for key in ("rate_scale", "token_rate_scale", "kv16_dtype", "kv8_dtype"):
+        if key not in s and key in env:
+            s[key] = env[key]
+    missing = [k for k in ("rate_scale", "token_rate_scale") if k not in s]
+    if missing:
+        raise PolicyLoadError(
+            f"policy artifact {path}: manifest training config lacks the observation scales "
+            f"{missing} (re-export it with policies/training.py or scripts/export.py)"
+        )
+    return s
+
+
+class PPOController:
+    """Deterministic exported policy as a controller.
+
+    ``max_num_seqs`` / ``max_model_len`` are the engine's (they normalise running counts and
+    prompt lengths); when not given, the values recorded at training are used. ``kv_runnable``
+    says which KV dtypes the engine can run (``{dtype: bool}``); choices it cannot run are
+    masked. ``None`` allows only the 16-bit dtype.
+    """
+
+    name = "ppo"
+
+    def __init__(
+        self,
+        runtime: PolicyRuntime,
+        *,
+        max_num_seqs: int | None = None,
+        max_model_len: int | None = None,
+        kv_runnable: Mapping[str, bool] | None = None,
+    ) -> None:
+        self.runtime = runtime
+        path = runtime.artifact.path
+        s = _scales(runtime.manifest, path)
+        self.rate_scale = float(s["rate_scale"])
+        self.token_rate_scale = float(s["token_rate_scale"])
+        self.kv16_dtype = str(s.get("kv16_dtype", "auto"))
+        self.kv8_dtype = str(s.get("kv8_dtype", "fp8"))
+        seqs = max_num_seqs if max_num_seqs is not None else s.get("max_num_seqs")
+        model_len = max_model_len if max_model_len is not None else s.get("max_model_len")
+        if seqs is None or model_len is None:
+            raise PolicyLoadError(
+                f"policy artifact {path}: max_num_seqs/max_model_len neither given nor recorded in the manifest"
+            )
+        self.max_num_seqs, self.max_model_len = int(seqs), int(model_len)
+        slo = runtime.manifest.get("slo") or {}
+        self.slo = SLO(ttft_ms=slo.get("ttft_ms"), tpot_ms=slo.get("tpot_ms"), e2el_ms=slo.get("e2el_ms"))
+        self.set_kv_runnable(kv_runnable)
+
+    @classmethod
+    def from_dir(cls, path: str | os.PathLike[str] | None = None, **kwargs: Any) -> "PPOController":
+        """Load an artifact folder (``None`` = the shipped policy). Raises ``PolicyLoadError``
+        with what is wrong; the caller falls back to PID."""
+        p = Path(path) if path is not None else PRETRAINED_DIR
+        return cls(PolicyRuntime.from_dir(p), **kwargs)
+
+    def set_kv_runnable(self, kv_runnable: Mapping[str, bool] | None) -> None:
+        """Which KV dtypes the engine can run (e.g. from ``engine.capabilities().can_run``)."""
+        runnable = dict(kv_runnable) if kv_runnable is not None else {self.kv16_dtype: True}
+        self.mask = action_mask(runnable, kv16_dtype=self.kv16_dtype, kv8_dtype=self.kv8_dtype)
+
+    # --- Controller protocol -------------------------------------------------------------
+    def reset(self, knobs: Knobs) -> None:
+        pass  # the policy is memoryless: the observation carries its state
+
+    def observation(self, snapshot: Snapshot) -> np.ndarray:
+        return observation_from_snapshot(
+            snapshot,
+            self.slo,
+            max_num_seqs=self.max_num_seqs,
+            max_model_len=self.max_model_len,
+            rate_scale=self.rate_scale,
+            token_rate_scale=self.token_rate_scale,
+        )
+
+    def decide(self, snapshot: Snapshot, knobs: Knobs) -> Proposal:
+        action = self.runtime.act(self.observation(snapshot), self.mask)
+        return action_to_proposal(action, knobs, kv16_dtype=self.kv16_dtype, kv8_dtype=self.kv8_dtype)
+
+
+def build_ppo_controller(cfg_policy: Any, max_num_seqs: int) -> PPOController:
+    """``build_controller`` entry for ``kind: ppo`` (``conf/policy/ppo.yaml``)."""
+    d = dict(cfg_policy or {})
+    unknown = set(d) - {"kind", "name", "path", "kv_runnable", "max_model_len"}
+    if unknown:
+        raise ValueError(f"policy ppo: unknown keys {sorted(unknown)} (see conf/policy/ppo.yaml)")
+    kv = d.get("kv_runnable")
+    return PPOController.from_dir(
+        d.get("path"),
+        max_num_seqs=max_num_seqs,
+        max_model_len=d.get("max_model_len"),
+        kv_runnable=None if kv is None else {str(k): bool(v) for k, v in dict(kv).items()},
+    )

@@ -1,0 +1,450 @@
+"""PPO training, top to bottom: ``train(cfg)`` builds the environments, the model and the
+callbacks, learns, evaluates against the PID baseline, exports the best policy and prints the
+comparison. ``scripts/train.py`` is its Hydra entry point.
+
+What a run leaves in its Hydra output folder (``outputs/<date>/<time>/``, or
+``multirun/<date>/<time>/<job>/`` under ``-m``)::
+
+    .hydra/              the composed config, overrides (Hydra)
+    tb/                  TensorBoard event files              (logger=wandb|tensorboard)
+    wandb/               the W&B run, offline by default      (logger=wandb)
+    checkpoints/         model_<steps>_steps.zip + VecNormalize statistics
+    best/                model.zip + vecnormalize.pkl of the best evaluation
+    policy/              the exported best policy (manifest.json + policy.safetensors)
+    comparison.json      policy vs baseline on every validation workload
+
+Algorithm: sb3-contrib ``MaskablePPO`` (the env's ``action_masks()`` switches off KV dtypes
+the engine cannot run, so they are never sampled) with separate actor/critic MLPs, on
+``SubprocVecEnv`` workers (``DummyVecEnv`` for one), observation and reward normalised by
+``VecNormalize``. Every episode draws a fresh workload (``workload=randomized``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import numpy as np
+from omegaconf import DictConfig, OmegaConf
+
+from batchpilot.envs.serving_env import ServingEnv
+from batchpilot.policies.callbacks import (
+    COMPARE_METRICS,
+    EpisodeMetricsCallback,
+    Evaluation,
+    Results,
+    ValidationCallback,
+    ValidationSuite,
+    WandbCallback,
+    baseline_factory,
+    mean_over_workloads,
+    slo_deficit,
+)
+from batchpilot.config import CONF_DIR
+
+
+# --- configuration -------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class TrainConfig:
+    """``conf/train/ppo.yaml``; see the comments there for each key."""
+
+    algo: str = "maskable_ppo"
+    total_timesteps: int = 61440
+    n_envs: int | None = 2
+    torch_threads: int = 1
+    device: str = "cpu"
+    learning_rate: float = 3e-4
+    n_steps: int = 512
+    batch_size: int = 256
+    n_epochs: int = 10
+    gamma: float = 0.97
+    gae_lambda: float = 0.95
+    clip_range: float = 0.2
+    ent_coef: float = 0.01
+    vf_coef: float = 0.5
+    max_grad_norm: float = 0.5
+    target_kl: float | None = None
+    net_arch: tuple[int, ...] = (64, 64)
+    activation: str = "tanh"
+    norm_obs: bool = True
+    norm_reward: bool = True
+    clip_obs: float = 10.0
+    eval_freq: int = 12288
+    eval_on_start: bool = False
+    checkpoint_freq: int = 20480
+    progress_bar: bool = True
+    slo_tolerance: float = 0.0
+    validation: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_cfg(cls, node: Any) -> "TrainConfig":
+        d = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node)
+        assert isinstance(d, dict)
+        unknown = set(d) - {f.name for f in fields(cls)}
+        if unknown:
+            raise ValueError(f"train: unknown keys {sorted(unknown)} (see conf/train/ppo.yaml)")
+        if "net_arch" in d:
+            d["net_arch"] = tuple(int(x) for x in d["net_arch"])
+        tc = cls(**d)
+        tc.check()
+        return tc
+
+    def check(self) -> None:
+        if self.algo != "maskable_ppo":
+            raise ValueError(f"train.algo must be 'maskable_ppo', got {self.algo!r}")
+        if self.total_timesteps < 1:
+            raise ValueError(f"train.total_timesteps must be >= 1, got {self.total_timesteps}")
+        if self.n_envs is not None and self.n_envs < 1:
+            raise ValueError(f"train.n_envs must be >= 1 or null (= CPU cores), got {self.n_envs}")
+        if self.activation not in ("tanh", "relu"):
+            raise ValueError(f"train.activation must be tanh or relu, got {self.activation!r}")
+        if not self.net_arch or min(self.net_arch) < 1:
+            raise ValueError(f"train.net_arch must list positive layer widths, got {list(self.net_arch)}")
+        if self.n_steps < 2 or self.batch_size < 2:
+            raise ValueError(f"train.n_steps and train.batch_size must be >= 2, got {self.n_steps}, {self.batch_size}")
+        if "workloads" not in self.validation or "seeds" not in self.validation:
+            raise ValueError("train.validation needs 'seeds' and 'workloads' (see conf/train/ppo.yaml)")
+
+    def num_envs(self) -> int:
+        return self.n_envs if self.n_envs is not None else max(1, os.cpu_count() or 1)
+
+
+@dataclass(frozen=True, slots=True)
+class LoggerConfig:
+    """``conf/logger/*.yaml``."""
+
+    wandb: bool = False
+    tensorboard: bool = True
+    mode: str = "offline"
+    project: str = "batchpilot"
+    entity: str | None = None
+    group: str | None = None
+    tags: tuple[str, ...] = ()
+    log_policy_artifact: bool = True
+
+    @classmethod
+    def from_cfg(cls, node: Any) -> "LoggerConfig":
+        d = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node)
+        assert isinstance(d, dict)
+        unknown = set(d) - {f.name for f in fields(cls)}
+        if unknown:
+            raise ValueError(f"logger: unknown keys {sorted(unknown)} (see conf/logger/)")
+        d["tags"] = tuple(d.get("tags") or ())
+        lc = cls(**d)
+        if lc.mode not in ("offline", "online", "disabled"):
+            raise ValueError(f"logger.mode must be offline, online or disabled, got {lc.mode!r}")
+        return lc
+
+
+# --- run folder and loggers ----------------------------------------------------------------
+def run_output_dir() -> Path:
+    """The Hydra run's output folder; the working directory outside a Hydra app."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if HydraConfig.initialized():
+        return Path(HydraConfig.get().runtime.output_dir)
+    return Path.cwd()
+
+
+def start_wandb(lc: LoggerConfig, config: dict[str, Any], out_dir: Path) -> Any | None:
+    """A W&B run under ``out_dir/wandb/`` (None when logger.wandb is off). Offline unless the
+    user configured online: ``WANDB_MODE`` in the environment wins over ``logger.mode``."""
+    if not lc.wandb:
+        return None
+    import wandb
+
+    mode = os.environ.get("WANDB_MODE", lc.mode)
+    job = config.get("_job", {})
+    return wandb.init(
+        project=lc.project,
+        entity=lc.entity,
+        group=lc.group or job.get("name"),
+        name=job.get("run_name"),
+        tags=list(lc.tags),
+        config={k: v for k, v in config.items() if k != "_job"},
+        dir=str(out_dir),
+        mode=mode,
+        job_type="train",
+        settings=wandb.Settings(console="off", silent=True, x_disable_stats=True),
+    )
+
+
+def sb3_logger(out_dir: Path, lc: LoggerConfig, verbose: bool) -> Any:
+    from stable_baselines3.common.logger import configure
+
+    formats = (["stdout"] if verbose else []) + (["tensorboard"] if lc.tensorboard else [])
+    return configure(str(out_dir / "tb"), formats)
+
+
+def job_info() -> dict[str, Any]:
+    """Hydra job name / number (multirun) for naming the W&B run."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return {"name": "train", "run_name": None}
+    hc = HydraConfig.get()
+    num = hc.job.get("num", None)
+    overrides = ",".join(hc.overrides.task) or "default"
+    return {"name": hc.job.name, "run_name": overrides if num is None else f"{num}:{overrides}"}
+
+
+# --- environments --------------------------------------------------------------------------
+def make_env_fn(cfg: DictConfig) -> Callable[[], ServingEnv]:
+    """A picklable constructor for one training env (runs inside a SubprocVecEnv worker)."""
+
+    def make() -> ServingEnv:
+        import batchpilot.envs  # noqa: F401  (registers the env id in the worker)
+
+        return ServingEnv(cfg=cfg)
+
+    return make
+
+
+def build_train_env(cfg: DictConfig, tc: TrainConfig, seed: int) -> Any:
+    """``n_envs`` workers (``SubprocVecEnv``; ``DummyVecEnv`` for one) under ``VecNormalize``.
+    Worker ``i`` starts from seed ``seed + i``; later episodes continue its generator."""
+    from stable_baselines3.common.vec_env import DummyVecEnv, SubprocVecEnv, VecMonitor, VecNormalize
+
+    n = tc.num_envs()
+    fns = [make_env_fn(cfg) for _ in range(n)]
+    venv = SubprocVecEnv(fns, start_method="fork") if n > 1 else DummyVecEnv(fns)
+    venv.seed(seed)
+    venv = VecMonitor(venv)  # episode return/length for rollout/ep_rew_mean
+    return VecNormalize(
+        venv,
+        norm_obs=tc.norm_obs,
+        norm_reward=tc.norm_reward,
+        clip_obs=tc.clip_obs,
+        gamma=tc.gamma,
+    )
+
+
+def build_model(venv: Any, tc: TrainConfig, seed: int) -> Any:
+    import torch.nn as nn
+    from sb3_contrib import MaskablePPO
+
+    arch = list(tc.net_arch)
+    n_envs = venv.num_envs
+    batch = min(tc.batch_size, tc.n_steps * n_envs)
+    return MaskablePPO(
+        "MlpPolicy",
+        venv,
+        learning_rate=tc.learning_rate,
+        n_steps=tc.n_steps,
+        batch_size=batch,
+        n_epochs=tc.n_epochs,
+        gamma=tc.gamma,
+        gae_lambda=tc.gae_lambda,
+        clip_range=tc.clip_range,
+        ent_coef=tc.ent_coef,
+        vf_coef=tc.vf_coef,
+        max_grad_norm=tc.max_grad_norm,
+        target_kl=tc.target_kl,
+        policy_kwargs={
+            "net_arch": {"pi": arch, "vf": arch},
+            "activation_fn": {"tanh": nn.Tanh, "relu": nn.ReLU}[tc.activation],
+        },
+        seed=seed,
+        device=tc.device,
+        verbose=0,
+    )
+
+
+# --- reporting -----------------------------------------------------------------------------
+def comparison_rows(policy: Results, baseline: Results, baseline_name: str) -> list[dict[str, Any]]:
+    """Rows ``{workload, controller, <COMPARE_METRICS>}``, baseline then policy per workload,
+    then the means over workloads."""
+    rows: list[dict[str, Any]] = []
+    for name in baseline:
+        for ctl, res in ((baseline_name, baseline[name]), ("ppo", policy[name])):
+            rows.append({"workload": name, "controller": ctl, **{k: float(res[k]) for k in COMPARE_METRICS}})
+    for ctl, res in ((baseline_name, baseline), ("ppo", policy)):
+        rows.append(
+            {"workload": "mean", "controller": ctl, **{k: mean_over_workloads(res, k) for k in COMPARE_METRICS}}
+        )
+    return rows
+
+
+def _fmt(v: float) -> str:
+    if math.isnan(v):
+        return "-"
+    return f"{v:.3f}" if abs(v) < 10 else f"{v:.1f}"
+
+
+def print_comparison(rows: list[dict[str, Any]], title: str) -> str:
+    """Print the comparison with rich; returns it as Markdown (for REPRODUCE.md / the log)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title)
+    cols = ["workload", "controller", *COMPARE_METRICS]
+    for c in cols:
+        table.add_column(c, justify="left" if c in ("workload", "controller") else "right")
+    md = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in rows:
+        cells = [r["workload"], r["controller"], *(_fmt(r[k]) for k in COMPARE_METRICS)]
+        style = "bold" if r["controller"] == "ppo" else None
+        table.add_row(*cells, style=style)
+        md.append("| " + " | ".join(cells) + " |")
+    Console(width=200).print(table)
+    return "\n".join(md)
+
+
+def wandb_table(rows: list[dict[str, Any]], timesteps: int) -> Any:
+    import wandb
+
+    cols = ["timesteps", "workload", "controller", *COMPARE_METRICS]
+    return wandb.Table(columns=cols, data=[[timesteps, r["workload"], r["controller"], *(r[k] for k in COMPARE_METRICS)] for r in rows])
+
+
+def observation_scales(cfg: DictConfig, env: ServingEnv) -> dict[str, Any]:
+    """What a gateway needs to rebuild the observation the policy was trained on (read by
+    ``PPOController``): normalisation scales and the engine limits they divide by."""
+    caps = env.engine.capabilities()
+    return {
+        "rate_scale": float(cfg.env.rate_scale),
+        "token_rate_scale": float(cfg.env.token_rate_scale),
+        "max_num_seqs": int(caps.max_num_seqs),
+        "max_model_len": int(caps.max_model_len),
+        "kv16_dtype": str(cfg.env.kv16_dtype),
+        "kv8_dtype": str(cfg.env.kv8_dtype),
+    }
+
+
+# --- the run -------------------------------------------------------------------------------
+def train(cfg: DictConfig) -> float:
+    """Train, evaluate against the baseline, export the best policy. Returns the metric a sweep
+    optimises: the best policy's mean request_goodput on the validation workloads, minus 10x
+    its SLO-attainment shortfall below the baseline (so infeasible runs rank last)."""
+    import torch
+    from stable_baselines3.common.callbacks import CallbackList, CheckpointCallback
+    from stable_baselines3.common.utils import set_random_seed
+
+    from batchpilot.policies.export import export_policy, load_sb3
+
+    t_start = time.perf_counter()
+    tc = TrainConfig.from_cfg(cfg.train)
+    lc = LoggerConfig.from_cfg(cfg.logger)
+    seed = int(cfg.seed)
+    out_dir = run_output_dir()
+    # A plain, resolved copy: picklable for the workers, free of Hydra-only interpolations.
+    plain = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
+    config_dict: dict[str, Any] = OmegaConf.to_container(plain)  # type: ignore[assignment]
+    torch.set_num_threads(tc.torch_threads)
+    set_random_seed(seed)
+
+    venv = suite = run = None
+    try:
+        # 1. Environments: randomised training workers (forked before W&B starts its threads),
+        #    fixed validation workloads.
+        venv = build_train_env(plain, tc, seed)
+        run = start_wandb(lc, {**config_dict, "_job": job_info()}, out_dir)
+        suite = ValidationSuite(plain, tc.validation)
+        baseline_name = str(tc.validation.get("baseline", "pid"))
+        baseline_cfg = OmegaConf.load(CONF_DIR / "policy" / f"{baseline_name}.yaml")
+        slo_ms = {"ttft": cfg.slo.ttft_ms, "tpot": cfg.slo.tpot_ms, "e2el": cfg.slo.e2el_ms}
+        t0 = time.perf_counter()
+        baseline = suite.run_controller(baseline_factory(baseline_cfg, slo_ms))
+        print(f"[train] baseline {baseline_name} on {suite.names}: {time.perf_counter() - t0:.1f}s, "
+              f"mean request_goodput {mean_over_workloads(baseline, 'request_goodput'):.3f}/s")
+
+        # 2. Model.
+        model = build_model(venv, tc, seed)
+        model.set_logger(sb3_logger(out_dir, lc, verbose=False))
+
+        # 3. Callbacks: episode metrics, W&B curves, validation + best model, checkpoints.
+        def on_evaluation(ev: Evaluation) -> None:
+            rows = comparison_rows(ev.results, baseline, baseline_name)
+            gp, gb = (mean_over_workloads(r, "request_goodput") for r in (ev.results, baseline))
+            print(f"[eval @ {ev.timesteps}] goodput ppo {gp:.3f} vs {baseline_name} {gb:.3f}/s, "
+                  f"slo deficit {slo_deficit(ev.results, baseline, tc.slo_tolerance):.3f} ({ev.seconds:.0f}s)")
+            if run is not None:
+                run.log({"eval/comparison": wandb_table(rows, ev.timesteps), "global_step": ev.timesteps})
+
+        validation = ValidationCallback(
+            suite, baseline, eval_freq=tc.eval_freq, best_dir=out_dir / "best",
+            slo_tolerance=tc.slo_tolerance, on_evaluation=on_evaluation,
+        )
+        callbacks: list[Any] = [EpisodeMetricsCallback(), validation]
+        if run is not None:
+            callbacks.insert(0, WandbCallback(run))
+        if tc.checkpoint_freq > 0:
+            callbacks.append(CheckpointCallback(
+                save_freq=max(tc.checkpoint_freq // venv.num_envs, 1),
+                save_path=str(out_dir / "checkpoints"), name_prefix="model",
+                save_vecnormalize=True,
+            ))
+
+        # 4. Learn.
+        if tc.eval_on_start:
+            validation.init_callback(model)
+            validation.evaluate()
+        model.learn(total_timesteps=tc.total_timesteps, callback=CallbackList(callbacks),
+                    progress_bar=tc.progress_bar)
+        validation.evaluate()  # the final model is a candidate too
+        best = validation.best
+        assert best is not None
+        train_s = time.perf_counter() - t_start
+
+        # 5. Export the best model (reloaded from disk: what is exported is what was saved).
+        best_model, best_vecnorm = load_sb3(out_dir / "best" / "model.zip",
+                                            out_dir / "best" / "vecnormalize.pkl" if tc.norm_obs else None)
+        train_config = {
+            **config_dict,
+            "observation_scales": observation_scales(plain, next(iter(suite.envs.values()))),
+            "best_timesteps": best.timesteps,
+        }
+        policy_dir = export_policy(
+            best_model, best_vecnorm, out_dir / "policy",
+            shield=OmegaConf.to_container(plain.shield),  # type: ignore[arg-type]
+            slo=OmegaConf.to_container(plain.slo),  # type: ignore[arg-type]
+            train_config=train_config,
+        )
+
+        # 6. Report.
+        rows = comparison_rows(best.results, baseline, baseline_name)
+        deficit = slo_deficit(best.results, baseline, tc.slo_tolerance)
+        goodput = mean_over_workloads(best.results, "request_goodput")
+        title = (f"best policy (step {best.timesteps}) vs {baseline_name} on the validation workloads "
+                 f"- trained {tc.total_timesteps} steps in {train_s / 60:.1f} min")
+        md = print_comparison(rows, title)
+        summary = {
+            "best_timesteps": best.timesteps,
+            "mean_request_goodput": goodput,
+            "baseline_mean_request_goodput": mean_over_workloads(baseline, "request_goodput"),
+            "slo_deficit": deficit,
+            "beats_baseline": bool(deficit <= 0 and goodput > mean_over_workloads(baseline, "request_goodput")),
+            "train_seconds": train_s,
+            "rows": rows,
+            "markdown": md,
+            "evaluations": [
+                {"timesteps": e.timesteps, "mean_request_goodput": mean_over_workloads(e.results, "request_goodput"),
+                 "slo_deficit": slo_deficit(e.results, baseline, tc.slo_tolerance)}
+                for e in validation.history
+            ],
+        }
+        (out_dir / "comparison.json").write_text(json.dumps(summary, indent=2, default=float) + "\n")
+        print(f"[train] policy exported to {policy_dir} ; {time.perf_counter() - t_start:.0f}s total")
+        if run is not None:
+            run.summary.update({k: v for k, v in summary.items() if k not in ("rows", "markdown", "evaluations")})
+            run.log({"final/comparison": wandb_table(rows, best.timesteps)})
+            if lc.log_policy_artifact:
+                import wandb
+
+                art = wandb.Artifact(f"policy-{run.id}", type="model",
+                                     metadata={k: summary[k] for k in ("best_timesteps", "mean_request_goodput", "slo_deficit")})
+                art.add_dir(str(policy_dir))
+                run.log_artifact(art)
+        return float(goodput - 10.0 * deficit)
+    finally:
+        if venv is not None:
+            venv.close()
+        if suite is not None:
+            suite.close()
+        if run is not None:
+            run.finish()
