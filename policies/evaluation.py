@@ -249,12 +249,23 @@ def _ensure_kind(kind: str, name: str) -> None:
         raise EvaluationError(f"policy {name!r}: no controller of kind {kind!r}; known: {sorted(CONTROLLER_BUILDERS)}")
 
 
-def make_controller(policy: Mapping[str, Any], plan: WorkloadPlan) -> Controller:
-    _ensure_kind(str(policy.get("kind")), str(policy.get("name", policy.get("kind"))))
+def make_controller(policy: Mapping[str, Any], plan: WorkloadPlan, name: str | None = None) -> Controller:
+    """The controller ``policy`` describes, for this workload's engine and SLO."""
+    kind = str(policy.get("kind"))
+    name = name or str(policy.get("name", kind))
+    _ensure_kind(kind, name)
     slo = plan.cfg.slo
-    return build_controller(
-        dict(policy), plan.max_num_seqs, slo_ms={"ttft": slo.get("ttft_ms"), "tpot": slo.get("tpot_ms"), "e2el": slo.get("e2el_ms")}
-    )
+    slo_ms = {"ttft": slo.get("ttft_ms"), "tpot": slo.get("tpot_ms"), "e2el": slo.get("e2el_ms")}
+    try:
+        return build_controller(dict(policy), plan.max_num_seqs, slo_ms=slo_ms)
+    except (ImportError, ValueError) as e:
+        hint = (
+            " Ship/train one (scripts/train.py, scripts/export.py), point policy_overrides.ppo.path=DIR "
+            "at an exported policy, or drop ppo from policies=[...]."
+            if kind == "ppo"
+            else ""
+        )
+        raise EvaluationError(f"policy {name!r} cannot be built: {e}.{hint}") from e
 
 
 def start_knobs(policy: Mapping[str, Any], plan: WorkloadPlan) -> Knobs | None:
@@ -448,7 +459,7 @@ def evaluate(cfg: DictConfig, overrides: Sequence[str] | None = None) -> list[di
     for plan in plans:
         for name in ecfg.policies:
             if name != BEST_STATIC:
-                make_controller(policy_config(name, ecfg, plan), plan)
+                make_controller(policy_config(name, ecfg, plan), plan, name)
     n_grid = {p.name: len(best_static_grid(ecfg.best_static, p)[0]) if BEST_STATIC in ecfg.policies else 0 for p in plans}
     total = sum(n_grid.values()) + len(plans) * len(ecfg.policies) * len(ecfg.seeds)
 

@@ -1,17 +1,23 @@
 """Evaluate controllers on workloads: ``python scripts/evaluate.py policies=[pid,best_static]
-workloads=[bursty,azure_conv] out_dir=DIR`` (see conf/evaluate.yaml)."""
+workloads=[bursty,azure_conv] out_dir=DIR`` (see conf/evaluate.yaml and docs/evaluation.md)."""
 
 from __future__ import annotations
+
+import sys
 
 import hydra
 from omegaconf import DictConfig
 
-from batchpilot.policies.evaluation import evaluate
+from batchpilot.policies.evaluation import EvaluationError, evaluate
 
 
 @hydra.main(config_path="../conf", config_name="evaluate", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    evaluate(cfg)
+    try:
+        evaluate(cfg)
+    except EvaluationError as e:  # a configuration problem: say it in one line, no traceback
+        print(f"evaluate: error: {e}", file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

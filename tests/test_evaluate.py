@@ -183,3 +183,20 @@ def test_script_runs_and_logs_to_wandb_offline(tmp_path: Path) -> None:
     assert (tmp_path / "results.json").is_file() and (tmp_path / ".hydra" / "overrides.yaml").is_file()
     runs = list((tmp_path / "wandb").glob("offline-run-*"))
     assert runs and any(runs[0].glob("*.wandb"))
+
+
+def test_unloadable_ppo_policy_is_a_clear_error(tmp_path: Path) -> None:
+    empty = tmp_path / "no_policy"
+    empty.mkdir()
+    with pytest.raises(EvaluationError, match=r"policy 'ppo' cannot be built: .*no_policy.*policy_overrides\.ppo\.path"):
+        _run(tmp_path, ["policies=[ppo,pid]", f"policy_overrides.ppo.path={empty}"])
+    assert not (tmp_path / "results.json").exists()
+
+
+def test_script_reports_config_errors_in_one_line(tmp_path: Path) -> None:
+    cmd = [sys.executable, str(REPO_ROOT / "scripts" / "evaluate.py"), *TRACE,
+           f"workload.path={tmp_path / 'missing.csv'}", f"out_dir={tmp_path}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO_ROOT, timeout=120)
+    assert proc.returncode == 2
+    assert "evaluate: error: workload 'trace:missing': trace file not found" in proc.stderr
+    assert "Traceback" not in proc.stderr
