@@ -298,16 +298,19 @@ def log_to_wandb(
     import wandb
 
     mode = os.environ.get("WANDB_MODE", str(logger_cfg.get("mode", "offline")))
+    if mode not in ("offline", "online", "disabled"):
+        raise ValueError(f"logger.mode (or WANDB_MODE) must be offline, online or disabled, got {mode!r}")
     run = wandb.init(
         project=str(logger_cfg.get("project", "batchpilot")),
         entity=logger_cfg.get("entity"),
-        group=logger_cfg.get("group"),
+        group=logger_cfg.get("group") or "evaluate",
         tags=list(logger_cfg.get("tags") or []),
         mode=mode,  # type: ignore[arg-type]
         dir=str(out_dir),
         job_type="evaluate",
         config=dict(run_config),
         reinit="finish_previous",
+        settings=wandb.Settings(console="off", silent=True, x_disable_stats=True),
     )
     try:
         run.log({"results": wandb.Table(columns=list(ROW_KEYS), data=[[_jsonable(r.get(k)) for k in ROW_KEYS] for r in rows])})

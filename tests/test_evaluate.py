@@ -200,3 +200,18 @@ def test_script_reports_config_errors_in_one_line(tmp_path: Path) -> None:
     assert proc.returncode == 2
     assert "evaluate: error: workload 'trace:missing': trace file not found" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_workloads_carry_their_model_and_hardware() -> None:
+    from batchpilot.policies.evaluation import EvalConfig, plan_workload
+
+    user = ["workloads=[poisson,mooncake]", "seeds=[0]", "logger=none"]
+    ecfg = EvalConfig.from_cfg(compose_eval(user)[0])
+    moon = plan_workload(user, "mooncake", ecfg)
+    assert (moon.model, moon.hardware) == ("deepseek_v3", "h200")
+    assert moon.num_requests > 1000 and moon.episode_s >= 1000
+    assert (plan_workload(user, "poisson", ecfg).model) == "llama3_8b"
+    # The single `workload=` group gets its overrides too; an explicit group on the command line wins.
+    single = ["workload=mooncake", "model=llama3_70b", "seeds=[0]", "logger=none"]
+    plan = plan_workload(single, None, EvalConfig.from_cfg(compose_eval(single)[0]))
+    assert (plan.name, plan.model, plan.hardware) == ("mooncake", "llama3_70b", "h200")
