@@ -505,8 +505,16 @@ def evaluate(cfg: DictConfig, overrides: Sequence[str] | None = None) -> list[di
     (out / "best_static_search.json").write_text(json.dumps(search, indent=1) + "\n")
     table = rep.markdown_table(rows)
     headline = rep.markdown_table(rows, rep.HEADLINE_KEYS)
+    picks = "".join(
+        f"- best_static on {p['workload']}: cap={p['batch_cap']} {p['bucketing']} kv={p['kv_dtype']} "
+        f"(seed {ecfg.best_static.tune_seed}: goodput {p['request_goodput']:.3g} req/s, "
+        f"attainment {p['slo_attainment']:.3f}; {sum(q['workload'] == p['workload'] for q in search)} grid points)\n"
+        for p in search
+        if p["chosen"]
+    )
     (out / "results.md").write_text(
         f"Mean ± 95 % CI (t-distribution) over seeds {list(ecfg.seeds)}.\n\n{table}\n\nHeadline:\n\n{headline}\n"
+        + (f"\n{picks}" if picks else "")
     )
     plots: list[Path] = []
     if ecfg.plots:
