@@ -284,7 +284,8 @@ class VLLMEngine(Engine):
         elem = 2 * layers * kv_heads * head * self._cfg.block_size  # K and V elements per block
         model_bytes = mc.dtype.itemsize  # "auto" stores KV in the model's dtype
         scales = 2 * layers * kv_heads * self._cfg.block_size * 4  # fp32 scale per token-head
-        block_bytes = {"auto": float(elem * model_bytes), "bfloat16": 2.0 * elem, "float16": 2.0 * elem}
+        block_bytes = {"auto": float(elem * model_bytes), "bfloat16": 2.0 * elem}
+        block_bytes["float16"] = 2.0 * elem
         block_bytes.update({d: float(elem) for d in ("fp8", "fp8_e4m3", "fp8_e5m2")})
         block_bytes["int8_per_token_head"] = float(elem + scales)
         model = self._llm.model_executor.driver_worker.worker.model_runner.model
@@ -518,12 +519,13 @@ class VLLMEngine(Engine):
         new_cfg = dataclasses.replace(old_cfg, kv_dtype=target, **overrides)
 
         t_drain = time.monotonic()
-        must_drain = [
+        must_drain = {
             rid
             for rid, st in self._inflight.items()
-            if new_cfg.on_restart == "drain" or st.request.prompt_len + st.max_tokens > new_cfg.max_model_len
-        ]
-        self._drain(set(must_drain))
+            if new_cfg.on_restart == "drain"
+            or st.request.prompt_len + st.max_tokens > new_cfg.max_model_len
+        }
+        self._drain(must_drain)
         self.last_drain_seconds = time.monotonic() - t_drain
 
         t0 = time.monotonic()
@@ -566,7 +568,9 @@ def _cpu_fp8_problem(head_size: int) -> str | None:
     from vllm.platforms import CpuArchEnum, current_platform
 
     if head_size % 32 != 0:
-        return f"vLLM's CPU fp8 KV cache needs head_size divisible by 32; this model has {head_size}"
+        return (
+            f"vLLM's CPU fp8 KV cache needs head_size divisible by 32; this model has {head_size}"
+        )
     if current_platform.get_cpu_architecture() != CpuArchEnum.X86:
         return "vLLM's CPU fp8 KV cache needs an x86 CPU with AVX-512 or AMX"
     if torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported():
@@ -585,7 +589,8 @@ def cpu_simd_flags() -> list[str]:
         return []
     for line in text.splitlines():
         if line.startswith("flags"):
-            return sorted({f for f in line.split(":", 1)[1].split() if f.startswith(("avx512", "amx"))})
+            flags = line.split(":", 1)[1].split()
+            return sorted({f for f in flags if f.startswith(("avx512", "amx"))})
     return []
 
 
