@@ -276,13 +276,15 @@ async def _proxy(request: Request, path: str, chat: bool) -> Response:
             "POST", path, content=raw, headers=headers,
             timeout=httpx.Timeout(max(deadline - time.monotonic(), 0.001)),
         )
-        resp = await _race_disconnect(request, lane.upstream.client.send(up_req, stream=stream))
+        resp = await _race_disconnect(request, _send_until(lane, up_req, stream, deadline))
+        t_recv = time.monotonic()
     except ClientGone:
         timer.finish(ok=False)
         raise
-    except httpx.TimeoutException:
+    except (httpx.TimeoutException, TimeoutError):
         timer.finish(ok=False)
-        raise Refused("timeout", "the upstream did not answer within the request timeout", status=504,
+        gw.metrics.rejected.labels("timeout").inc()
+        raise Refused("timeout", "the upstream did not answer within the request timeout", status=503,
                       retry_after=cfg.retry_after_s) from None
     except httpx.HTTPError as exc:
         timer.finish(ok=False)
@@ -300,11 +302,25 @@ async def _proxy(request: Request, path: str, chat: bool) -> Response:
         if sampled is not None and resp.status_code == 200:
             gw.quality.submit(sampled)
         gw.metrics.requests.labels(path, str(resp.status_code)).inc()
+        # Time spent in the gateway itself (before the upstream call and after it), for benchmarks.
+        resp_headers["x-gateway-overhead-ms"] = f"{(timer.t_send - t_arrival + time.monotonic() - t_recv) * 1e3:.3f}"
         return Response(content, status_code=resp.status_code, headers=resp_headers)
     gw.metrics.requests.labels(path, "200").inc()
     if sampled is not None:
         gw.quality.submit(sampled)
-    return StreamingResponse(_relay(resp, timer, lane), status_code=200, headers=resp_headers)
+    return StreamingResponse(_relay(resp, timer, lane, deadline), status_code=200, headers=resp_headers)
+
+
+async def _send_until(lane: Lane, up_req: httpx.Request, stream: bool, deadline: float) -> httpx.Response:
+    """Send, and for a non-streamed request read the whole body, before ``deadline``."""
+    async with asyncio.timeout_at(deadline):
+        resp = await lane.upstream.client.send(up_req, stream=True)
+        if not stream:
+            try:
+                await resp.aread()
+            finally:
+                await resp.aclose()
+        return resp
 
 
 def _upstream_failed(lane: Lane, exc: Exception) -> None:
@@ -317,14 +333,26 @@ def _upstream_failed(lane: Lane, exc: Exception) -> None:
                        status=502, retry_after=lane.retry_after_s) from None
 
 
-async def _relay(resp: httpx.Response, timer: "_Timer", lane: Lane) -> AsyncIterator[bytes]:
-    """Relay SSE chunks as they come; the slot is freed however the stream ends."""
+async def _relay(resp: httpx.Response, timer: "_Timer", lane: Lane, deadline: float) -> AsyncIterator[bytes]:
+    """Relay SSE chunks as they come, until the request's deadline; the slot is freed however
+    the stream ends."""
     ok = False
+    it = resp.aiter_raw()
     try:
-        async for chunk in resp.aiter_raw():
+        while True:
+            try:
+                async with asyncio.timeout_at(deadline):  # the loop's clock is time.monotonic
+                    chunk = await it.__anext__()
+            except StopAsyncIteration:
+                break
             timer.chunk(chunk)
             yield chunk
         ok = True
+    except TimeoutError:
+        lane.metrics.rejected.labels("timeout").inc()
+        err = {"error": {"message": "the request timeout passed mid-stream", "type": "Refused", "code": 503,
+                         "reason": "timeout"}}
+        yield f"data: {json.dumps(err)}\n\ndata: [DONE]\n\n".encode()
     except httpx.HTTPError as exc:
         # Headers are gone already: end the stream with an SSE error event, as vLLM does.
         lane.upstream.healthy = lane.upstream.healthy and not isinstance(exc, httpx.ConnectError)
