@@ -343,6 +343,14 @@ def run_policy(
     env = ServingEnv(cfg=episode_config(plan, knobs))
     try:
         controller = make_controller(policy, plan)
+        warm = plan.cfg.engine.get("warmup")
+        if plan.cfg.engine.kind == "vllm" and warm and float(warm.get("seconds", 0)) > 0:
+            # A fresh live engine runs ~3x slower through its first minute: warm it first
+            # (the environment keeps a live engine across resets, so once per controller).
+            from batchpilot.envs.vllm_engine import warm_up
+
+            w = dict(warm)
+            warm_up(env.engine, float(w.pop("seconds")), **w)
         for seed in seeds:
             ep = run_episode(env, controller, seed, record=seed == record_seed)
             if on_episode is not None:
