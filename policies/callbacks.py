@@ -102,12 +102,15 @@ class ValidationSuite:
     def max_num_seqs(self) -> int:
         return next(iter(self.envs.values())).engine.capabilities().max_num_seqs
 
-    def run_controller(self, make_controller: Callable[[ServingEnv], Controller]) -> Results:
-        """A baseline controller (PID, AIMD, static) through ``step_proposal``, as deployed."""
+    def run_controller(
+        self, make_controller: Callable[[ServingEnv], Controller], seeds: Sequence[int] | None = None
+    ) -> Results:
+        """A baseline controller (PID, AIMD, static) through ``step_proposal``, as deployed.
+        ``seeds`` replaces the suite's episode seeds (held-out evaluation)."""
         out: Results = {}
         for name, env in self.envs.items():
             runs = []
-            for seed in self.seeds:
+            for seed in seeds or self.seeds:
                 env.reset(seed=seed)
                 ctl = make_controller(env)
                 ctl.reset(env.knobs)
@@ -119,12 +122,14 @@ class ValidationSuite:
             out[name] = _mean_over_seeds(runs)
         return out
 
-    def run_policy(self, model: "MaskablePPO", vecnorm: "VecNormalize | None") -> Results:
+    def run_policy(
+        self, model: "MaskablePPO", vecnorm: "VecNormalize | None", seeds: Sequence[int] | None = None
+    ) -> Results:
         """The policy, deterministic, with the env's action masks and training's normalisation."""
         out: Results = {}
         for name, env in self.envs.items():
             runs = []
-            for seed in self.seeds:
+            for seed in seeds or self.seeds:
                 obs, _ = env.reset(seed=seed)
                 done = False
                 while not done:
@@ -252,7 +257,8 @@ class _WandbWriter(KVWriter):
 
 class WandbCallback(BaseCallback):
     """Training curves to W&B: installs a writer on the model's logger at the start, so every
-    value logged to TensorBoard/stdout also becomes a W&B history row (x-axis ``global_step``)."""
+    value logged to TensorBoard/stdout also becomes a W&B history row (x-axis ``global_step``),
+    including the final evaluation after ``learn``."""
 
     def __init__(self, run: Any) -> None:
         super().__init__()
@@ -266,10 +272,7 @@ class WandbCallback(BaseCallback):
 
     def _on_step(self) -> bool:
         return True
-
-    def _on_training_end(self) -> None:
-        if self._writer in self.logger.output_formats:
-            self.logger.output_formats.remove(self._writer)
+    # The writer stays installed after learn(): the final evaluation logs through it too.
 
 
 @dataclass

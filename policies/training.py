@@ -175,9 +175,11 @@ def start_wandb(lc: LoggerConfig, config: dict[str, Any], out_dir: Path) -> Any 
 
 
 def sb3_logger(out_dir: Path, lc: LoggerConfig, verbose: bool) -> Any:
-    from stable_baselines3.common.logger import configure
+    from stable_baselines3.common.logger import Logger, configure
 
     formats = (["stdout"] if verbose else []) + (["tensorboard"] if lc.tensorboard else [])
+    if not formats:
+        return Logger(folder=None, output_formats=[])  # logger=none: no files at all
     return configure(str(out_dir / "tb"), formats)
 
 
@@ -319,8 +321,9 @@ def observation_scales(cfg: DictConfig, env: ServingEnv) -> dict[str, Any]:
 # --- the run -------------------------------------------------------------------------------
 def train(cfg: DictConfig) -> float:
     """Train, evaluate against the baseline, export the best policy. Returns the metric a sweep
-    optimises: the best policy's mean request_goodput on the validation workloads, minus 10x
-    its SLO-attainment shortfall below the baseline (so infeasible runs rank last)."""
+    optimises: the exported policy's mean request_goodput on the validation workloads' held-out
+    seeds, minus 10x its SLO-attainment shortfall below the baseline there (so runs that miss
+    the SLO more often than PID rank last)."""
     import torch
     from stable_baselines3.common.callbacks import CallbackList, CheckpointCallback
     from stable_baselines3.common.utils import set_random_seed
@@ -406,22 +409,32 @@ def train(cfg: DictConfig) -> float:
             train_config=train_config,
         )
 
-        # 6. Report.
-        rows = comparison_rows(best.results, baseline, baseline_name)
-        deficit = slo_deficit(best.results, baseline, tc.slo_tolerance)
-        goodput = mean_over_workloads(best.results, "request_goodput")
-        title = (f"best policy (step {best.timesteps}) vs {baseline_name} on the validation workloads "
-                 f"- trained {tc.total_timesteps} steps in {train_s / 60:.1f} min")
+        # 6. Report: the exported policy and the baseline on held-out seeds of the validation
+        #    workloads (the best model was chosen on `seeds`, so those scores are optimistic).
+        test_seeds = [int(s) for s in tc.validation.get("test_seeds") or []] or list(suite.seeds)
+        test_baseline = suite.run_controller(baseline_factory(baseline_cfg, slo_ms), seeds=test_seeds)
+        test_policy = suite.run_policy(best_model, best_vecnorm, seeds=test_seeds)
+        rows = comparison_rows(test_policy, test_baseline, baseline_name)
+        deficit = slo_deficit(test_policy, test_baseline, tc.slo_tolerance)
+        goodput = mean_over_workloads(test_policy, "request_goodput")
+        base_goodput = mean_over_workloads(test_baseline, "request_goodput")
+        title = (f"best policy (step {best.timesteps}) vs {baseline_name} on the validation workloads, "
+                 f"seeds {test_seeds} - trained {tc.total_timesteps} steps in {train_s / 60:.1f} min")
         md = print_comparison(rows, title)
+        print(f"[train] on the selection seeds {list(suite.seeds)}: goodput ppo "
+              f"{mean_over_workloads(best.results, 'request_goodput'):.3f} vs {baseline_name} "
+              f"{mean_over_workloads(baseline, 'request_goodput'):.3f}/s")
         summary = {
             "best_timesteps": best.timesteps,
+            "test_seeds": test_seeds,
             "mean_request_goodput": goodput,
-            "baseline_mean_request_goodput": mean_over_workloads(baseline, "request_goodput"),
+            "baseline_mean_request_goodput": base_goodput,
             "slo_deficit": deficit,
-            "beats_baseline": bool(deficit <= 0 and goodput > mean_over_workloads(baseline, "request_goodput")),
+            "beats_baseline": bool(deficit <= 0 and goodput > base_goodput),
             "train_seconds": train_s,
             "rows": rows,
             "markdown": md,
+            "selection_rows": comparison_rows(best.results, baseline, baseline_name),
             "evaluations": [
                 {"timesteps": e.timesteps, "mean_request_goodput": mean_over_workloads(e.results, "request_goodput"),
                  "slo_deficit": slo_deficit(e.results, baseline, tc.slo_tolerance)}
@@ -431,7 +444,8 @@ def train(cfg: DictConfig) -> float:
         (out_dir / "comparison.json").write_text(json.dumps(summary, indent=2, default=float) + "\n")
         print(f"[train] policy exported to {policy_dir} ; {time.perf_counter() - t_start:.0f}s total")
         if run is not None:
-            run.summary.update({k: v for k, v in summary.items() if k not in ("rows", "markdown", "evaluations")})
+            run.summary.update({k: v for k, v in summary.items()
+                                if k not in ("rows", "selection_rows", "markdown", "evaluations")})
             run.log({"final/comparison": wandb_table(rows, best.timesteps)})
             if lc.log_policy_artifact:
                 import wandb
