@@ -87,6 +87,27 @@ def upstream_engine_model(lane: Lane, max_num_seqs: int, kv8_dtype: str, managed
     return mem, caps
 
 
+def _needed_prefixes() -> tuple[str, ...]:
+    from batchpilot.metrics import VLLM_METRIC_NAMES
+
+    return tuple(sorted({n.removesuffix("_total") for names in VLLM_METRIC_NAMES.values() for n in names}))
+
+
+_NEEDED = _needed_prefixes()
+
+
+def _only_needed(text: str) -> str:
+    """The lines of vLLM's /metrics the parser reads. The full text (histogram buckets of every
+    metric) takes ~50 ms to parse on a busy core; the filtered one under a millisecond."""
+    keep = []
+    for line in text.splitlines():
+        if line.startswith(_NEEDED) and "_bucket{" not in line:
+            keep.append(line)
+        elif line.startswith("# TYPE ") and line[7:].startswith(_NEEDED):
+            keep.append(line)
+    return "\n".join(keep) + "\n"
+
+
 @dataclass
 class LaneControl:
     """Per-upstream controller state."""
@@ -333,7 +354,7 @@ class ControlLoop:
 
     async def _scrape(self, lane: Lane) -> dict[str, float]:
         try:
-            return parse_vllm_metrics(await lane.upstream.metrics_text())
+            return parse_vllm_metrics(_only_needed(await lane.upstream.metrics_text()))
         except (UpstreamDown, ValueError):
             return {}
 

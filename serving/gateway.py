@@ -28,6 +28,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from batchpilot.envs.engine import Request as EngineRequest
 from batchpilot.policies.knobs import Knobs
+from batchpilot.serving.http1 import Http1Error, Http1Response
 from batchpilot.serving.lanes import BadRequest, ClientGone, GatewayError, Lane, Refused
 from batchpilot.serving.prom import CONTENT_TYPE, GatewayMetrics, bucket_name
 from batchpilot.serving.settings import ServeConfig
@@ -268,80 +269,75 @@ async def _proxy(request: Request, path: str, chat: bool) -> Response:
     bucket = lane.admission.bucket_of(prompt_len)
     await _race_disconnect(request, lane.acquire(req, deadline))
     stream = bool(body.get("stream"))
-    headers = {k: v for k, v in request.headers.items() if k not in _DROP_HEADERS}
+    headers = [(k, v) for k, v in request.headers.items() if k not in _DROP_HEADERS]
     timer = _Timer(gw, lane, req, bucket, t_arrival, stream)
     sampled = gw.quality.maybe_sample(lane, body, chat) if gw.quality is not None else None
     try:
-        up_req = lane.upstream.client.build_request(
-            "POST", path, content=raw, headers=headers,
-            timeout=httpx.Timeout(max(deadline - time.monotonic(), 0.001)),
-        )
-        resp = await _race_disconnect(request, _send_until(lane, up_req, stream, deadline))
+        resp, content = await _race_disconnect(request, _send_until(lane, path, headers, raw, stream, deadline))
         t_recv = time.monotonic()
     except ClientGone:
         timer.finish(ok=False)
         raise
-    except (httpx.TimeoutException, TimeoutError):
+    except TimeoutError:
         timer.finish(ok=False)
         gw.metrics.rejected.labels("timeout").inc()
         raise Refused("timeout", "the upstream did not answer within the request timeout", status=503,
                       retry_after=cfg.retry_after_s) from None
-    except httpx.HTTPError as exc:
+    except Http1Error as exc:
         timer.finish(ok=False)
         _upstream_failed(lane, exc)
     except BaseException:
         timer.finish(ok=False)
         raise
-    resp_headers = {k: v for k, v in resp.headers.items() if k not in _DROP_RESP_HEADERS}
-    if not stream or resp.status_code != 200:
-        try:
-            content = resp.content if not stream else await resp.aread()
-        finally:
-            await resp.aclose()
-        timer.finish(ok=resp.status_code == 200, content=content)
-        if sampled is not None and resp.status_code == 200:
+    resp_headers = {k: v for k, v in resp.headers if k not in _DROP_RESP_HEADERS}
+    if content is not None:
+        timer.finish(ok=resp.status == 200, content=content)
+        if sampled is not None and resp.status == 200:
             gw.quality.submit(sampled)
-        gw.metrics.requests.labels(path, str(resp.status_code)).inc()
+        gw.metrics.requests.labels(path, str(resp.status)).inc()
         # Time spent in the gateway itself (before the upstream call and after it), for benchmarks.
         resp_headers["x-gateway-overhead-ms"] = f"{(timer.t_send - t_arrival + time.monotonic() - t_recv) * 1e3:.3f}"
-        return Response(content, status_code=resp.status_code, headers=resp_headers)
+        return Response(content, status_code=resp.status, headers=resp_headers)
     gw.metrics.requests.labels(path, "200").inc()
     if sampled is not None:
         gw.quality.submit(sampled)
     return StreamingResponse(_relay(resp, timer, lane, deadline), status_code=200, headers=resp_headers)
 
 
-async def _send_until(lane: Lane, up_req: httpx.Request, stream: bool, deadline: float) -> httpx.Response:
-    """Send, and for a non-streamed request read the whole body, before ``deadline``."""
-    async with asyncio.timeout_at(deadline):
-        resp = await lane.upstream.client.send(up_req, stream=True)
-        if not stream:
-            try:
-                await resp.aread()
-            finally:
-                await resp.aclose()
-        return resp
+async def _send_until(lane: Lane, path: str, headers: list[tuple[str, str]], raw: bytes, stream: bool,
+                      deadline: float) -> tuple[Http1Response, bytes | None]:
+    """Send before ``deadline``; read the whole body too unless it is a successful stream
+    (``None`` content then). A cancelled read closes the connection: vLLM aborts the request."""
+    async with asyncio.timeout_at(deadline):  # the loop's clock is time.monotonic
+        resp = await lane.upstream.pool.request("POST", path, headers, raw)
+        if stream and resp.status == 200:
+            return resp, None
+        try:
+            return resp, await resp.read()
+        except BaseException:
+            resp.aclose()
+            raise
 
 
 def _upstream_failed(lane: Lane, exc: Exception) -> None:
     """An in-flight request lost its upstream: fail fast and mark the lane unhealthy."""
-    if isinstance(exc, httpx.ConnectError):
+    if isinstance(exc, (httpx.ConnectError,)) or getattr(exc, "connect", False):
         lane.upstream.healthy = False
         raise Refused("upstream_down", f"upstream {lane.name} refused the connection: {exc}",
                       status=503, retry_after=lane.retry_after_s) from None
-    raise GatewayError("upstream_error", f"upstream {lane.name} failed mid-request: {exc!r}",
+    raise GatewayError("upstream_error", f"upstream {lane.name} failed mid-request: {exc}",
                        status=502, retry_after=lane.retry_after_s) from None
 
 
-async def _relay(resp: httpx.Response, timer: "_Timer", lane: Lane, deadline: float) -> AsyncIterator[bytes]:
+async def _relay(resp: Http1Response, timer: "_Timer", lane: Lane, deadline: float) -> AsyncIterator[bytes]:
     """Relay SSE chunks as they come, until the request's deadline; the slot is freed however
-    the stream ends."""
+    the stream ends (and an unfinished upstream stream is closed, so vLLM aborts it)."""
     ok = False
-    it = resp.aiter_raw()
+    it = resp.aiter()
     try:
         while True:
             try:
-                async with asyncio.timeout_at(deadline):  # the loop's clock is time.monotonic
+                async with asyncio.timeout_at(deadline):
                     chunk = await it.__anext__()
             except StopAsyncIteration:
                 break
@@ -350,18 +346,18 @@ async def _relay(resp: httpx.Response, timer: "_Timer", lane: Lane, deadline: fl
         ok = True
     except TimeoutError:
         lane.metrics.rejected.labels("timeout").inc()
-        err = {"error": {"message": "the request timeout passed mid-stream", "type": "Refused", "code": 503,
-                         "reason": "timeout"}}
-        yield f"data: {json.dumps(err)}\n\ndata: [DONE]\n\n".encode()
-    except httpx.HTTPError as exc:
+        yield _sse_error("the request timeout passed mid-stream", "timeout", 503)
+    except Http1Error as exc:
         # Headers are gone already: end the stream with an SSE error event, as vLLM does.
-        lane.upstream.healthy = lane.upstream.healthy and not isinstance(exc, httpx.ConnectError)
-        err = {"error": {"message": f"upstream {lane.name} failed mid-stream: {exc!r}", "type": "upstream_error",
-                         "code": 502}}
-        yield f"data: {json.dumps(err)}\n\ndata: [DONE]\n\n".encode()
+        yield _sse_error(f"upstream {lane.name} failed mid-stream: {exc}", "upstream_error", 502)
     finally:
-        timer.finish(ok=ok)  # first: the await below may itself be cancelled
-        await resp.aclose()
+        timer.finish(ok=ok)
+        resp.aclose()
+
+
+def _sse_error(message: str, reason: str, code: int) -> bytes:
+    err = {"error": {"message": message, "type": "GatewayError", "code": code, "reason": reason}}
+    return f"data: {json.dumps(err)}\n\ndata: [DONE]\n\n".encode()
 
 
 class _Timer:

@@ -22,6 +22,8 @@ from typing import Any
 
 import httpx
 
+from batchpilot.serving.http1 import Http1Pool
+
 log = logging.getLogger(__name__)
 
 
@@ -170,12 +172,16 @@ class Upstream:
         self.info: EngineInfo | None = None
         self.num_restarts = 0
         self.client = self._new_client()
+        u = httpx.URL(self.url)
+        #: The proxy's hot path (``http1.Http1Pool``); httpx serves the rest.
+        self.pool = Http1Pool(u.host, u.port or 80)
 
     def _new_client(self) -> httpx.AsyncClient:
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=512, keepalive_expiry=30.0)
         return httpx.AsyncClient(base_url=self.url, limits=limits, timeout=httpx.Timeout(None))
 
     async def aclose(self) -> None:
+        self.pool.close()
         await self.client.aclose()
 
     # --- probes ------------------------------------------------------------------------------
@@ -255,6 +261,7 @@ class Upstream:
         # Old keep-alive connections point at the dead server.
         await self.client.aclose()
         self.client = self._new_client()
+        self.pool.close()
         await self.start(timeout_s)
         self.num_restarts += 1
         return time.monotonic() - t0

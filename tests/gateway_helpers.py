@@ -142,7 +142,8 @@ async def burst(url: str, n: int, rate: float, body: dict[str, Any], *, stream_e
                 timeout_s: float = 120.0) -> LoadResult:
     """``n`` requests at ``rate`` per second (open loop), all awaited."""
     res = LoadResult()
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=200)
+    # A bounded client fleet: more connections than this wait in the client's pool.
+    limits = httpx.Limits(max_connections=256, max_keepalive_connections=256)
     async with httpx.AsyncClient(limits=limits) as client:
         tasks = []
         t0 = time.monotonic()
