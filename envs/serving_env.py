@@ -62,6 +62,16 @@ from batchpilot.serving.admission import Admission, AdmissionConfig
 from batchpilot.serving.telemetry import FEATURE_NAMES, OBS_HIGH, OBS_LOW, SLO, Snapshot, Telemetry
 
 
+def _shift_stream(stream: RequestStream, t0: float) -> RequestStream:
+    """The same requests with arrival times moved by ``t0`` (the episode's start on the
+    engine's clock), so arrivals are spread over the episode instead of all due at once."""
+    return RequestStream(
+        stream.arrival_s + t0, stream.prompt_len, stream.output_len, duration_s=stream.duration_s,
+        priority=stream.priority, prefix_hashes=stream.prefix_hashes,
+        prefix_block_tokens=stream.prefix_block_tokens, id_prefix=stream.id_prefix, info=stream.info,
+    )
+
+
 def slo_from_cfg(node: Any) -> SLO:
     return SLO(ttft_ms=node.get("ttft_ms"), tpot_ms=node.get("tpot_ms"), e2el_ms=node.get("e2el_ms"))
 
@@ -133,6 +143,8 @@ class ServingEnv(gym.Env):
         self._needs_fresh_engine = self.cfg.engine.kind == "sim"
         self._init_episode_state()
         self.stream = build_workload(self.cfg.workload, self.np_random, self._caps.max_model_len)
+        if self._episode_start > 0:  # a live engine's clock does not restart at 0
+            self.stream = _shift_stream(self.stream, self._episode_start)
         snap = self._snapshot()
         obs = self.telemetry.observation(snap)
         return obs, self._info(snap, {}, None)
