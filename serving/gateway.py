@@ -215,25 +215,27 @@ async def _until_disconnect(request: Request) -> None:
             return
 
 
-async def _race_disconnect(request: Request, coro: Any) -> Any:
-    """Run ``coro`` unless the client disconnects first (then cancel it, raise ClientGone)."""
-    task = asyncio.ensure_future(coro)
-    watcher = asyncio.ensure_future(_until_disconnect(request))
-    try:
-        done, _ = await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
-    except asyncio.CancelledError:
-        task.cancel()
-        watcher.cancel()
-        raise
-    if task in done:
-        watcher.cancel()
-        return task.result()
-    task.cancel()
-    try:
-        await task
-    except (asyncio.CancelledError, Exception):
-        pass
-    raise ClientGone()
+class _DisconnectGuard:
+    """Cancels the handler's task when the client disconnects (then ``gone`` is True), so a
+    queued request leaves the queue and an upstream call is aborted. One watcher task per
+    request, no extra task around the work itself (the hot path stays cheap)."""
+
+    __slots__ = ("task", "gone", "watcher")
+
+    def __init__(self, request: Request) -> None:
+        self.task = asyncio.current_task()
+        self.gone = False
+        self.watcher = asyncio.ensure_future(_until_disconnect(request))
+        self.watcher.add_done_callback(self._on_done)
+
+    def _on_done(self, fut: asyncio.Future) -> None:
+        if not fut.cancelled() and fut.exception() is None:
+            self.gone = True
+            self.task.cancel()
+
+    def close(self) -> None:
+        self.watcher.remove_done_callback(self._on_done)
+        self.watcher.cancel()
 
 
 # --- the proxy ------------------------------------------------------------------------------
@@ -267,17 +269,33 @@ async def _proxy(request: Request, path: str, chat: bool) -> Response:
     rid = f"gw-{uuid.uuid4().hex}"
     req = EngineRequest(rid, t_arrival, prompt_len, int(max_tokens or 16), priority)
     bucket = lane.admission.bucket_of(prompt_len)
-    await _race_disconnect(request, lane.acquire(req, deadline))
-    stream = bool(body.get("stream"))
-    headers = [(k, v) for k, v in request.headers.items() if k not in _DROP_HEADERS]
-    timer = _Timer(gw, lane, req, bucket, t_arrival, stream)
-    sampled = gw.quality.maybe_sample(lane, body, chat) if gw.quality is not None else None
+    guard = _DisconnectGuard(request)
+    admitted: list[bool] = [False]
     try:
-        resp, content = await _race_disconnect(request, _send_until(lane, path, headers, raw, stream, deadline))
-        t_recv = time.monotonic()
-    except ClientGone:
-        timer.finish(ok=False)
+        headers = [(k, v) for k, v in request.headers.items() if k not in _DROP_HEADERS]
+        return await _forward(gw, lane, req, bucket, body, raw, headers, path, deadline, admitted)
+    except asyncio.CancelledError:
+        if guard.gone:
+            # A queued request was already counted "cancelled" by its lane.
+            raise ClientGone(counted=not admitted[0]) from None
         raise
+    finally:
+        guard.close()
+
+
+async def _forward(gw: Gateway, lane: Lane, req: EngineRequest, bucket: int, body: dict[str, Any], raw: bytes,
+                   headers: list[tuple[str, str]], path: str, deadline: float, admitted: list[bool]) -> Response:
+    """Wait for a slot, call the upstream, answer (or start relaying the stream)."""
+    cfg = gw.cfg
+    t_arrival = req.arrival_time
+    await lane.acquire(req, deadline)
+    admitted[0] = True
+    stream = bool(body.get("stream"))
+    timer = _Timer(gw, lane, req, bucket, t_arrival, stream)
+    sampled = gw.quality.maybe_sample(lane, body, path.endswith("chat/completions")) if gw.quality else None
+    try:
+        resp, content = await _send_until(lane, path, headers, raw, stream, deadline)
+        t_recv = time.monotonic()
     except TimeoutError:
         timer.finish(ok=False)
         gw.metrics.rejected.labels("timeout").inc()
@@ -456,7 +474,8 @@ def build_app(settings: AppSettings) -> FastAPI:
 
     @app.exception_handler(ClientGone)
     async def _on_client_gone(request: Request, exc: ClientGone) -> Response:
-        request.app.state.gateway.metrics.rejected.labels("client_gone").inc()
+        if not exc.counted:
+            request.app.state.gateway.metrics.rejected.labels("client_gone").inc()
         return Response(status_code=499)
 
     @app.post("/v1/completions")

@@ -50,7 +50,12 @@ class Refused(GatewayError):
 
 
 class ClientGone(Exception):
-    """The client disconnected; nothing is sent back."""
+    """The client disconnected; nothing is sent back. ``counted``: already counted as a
+    rejection (it left a queue), so not again as "client_gone"."""
+
+    def __init__(self, counted: bool = False) -> None:
+        super().__init__("client disconnected")
+        self.counted = counted
 
 
 #: HTTP status per admission rejection reason.
