@@ -1,0 +1,76 @@
+"""Fault: the managed ``vllm serve`` is killed mid-load. In-flight requests fail fast with
+502/503, new ones queue (managed: a restart is coming) or get 503 with Retry-After, and once
+the gateway has restarted the upstream traffic flows again."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from collections import Counter
+
+import httpx
+import pytest
+
+from gateway_helpers import RunningGateway, one_request, running_gateway, wait_ready
+
+pytestmark = [pytest.mark.live, pytest.mark.slow, pytest.mark.timeout(900)]
+
+REQUEST_TIMEOUT_S = 8.0
+
+
+@pytest.fixture(scope="module")
+def gw() -> RunningGateway:
+    with running_gateway(f"serve.request_timeout_s={REQUEST_TIMEOUT_S}", "serve.health_interval_s=0.25") as g:
+        yield g
+
+
+def test_upstream_killed_mid_load(gw: RunningGateway) -> None:
+    [pid] = gw.upstream_pids()
+    body = {"prompt": "fault test", "max_tokens": 300, "ignore_eos": True}
+
+    async def scenario() -> tuple[list, float]:
+        async with httpx.AsyncClient(limits=httpx.Limits(max_connections=200)) as c:
+            tasks = []
+            t_kill = 0.0
+            t0 = time.monotonic()
+            for i in range(120):  # 20 requests/s for 6 s; the kill comes after 2 s
+                await asyncio.sleep(max(t0 + i / 20 - time.monotonic(), 0))
+                if i == 40:
+                    os.killpg(pid, signal.SIGKILL)
+                    t_kill = time.monotonic()
+                tasks.append(asyncio.create_task(one_request(c, gw.url, body, stream=i % 3 == 0, timeout_s=120)))
+            return list(await asyncio.gather(*tasks)), t_kill
+
+    outcomes, t_kill = asyncio.run(scenario())
+    by = Counter(o.status for o in outcomes)
+    assert set(by) <= {200, 502, 503}, by  # nothing hung, no transport errors, no 500s
+    for o in outcomes:
+        if o.status in (502, 503):
+            assert o.reason in {"upstream_error", "upstream_down", "timeout"}, o
+            assert o.retry_after is not None
+        elif o.status == 200 and o.t_start < t_kill and "data: " in (o.body or ""):
+            pass  # a stream that had started: it may end with an SSE error event instead
+    # Requests in flight at the kill failed fast, not at their timeout.
+    in_flight = [o for o in outcomes if o.t_start < t_kill - 0.5 and o.t_end > t_kill]
+    assert in_flight, "expected requests in flight at the kill"
+    for o in in_flight:
+        assert o.t_end - t_kill < 3.0 or o.status == 200, o
+    # Requests after the kill: queued (then 200 once back, or 503 timeout) or 503 upstream_down,
+    # each within the request timeout (+ slack for this busy machine).
+    after = [o for o in outcomes if o.t_start > t_kill + 0.5]
+    assert after
+    for o in after:
+        assert o.status in (200, 503), o
+        assert o.t_end - o.t_start < REQUEST_TIMEOUT_S + 10.0, o
+    # The gateway restarts the upstream; traffic flows again.
+    wait_ready(gw.url, 240)
+    ok = [httpx.post(f"{gw.url}/v1/completions", json={"prompt": "back?", "max_tokens": 3}, timeout=60).status_code
+          for _ in range(5)]
+    assert ok == [200] * 5
+    assert gw.metric("batchpilot:upstream_restarts_total", cause="crash") >= 1
+    assert gw.upstream_pids() != [pid]
+    lane = next(iter(gw.status()["control"]["lanes"].values()))
+    assert lane["in_flight"] == 0 and sum(lane["queue_depths"]) == 0, lane
+    print(f"fault: {dict(by)}")
