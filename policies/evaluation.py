@@ -184,13 +184,17 @@ class WorkloadPlan:
         return str(self.cfg.hardware.get("name", "?"))
 
 
+def extra_overrides(ecfg: EvalConfig, workload: str, engine_kind: str) -> tuple[str, ...]:
+    """A workload's own group choices. They describe simulated GPUs; the live engine runs the
+    model it was started with (engine=vllm picks its own), so they apply on the simulator only."""
+    return tuple(ecfg.workload_overrides.get(workload, ())) if engine_kind == "sim" else ()
+
+
 def plan_workload(user_overrides: Sequence[str], name: str | None, ecfg: EvalConfig) -> WorkloadPlan:
     """Compose, validate and size one workload: the trace is read (a bad path or a malformed
     file fails here, before any episode runs) and the episode length set to cover it."""
-    extra = ecfg.workload_overrides.get(name or "", ())
-    if name is None:  # the single `workload=` group: its own overrides apply too
-        _, ch = compose_eval(user_overrides)
-        extra = ecfg.workload_overrides.get(ch.get("workload", ""), ())
+    base, ch = compose_eval(workload_overrides(user_overrides, name, ()))
+    extra = extra_overrides(ecfg, name or ch.get("workload", ""), str(base.engine.kind))
     cfg, choices = compose_eval(workload_overrides(user_overrides, name, extra))
     label = name or choices.get("workload", "workload")
     if cfg.workload.get("kind") == "trace" and label == "trace":

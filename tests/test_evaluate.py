@@ -215,3 +215,14 @@ def test_workloads_carry_their_model_and_hardware() -> None:
     single = ["workload=mooncake", "model=llama3_70b", "seeds=[0]", "logger=none"]
     plan = plan_workload(single, None, EvalConfig.from_cfg(compose_eval(single)[0]))
     assert (plan.name, plan.model, plan.hardware) == ("mooncake", "llama3_70b", "h200")
+
+
+def test_live_engine_runs_its_own_model_not_the_workloads() -> None:
+    from batchpilot.policies.evaluation import EvalConfig, extra_overrides
+
+    user = ["engine=vllm", "workload=mooncake"]
+    cfg, _ = compose_eval(user)
+    ecfg = EvalConfig.from_cfg(cfg)
+    assert cfg.engine.kind == "vllm" and cfg.model.name == "tiny_llama"
+    assert extra_overrides(ecfg, "mooncake", "vllm") == ()
+    assert extra_overrides(ecfg, "mooncake", "sim") == ("model=deepseek_v3", "hardware=h200")
