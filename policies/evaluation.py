@@ -123,7 +123,9 @@ class EvalConfig:
             seeds=tuple(seeds),
             out_dir=Path(str(cfg.out_dir)),
             workloads=tuple(wls),
-            workload_overrides={str(k): tuple(str(o) for o in (v or [])) for k, v in dict(wo).items()},  # type: ignore[union-attr]
+            workload_overrides={
+                str(k): tuple(str(o) for o in (v or [])) for k, v in dict(wo).items()  # type: ignore[union-attr]
+            },
             policy_overrides={str(k): dict(v or {}) for k, v in dict(po).items()},  # type: ignore[union-attr]
             best_static=BestStaticConfig(**bs),  # type: ignore[arg-type]
             plots=bool(cfg.get("plots", True)),
@@ -226,7 +228,8 @@ def plan_workload(user_overrides: Sequence[str], name: str | None, ecfg: EvalCon
 # --- controllers ----------------------------------------------------------------------------
 def policy_config(name: str, ecfg: EvalConfig, plan: WorkloadPlan) -> dict[str, Any]:
     """``conf/policy/<name>.yaml`` with ``policy_overrides[name]`` merged in."""
-    d: dict[str, Any] = dict(OmegaConf.to_container(OmegaConf.load(CONF_DIR / "policy" / f"{name}.yaml"), resolve=True))  # type: ignore[arg-type]
+    node = OmegaConf.load(CONF_DIR / "policy" / f"{name}.yaml")
+    d: dict[str, Any] = dict(OmegaConf.to_container(node, resolve=True))  # type: ignore[arg-type]
     d.update(ecfg.policy_overrides.get(name, {}))
     if d.get("kind") == "ppo":  # the engine's limits normalise the policy's observation
         if d.get("kv_runnable") is None:
@@ -250,7 +253,8 @@ def _ensure_kind(kind: str, name: str) -> None:
                 f"policies=[...] to evaluate the other controllers."
             ) from e
     if kind not in CONTROLLER_BUILDERS:
-        raise EvaluationError(f"policy {name!r}: no controller of kind {kind!r}; known: {sorted(CONTROLLER_BUILDERS)}")
+        known = sorted(CONTROLLER_BUILDERS)
+        raise EvaluationError(f"policy {name!r}: no controller of kind {kind!r}; known: {known}")
 
 
 def make_controller(policy: Mapping[str, Any], plan: WorkloadPlan, name: str | None = None) -> Controller:
@@ -282,7 +286,8 @@ def start_knobs(policy: Mapping[str, Any], plan: WorkloadPlan) -> Knobs | None:
         return Knobs(max(1, cap), str(policy.get("bucketing", "fifo")), str(policy.get("kv_dtype", "auto")))
     if "initial_batch_cap" in policy:
         cap = min(int(policy["initial_batch_cap"]), plan.max_num_seqs)
-        return Knobs(max(1, cap), str(policy.get("bucketing", plan.cfg.env.initial_bucketing)), str(plan.cfg.engine.get("kv_dtype", "auto")))
+        bucketing = str(policy.get("bucketing", plan.cfg.env.initial_bucketing))
+        return Knobs(max(1, cap), bucketing, str(plan.cfg.engine.get("kv_dtype", "auto")))
     return None
 
 
@@ -374,7 +379,10 @@ class GridPoint:
     slo_attainment: float = math.nan
 
     def policy(self) -> dict[str, Any]:
-        return {"kind": "static", "name": BEST_STATIC, "batch_cap": self.batch_cap, "bucketing": self.bucketing, "kv_dtype": self.kv_dtype}
+        return {
+            "kind": "static", "name": BEST_STATIC,
+            "batch_cap": self.batch_cap, "bucketing": self.bucketing, "kv_dtype": self.kv_dtype,
+        }
 
     @property
     def label(self) -> str:
@@ -472,8 +480,8 @@ def evaluate(cfg: DictConfig, overrides: Sequence[str] | None = None) -> list[di
         for name in ecfg.policies:
             if name != BEST_STATIC:
                 make_controller(policy_config(name, ecfg, plan), plan, name)
-    n_grid = {p.name: len(best_static_grid(ecfg.best_static, p)[0]) if BEST_STATIC in ecfg.policies else 0 for p in plans}
-    total = sum(n_grid.values()) + len(plans) * len(ecfg.policies) * len(ecfg.seeds)
+    n_grid = sum(len(best_static_grid(ecfg.best_static, p)[0]) for p in plans) if BEST_STATIC in ecfg.policies else 0
+    total = n_grid + len(plans) * len(ecfg.policies) * len(ecfg.seeds)
 
     rows: list[dict[str, Any]] = []
     timelines: dict[tuple[str, str], rep.Timeline] = {}
@@ -495,7 +503,8 @@ def evaluate(cfg: DictConfig, overrides: Sequence[str] | None = None) -> list[di
                     best, points, notes = search_best_static(plan, ecfg.best_static, on_episode=advance)
                     for note in notes:
                         console.log(f"best_static on {plan.name}: {note}")
-                    console.log(f"best_static on {plan.name}: {best.label} (of {len(points)} grid points, seed {ecfg.best_static.tune_seed})")
+                    seed0 = ecfg.best_static.tune_seed
+                    console.log(f"best_static on {plan.name}: {best.label} ({len(points)} grid points, seed {seed0})")
                     search += [{"workload": plan.name, **asdict(p), "chosen": p is best} for p in points]
                     policy = best.policy()
                     knobs = best.label
@@ -537,5 +546,6 @@ def evaluate(cfg: DictConfig, overrides: Sequence[str] | None = None) -> list[di
     run_cfg = {"eval": OmegaConf.to_container(cfg, resolve=False), "overrides": user, "wall_s": wall}
     wandb_dir = rep.log_to_wandb(dict(cfg.get("logger") or {}), run_cfg, rows, table, plots, out)
     print(table)
-    console.log(f"{len(rows)} rows in {wall:.1f} s → {out}/results.json, results.csv, results.md" + (f", plots/ ({len(plots)})" if plots else "") + (f"; W&B run in {wandb_dir}" if wandb_dir else ""))
+    wrote = "results.json, results.csv, results.md" + (f", plots/ ({len(plots)})" if plots else "")
+    console.log(f"{len(rows)} rows in {wall:.1f} s → {out}: {wrote}" + (f"; W&B run in {wandb_dir}" if wandb_dir else ""))
     return rows
