@@ -267,10 +267,10 @@ def test_gamma_config_matches_vllm_bench_burstiness():
 
 
 def test_trace_config_scales_and_windows():
-    cfg = load("azure_conv")  # 720 trace-seconds at x6 -> 120 s
+    cfg = load("azure_conv")  # 360 trace-seconds at x3 -> 120 s
     s = build_workload(cfg, rng(), 8192)
     assert s.duration_s == pytest.approx(120.0)
-    assert len(s) / s.duration_s == pytest.approx(6 * 5.5, rel=0.25)
+    assert len(s) / s.duration_s == pytest.approx(3 * 5.5, rel=0.25)
     slow = build_workload({**cfg, "rate_scale": 0.5}, rng(), 8192)
     assert slow.duration_s == pytest.approx(240.0) and len(slow) == len(s)
     assert s.info["report"].rows_read == 19_366
