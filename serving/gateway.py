@@ -528,4 +528,7 @@ def serve(cfg: Any) -> None:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per upstream call otherwise
     app = build_app(settings)
     uvicorn.run(app, host=settings.serve.host, port=settings.serve.port, log_level=settings.serve.log_level,
-                access_log=False, timeout_graceful_shutdown=5)
+                access_log=False, timeout_graceful_shutdown=5,
+                # Longer than clients' idle pools keep connections: a server-side close racing a
+                # client's reuse of the connection shows up as a reset at the client.
+                timeout_keep_alive=75)

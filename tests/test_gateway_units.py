@@ -1,0 +1,79 @@
+"""Gateway pieces that need no vLLM: config validation, prompt counting, the quality guard's
+rate and threshold, token agreement."""
+
+from __future__ import annotations
+
+import pytest
+
+from batchpilot.serving.prom import GatewayMetrics
+from batchpilot.serving.quality_guard import QualityGuard, token_agreement
+from batchpilot.serving.settings import QualityGuardConfig, ServeConfig
+
+
+def test_serve_config_validates_with_clear_errors() -> None:
+    with pytest.raises(ValueError, match="no upstream"):
+        ServeConfig.from_cfg({})
+    with pytest.raises(ValueError, match="exclusive"):
+        ServeConfig.from_cfg({"managed": True, "upstreams": ["http://127.0.0.1:1"]})
+    with pytest.raises(ValueError, match="unknown keys"):
+        ServeConfig.from_cfg({"managed": True, "prot": 1})
+    with pytest.raises(ValueError, match="serve.control.mode"):
+        ServeConfig.from_cfg({"managed": True, "control": {"mode": "ppo"}})
+    with pytest.raises(ValueError, match="must start with http"):
+        ServeConfig.from_cfg({"upstreams": ["127.0.0.1:8000"]})
+    cfg = ServeConfig.from_cfg({"upstreams": ["http://127.0.0.1:8000/"], "admission": {"max_queue_len": 7}})
+    assert cfg.upstreams == ["http://127.0.0.1:8000"] and cfg.admission.max_queue_len == 7
+    assert cfg.host == "127.0.0.1"  # localhost unless configured otherwise
+
+
+def test_shipped_serve_config_loads() -> None:
+    from batchpilot.config import load_config
+    from batchpilot.serving.gateway import AppSettings
+
+    s = AppSettings.from_cfg(load_config(["serve.managed=true"], config_name="serve_app"))
+    assert s.serve.managed and s.shield["breaker_shrink"] == 0.8 and s.policy["kind"] == "pid"
+
+
+def test_token_agreement() -> None:
+    assert token_agreement([1, 2, 3], [1, 2, 3]) == 1.0
+    assert token_agreement([1, 2, 3], [1, 9, 3]) == pytest.approx(2 / 3)
+    assert token_agreement([1, 2], [1, 2, 3, 4]) == 0.5
+    assert token_agreement([], []) == 1.0
+
+
+def test_quality_guard_blocks_8bit_above_threshold() -> None:
+    g = QualityGuard(QualityGuardConfig(threshold=0.05, min_samples=20, window=100), GatewayMetrics())
+    for _ in range(19):
+        g.record(0.5)  # all differ, but too few samples to act on
+    assert not g.blocks_8bit
+    g.record(1.0)
+    assert g.blocks_8bit and g.diff_rate == pytest.approx(19 / 20)
+    g.reset()
+    for i in range(100):
+        g.record(0.9 if i % 25 == 24 else 1.0)  # 4 % differ: under the 5 % threshold
+    assert not g.blocks_8bit and g.diff_rate == pytest.approx(0.04)
+
+
+@pytest.mark.anyio
+async def test_prompt_counter_local_and_chars(tiny_model_path) -> None:
+    from batchpilot.serving.tokens import PromptCounter
+
+    async def no_upstream(_: dict) -> int:
+        raise AssertionError("local counting must not call the upstream")
+
+    local = PromptCounter("auto", str(tiny_model_path))
+    assert local.mode == "local"
+    n = len(local.tokenizer.encode("hello world", add_special_tokens=False).ids)
+    assert await local.count({"prompt": "hello world"}, False, no_upstream) == n + 1  # + BOS
+    longest = len(local.tokenizer.encode("abcd efgh", add_special_tokens=False).ids) + 1
+    assert await local.count({"prompt": ["a", "abcd efgh"]}, False, no_upstream) == longest
+    assert await local.count({"prompt": [1, 2, 3]}, False, no_upstream) == 3
+    chat = await local.count({"messages": [{"role": "user", "content": "hi"}]}, True, no_upstream)
+    assert chat >= 3
+    chars = PromptCounter("chars", None)
+    assert await chars.count({"prompt": "x" * 40}, False, no_upstream) == 12
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
