@@ -192,3 +192,25 @@ def test_metrics_exported(gw: RunningGateway) -> None:
                  "batchpilot:output_diff_rate", "batchpilot:upstream_kv_cache_usage"):
         assert name in text, name
     assert gw.metric("batchpilot:requests_total", route="/v1/completions", status="200") >= 3
+
+
+def test_quality_guard_replay_agrees_on_identical_servers(gw: RunningGateway) -> None:
+    """The guard's comparison on a real server: greedy replays of one prompt on the same
+    16-bit engine agree token for token (so a diff on 8-bit vs 16-bit is the KV dtype's)."""
+    from batchpilot.serving.prom import GatewayMetrics
+    from batchpilot.serving.quality_guard import QualityGuard
+    from batchpilot.serving.settings import QualityGuardConfig
+
+    [up] = gw.status()["upstreams"].values()
+
+    async def run() -> float:
+        guard = QualityGuard(QualityGuardConfig(reference_url=up["url"]), GatewayMetrics())
+        async with httpx.AsyncClient(base_url=up["url"]) as c:
+            body = {"model": "tiny-llama", "prompt": "compare me", "max_tokens": 16, "temperature": 0.0,
+                    "return_token_ids": True}
+            try:
+                return await guard.compare(c, guard._ref, "/v1/completions", body)
+            finally:
+                await guard.aclose()
+
+    assert asyncio.run(run()) == 1.0
