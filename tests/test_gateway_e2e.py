@@ -214,3 +214,34 @@ def test_quality_guard_replay_agrees_on_identical_servers(gw: RunningGateway) ->
                 await guard.aclose()
 
     assert asyncio.run(run()) == 1.0
+
+
+def test_policy_modes_with_the_shipped_policy(gw: RunningGateway) -> None:
+    """Load the exported policy through the admin API; it acts in ``policy`` mode, only
+    advises in ``shadow`` mode, and a canary of it starts evaluating."""
+    from batchpilot.config import REPO_ROOT
+
+    path = REPO_ROOT / "policies" / "pretrained"
+    if not (path / "manifest.json").is_file():
+        pytest.skip("no shipped policy in policies/pretrained")
+    post = lambda url, body: httpx.post(f"{gw.url}{url}", json=body, headers=AUTH, timeout=30)  # noqa: E731
+    try:
+        r = post("/admin/policy/reload", {"path": str(path), "canary_share": 0})
+        assert r.status_code == 200 and r.json()["ok"], r.text
+        assert post("/admin/mode", {"mode": "policy"}).json()["acting"] == "policy"
+        for _ in range(3):
+            httpx.post(f"{gw.url}/v1/completions", json={"prompt": "tick", "max_tokens": 2}, timeout=60)
+        time.sleep(1.5)  # a few control ticks (interval 0.5 s)
+        st = gw.status()["control"]
+        assert st["fallback_reason"] is None and next(iter(st["lanes"].values()))["acting"] == "policy", st
+        assert post("/admin/mode", {"mode": "shadow"}).json()["acting"] == "pid"
+        time.sleep(1.5)
+        assert gw.metric("batchpilot:shadow_batch_agreement") >= 0.0
+        assert next(iter(gw.status()["control"]["lanes"].values()))["acting"] == "pid"
+        post("/admin/mode", {"mode": "policy"})
+        r = post("/admin/policy/reload", {"path": str(path), "canary_share": 0.5})
+        assert r.json()["canary"] is True
+        assert gw.status()["control"]["canary"]["state"] == "evaluating"
+        assert gw.metric("batchpilot:canary_state") == 1
+    finally:
+        post("/admin/mode", {"mode": "pid"})
