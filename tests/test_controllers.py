@@ -144,7 +144,9 @@ def test_configs_build_the_right_controllers():
         cfg = OmegaConf.load(POLICY_DIR / f"{name}.yaml")
         built[name] = build_controller(cfg, max_num_seqs=256, slo_ms={"ttft": 1000.0, "tpot": 100.0, "e2el": None})
         assert isinstance(built[name], Controller)
-    assert isinstance(built["pid"], PIDController) and built["pid"].cfg.slo_ms == 1000.0
+    pid = built["pid"]
+    assert isinstance(pid, PIDController)
+    assert pid.cfg.slo_ms == {"ttft": 1000.0, "tpot": 100.0}[pid.cfg.metric]  # the metric's own SLO
     assert isinstance(built["aimd"], AIMDController)
     assert isinstance(built["vllm_default"], StaticController) and built["vllm_default"].name == "vllm_default"
     p = built["vllm_default"].decide(snap(), Knobs(32))
