@@ -92,6 +92,18 @@ async def freeze(request: Request) -> dict[str, Any]:
     return {"frozen": frozen}
 
 
+@router.post("/kv_dtype", dependencies=[Depends(_require_token)])
+async def set_kv_dtype(request: Request) -> dict[str, Any]:
+    """Body: ``{"dtype": "auto" | "fp8" | ...}``. An operator's KV dtype switch: managed
+    upstreams restart one at a time (drained first, queued requests wait); unmanaged ones only
+    get it recommended. Bypasses the shield's dwell time, not the runnable-dtype check."""
+    body = await _json(request)
+    try:
+        return request.app.state.gateway.control.force_kv_dtype(str(body.get("dtype")))
+    except ValueError as exc:
+        raise BadRequest("invalid_field", str(exc)) from None
+
+
 @router.post("/quality/reset", dependencies=[Depends(_require_token)])
 async def quality_reset(request: Request) -> dict[str, Any]:
     request.app.state.gateway.quality.reset()

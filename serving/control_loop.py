@@ -261,6 +261,33 @@ class ControlLoop:
                 ln.set_knobs(k)
         self._note(f"knobs {'frozen' if frozen else 'released'}" + (f" at {knobs}" if knobs else ""))
 
+    def force_kv_dtype(self, dtype: str) -> dict[str, Any]:
+        """Admin: switch every upstream's KV dtype (restart managed ones, one at a time)."""
+        caps = self.lane_ctl[self.gw.lanes[0].index].shield.capabilities
+        why = caps.why_not(dtype)
+        if why is not None:
+            raise ValueError(f"kv dtype {dtype!r} cannot run here: {why}")
+        out: dict[str, str] = {}
+        managed = []
+        for ln in self.gw.lanes:
+            if ln.knobs.kv_dtype == dtype:
+                out[ln.name] = "already"
+            elif ln.upstream.managed is not None:
+                managed.append(ln)
+                out[ln.name] = "restarting"
+            else:
+                self.gw.metrics.kv_recommendation.labels(ln.name, dtype).set(1)
+                out[ln.name] = "recommended (not managed)"
+        if managed:
+            async def one_by_one() -> None:
+                for ln in managed:  # the supervisor's lock also serialises them
+                    await self.gw.supervisor.restart(ln, cause="admin", kv_dtype=dtype)
+                    self.lane_ctl[ln.index].shield.last_dtype_switch = time.monotonic()
+
+            asyncio.create_task(one_by_one())
+        self._note(f"operator KV dtype switch to {dtype}: {out}")
+        return {"dtype": dtype, "upstreams": out}
+
     def _fallback(self, reason: str, message: str) -> None:
         self.fallback_reason = f"{reason}: {message}"
         self.gw.metrics.policy_fallbacks.labels(reason).inc()
