@@ -150,10 +150,10 @@ def test_disconnects_free_slots(gw: RunningGateway) -> None:
             async with c.stream("POST", f"{gw.url}/v1/completions", json=long) as s:
                 it = s.aiter_raw()
                 await it.__anext__()  # the stream holds the only slot
-                small = {"prompt": "q", "max_tokens": 200, "ignore_eos": True}
+                small = {"prompt": "q", "max_tokens": 400, "ignore_eos": True}
                 tasks = [asyncio.create_task(c.post(f"{gw.url}/v1/completions", json=small)) for _ in range(n_queued)]
                 seen = 0
-                for _ in range(50):
+                for _ in range(250):  # up to ~5 s on a busy machine
                     await asyncio.sleep(0.02)
                     seen = max(seen, sum((await lane_state(c))["queue_depths"]))
                     if seen:
