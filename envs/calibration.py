@@ -11,12 +11,14 @@ own bookkeeping included), and fits the step-time model of ``envs/step_time.py``
   request puts them there), so chunk size and prior context are both controlled.
 
 The fit is linear least squares on relative error over the iteration's aggregates
-``t = k0 + k_tok T + k_seq n + k_dctx sum_decode_ctx + k_pair prefill_pairs`` (coefficients kept
-non-negative), then expressed through the existing ``HardwareSpec`` fields (``fit_to_hardware``):
+``t = k0 + k_tok T + k_seq n + k_dctx sum_decode_ctx + k_pair prefill_pairs + k_pf [prefill]``
+(coefficients kept non-negative), then expressed through the existing ``HardwareSpec`` fields (``fit_to_hardware``):
 with ``roofline_p = 1`` and ``gemm_token_tile = 1`` the step-time model is exactly of that form,
 ``per_step_overhead_s`` carries ``k0``, ``compute_efficiency`` the per-token cost,
 ``per_request_overhead_s`` the per-sequence cost, ``attn_memory_efficiency`` the decode
-attention and ``attn_compute_efficiency`` the prefill attention. The efficiencies are factors
+attention, ``attn_compute_efficiency`` the prefill attention and ``prefill_step_overhead_s``
+(the one field added for CPUs, 0 on the GPU profiles) the extra fixed cost of an iteration that
+prefills anything. The efficiencies are factors
 of that form against nominal peaks, not measured hardware efficiencies.
 
 Sim-to-real (``sim_to_real``) replays one workload through ``ServingEnv`` on the live engine
@@ -42,7 +44,9 @@ from batchpilot.envs.specs import HardwareSpec, ModelSpec
 from batchpilot.envs.step_time import StepTimeModel
 
 #: Features of one iteration, in the order of ``IterationSample.features`` / the fit.
-FEATURES: tuple[str, ...] = ("const", "num_tokens", "num_seqs", "sum_decode_ctx", "prefill_pairs")
+FEATURES: tuple[str, ...] = (
+    "const", "num_tokens", "num_seqs", "sum_decode_ctx", "prefill_pairs", "has_prefill",
+)
 
 
 class CalibrationError(RuntimeError):
@@ -74,7 +78,7 @@ class IterationSample:
     def features(self) -> np.ndarray:
         return np.array(
             [1.0, self.num_prefill_tokens + self.num_decode, self.num_seqs,
-             self.sum_decode_ctx, self.prefill_pairs]
+             self.sum_decode_ctx, self.prefill_pairs, float(self.num_prefill_tokens > 0)]
         )
 
     def predict(self, st: StepTimeModel) -> float:
@@ -92,6 +96,8 @@ class Grid:
     contexts: tuple[int, ...] = (16, 256, 1024)
     max_decode_tokens: int = 65536
     decode_steps: int = 24
+    #: Decode prompts drawn from ``context x [1 - s, 1 + s]`` (0 = all equal); see measure_decode.
+    context_spread: float = 0.0
     #: Decode points with these batch sizes also measure mixed iterations: one fresh prompt of
     #: each of ``mixed_chunks`` tokens prefilled beside the decodes.
     mixed_batches: tuple[int, ...] = (16, 64)
@@ -111,7 +117,7 @@ class Grid:
         unknown = sorted(set(d) - names)
         if unknown:
             raise ValueError(f"calibrate grid: unknown keys {unknown}; known: {sorted(names)}")
-        return cls(**{k: tuple(v) if not isinstance(v, (int, float)) else v for k, v in d.items()})
+        return cls(**{k: v if isinstance(v, (int, float)) else tuple(v) for k, v in d.items()})
 
 
 def _run_until_idle(engine: Engine, limit_s: float = 600.0) -> None:
@@ -129,31 +135,38 @@ def _robust(times: Sequence[float]) -> tuple[float, float]:
 
 
 def measure_decode(engine: Engine, batch: int, context: int, steps: int, tag: str = "",
-                   mixed_chunks: Sequence[int] = (), mixed_repeats: int = 3) -> list[IterationSample]:
+                   mixed_chunks: Sequence[int] = (), mixed_repeats: int = 3,
+                   context_spread: float = 0.0) -> list[IterationSample]:
     """Median seconds of a pure-decode iteration of ``batch`` sequences, each ``context``
     prompt tokens long (the context grows by one per iteration; its mean is recorded). Then,
     for each of ``mixed_chunks``, iterations that prefill one fresh prompt of that many tokens
-    beside the same decodes (vLLM's mixed batches)."""
+    beside the same decodes (vLLM's mixed batches). With ``context_spread`` s > 0 the prompts
+    are drawn uniformly from ``[context (1 - s), context (1 + s)]`` (same mean), as in real
+    traffic: vLLM's CPU attention is much slower on mixed context lengths than on equal ones."""
     if engine.stats().num_running or engine.stats().num_waiting:
         raise CalibrationError("measure_decode needs an idle engine")
     t0 = engine.now
     cap = engine.capabilities()
+    rng = np.random.default_rng(batch * 100_003 + context)
+    lo, hi = max(1, int(context * (1 - context_spread))), max(1, int(context * (1 + context_spread)))
+    ctxs = rng.integers(lo, hi + 1, size=batch).tolist() if context_spread > 0 else [context] * batch
     # Spare iterations: the first requests decode while later ones still prefill, and nobody
     # may finish while we measure.
     out_len = (steps + 6 + len(mixed_chunks) * mixed_repeats
                + -(-batch * context // cap.max_num_batched_tokens))
-    if context + out_len >= cap.max_model_len:
+    if max(ctxs) + out_len >= cap.max_model_len:
         raise CalibrationError(f"decode point context={context}: context + {out_len} output "
                                f"tokens reach max_model_len={cap.max_model_len}")
     ids = [f"cal-d{tag}-{batch}-{context}-{i}" for i in range(batch)]
+    ctx_of = dict(zip(ids, ctxs))
     for rid in ids:
-        engine.add_request(Request(rid, t0, context, out_len))
+        engine.add_request(Request(rid, t0, ctx_of[rid], out_len))
     gen: dict[str, int] = {}  # output tokens so far, per request
     plan = [(c, k) for c in mixed_chunks for k in range(mixed_repeats)]
     times: dict[int, list[float]] = {0: []}
     cpu: dict[int, list[float]] = {0: []}
     ctx_sums: dict[int, list[float]] = {0: []}
-    label = f"b={batch} ctx={context}"
+    label = f"b={batch} ctx={context}" + (f"±{context_spread:.0%}" if context_spread else "")
     for _ in range(100_000):
         if len(times[0]) >= steps and not plan:
             break
@@ -183,7 +196,7 @@ def measure_decode(engine: Engine, batch: int, context: int, steps: int, tag: st
         if ok:
             times.setdefault(chunk, []).append(dt)
             cpu.setdefault(chunk, []).append(dc)
-            ctx_sums.setdefault(chunk, []).append(float(sum(context + g for g in before.values())))
+            ctx_sums.setdefault(chunk, []).append(float(sum(ctx_of[r] + g for r, g in before.items())))
         if r.num_iterations == 0:
             raise CalibrationError(f"decode point {label}: engine went idle")
     _run_until_idle(engine)
@@ -251,11 +264,12 @@ def measure_grid(engine: Engine, grid: Grid, block_size: int,
     out: list[IterationSample] = []
     for ctx in grid.contexts:
         for b in grid.batch_sizes:
-            if b * ctx > grid.max_decode_tokens or b > cap.max_num_seqs or ctx + grid.decode_steps + 4 > cap.max_model_len:
+            if b * ctx > grid.max_decode_tokens or b > cap.max_num_seqs:
                 continue
             mixed = grid.mixed_chunks if b in grid.mixed_batches else ()
             for smp in measure_decode(engine, b, ctx, grid.decode_steps, mixed_chunks=mixed,
-                                      mixed_repeats=grid.mixed_repeats):
+                                      mixed_repeats=grid.mixed_repeats,
+                                      context_spread=grid.context_spread):
                 out.append(smp)
                 if progress:
                     progress(smp)
@@ -282,10 +296,11 @@ class Fit:
     per_seq: float
     per_decode_ctx: float
     per_prefill_pair: float
+    per_prefill_step: float = 0.0
 
     def as_array(self) -> np.ndarray:
         return np.array([self.const, self.per_token, self.per_seq, self.per_decode_ctx,
-                         self.per_prefill_pair])
+                         self.per_prefill_pair, self.per_prefill_step])
 
 
 def _nnls(A: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -361,7 +376,7 @@ def fit_to_hardware(fit: Fit, model: ModelSpec, base: HardwareSpec) -> HardwareS
         gemm_token_tile=1, elementwise_efficiency=1.0, gemm_overhead_s=0.0,
         per_layer_overhead_s=0.0, per_step_overhead_s=float(max(per_step, 0.0)),
         per_request_overhead_s=float(max(per_req, 0.0)), attn_compute_efficiency=float(ace),
-        attn_memory_efficiency=float(ame),
+        attn_memory_efficiency=float(ame), prefill_step_overhead_s=float(fit.per_prefill_step),
     )
 
 
@@ -377,7 +392,8 @@ _PROFILE_FIELDS: tuple[str, ...] = (
     "name", "peak_tflops", "hbm_tb_s", "memory_gb", "compute_efficiency", "memory_efficiency",
     "roofline_p", "gemm_token_tile", "gemm_overhead_s", "elementwise_efficiency",
     "per_layer_overhead_s", "attn_memory_efficiency", "attn_compute_efficiency",
-    "per_step_overhead_s", "per_request_overhead_s", "interconnect_gb_s", "allreduce_latency_s",
+    "per_step_overhead_s", "per_request_overhead_s", "prefill_step_overhead_s",
+    "interconnect_gb_s", "allreduce_latency_s",
     "kv8_speed_factor", "kv8_dtypes", "kv8_unavailable_reason",
 )
 
@@ -430,14 +446,17 @@ def provenance(samples: Sequence[IterationSample], res: np.ndarray, warm: dict[s
         f"Warm-up first: {warm.get('seconds', 0):.0f} s of varied traffic, "
         f"{warm.get('requests', 0):.0f} requests.",
         f"Grid: decode batches {list(grid.batch_sizes)} x contexts {list(grid.contexts)} "
-        f"(batch x context <= {grid.max_decode_tokens}), {grid.decode_steps} iterations each;",
+        f"(batch x context <= {grid.max_decode_tokens}), contexts spread ±{grid.context_spread:.0%},"
+        f" {grid.decode_steps} iterations each;",
         f"prefill chunks {list(grid.chunks)} x prior {list(grid.priors)} x requests "
         f"{list(grid.prefill_reqs)}, {grid.prefill_repeats} repeats; mixed: batches "
         f"{list(grid.mixed_batches)} + one prefill of {list(grid.mixed_chunks)} tokens;",
-        "medians of iteration wall times around engine.step().",
+        "medians of iteration wall times around engine.step(); OMP_WAIT_POLICY="
+        f"{os.environ.get('OMP_WAIT_POLICY', 'unset')}, OMP_NUM_THREADS="
+        f"{os.environ.get('OMP_NUM_THREADS', 'unset')}.",
         f"Fit (s): const {fit.const:.4g}, per token {fit.per_token:.4g}, per sequence "
         f"{fit.per_seq:.4g}, per decode ctx token {fit.per_decode_ctx:.4g}, per prefill pair "
-        f"{fit.per_prefill_pair:.4g}.",
+        f"{fit.per_prefill_pair:.4g}, per iteration with prefill {fit.per_prefill_step:.4g}.",
         f"Residuals of this profile (|pred - meas| / meas) over {len(samples)} points: mean "
         f"{a.mean():.1%}, max {a.max():.1%}; decode mean {a[dec].mean() if dec.any() else 0:.1%}"
         f", prefill mean {a[pre].mean() if pre.any() else 0:.1%}, mixed mean "
@@ -633,7 +652,8 @@ def run_fit(cfg: Any, console: Any) -> CalibrationResult:
     engine = VLLMEngine.from_cfg(live_cfg)
     try:
         console.print(f"live engine started in {engine.last_build_seconds:.1f} s "
-                      f"(OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')})")
+                      f"(OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}, "
+                      f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')})")
         cap = engine.capabilities()
         blocks = engine.memory_model().num_kv_blocks_total
         base_kw = OmegaConf.to_container(cfg.base, resolve=True)
@@ -732,7 +752,7 @@ def main(cfg: Any) -> dict[str, float] | None:
 
     from rich.console import Console
 
-    console = Console()
+    console = Console(width=160)
     if not (cfg.fit or cfg.report):
         raise SystemExit("calibrate: nothing to do (fit=false report=false)")
     if cfg.fit:

@@ -66,6 +66,9 @@ class HardwareSpec:
     per_step_overhead_s: float = 2e-3
     #: Extra per scheduled request per iteration (input prep, sampling), seconds.
     per_request_overhead_s: float = 1e-5
+    #: Extra fixed cost of an iteration that prefills anything (prefill attention path and
+    #: new-request set-up), seconds. 0 = none (the GPU profiles); fitted for CPU profiles.
+    prefill_step_overhead_s: float = 0.0
     #: Tensor-parallel interconnect bandwidth per GPU (GB/s) and all-reduce latency (s).
     interconnect_gb_s: float = 300.0
     allreduce_latency_s: float = 1e-5
@@ -87,7 +90,7 @@ class HardwareSpec:
             v = getattr(self, name)
             _check(0 < v <= 1, n, name, v, "must be a fraction of peak in (0, 1]")
         for name in ("gemm_overhead_s", "per_layer_overhead_s", "per_step_overhead_s",
-                     "per_request_overhead_s", "allreduce_latency_s"):
+                     "per_request_overhead_s", "prefill_step_overhead_s", "allreduce_latency_s"):
             v = getattr(self, name)
             _check(0 <= v < 1, n, name, v, "must be seconds in [0, 1)")
         _check(isinstance(self.gemm_token_tile, int) and self.gemm_token_tile >= 1, n, "gemm_token_tile",

@@ -107,6 +107,8 @@ class StepTimeModel:
     decode_ctx_s: float
     prefill_pair_s: float
     prefill_ctx_s: float
+    #: Extra seconds of an iteration with any prefill (``HardwareSpec.prefill_step_overhead_s``).
+    prefill_step_s: float = 0.0
 
     @classmethod
     def build(cls, hw: HardwareSpec, model: ModelSpec, kv_dtype: str, max_tokens: int, max_seqs: int) -> "StepTimeModel":
@@ -133,7 +135,8 @@ class StepTimeModel:
         prefill_pair_s = L * 4.0 * heads * model.head_dim / fl
         prefill_ctx_s = L * read_s
         return cls(tuple(float(x) for x in fixed), tuple(float(x) for x in seq_cost),
-                   float(decode_ctx_s), float(prefill_pair_s), float(prefill_ctx_s))
+                   float(decode_ctx_s), float(prefill_pair_s), float(prefill_ctx_s),
+                   float(hw.prefill_step_overhead_s))
 
     def step_time(self, num_prefill_tokens: int, prefill_pairs: float, prefill_ctx: float,
                   num_decode: int, sum_decode_ctx: float, num_seqs: int) -> float:
@@ -142,7 +145,7 @@ class StepTimeModel:
         sum of their prior+chunk context tokens, ``sum_decode_ctx`` the decode context sum."""
         t = self.fixed[num_prefill_tokens + num_decode] + self.seq_cost[num_seqs] + self.decode_ctx_s * sum_decode_ctx
         if num_prefill_tokens:
-            t += max(self.prefill_pair_s * prefill_pairs, self.prefill_ctx_s * prefill_ctx)
+            t += max(self.prefill_pair_s * prefill_pairs, self.prefill_ctx_s * prefill_ctx) + self.prefill_step_s
         return t
 
     def decode_coeffs(self, n: int) -> tuple[float, float]:

