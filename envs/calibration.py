@@ -355,12 +355,8 @@ def fit_to_hardware(fit: Fit, model: ModelSpec, base: HardwareSpec) -> HardwareS
     lm_mem = bpp * V * h / bw
     lm_flop_seq = 2.0 * V * h / peak
     compute_tok = fit.per_token - mem_tok
-    if compute_tok <= 0:
-        raise CalibrationError(f"per-token cost {fit.per_token:.3g} s is below the nominal memory "
-                               f"cost {mem_tok:.3g} s: lower hardware.hbm_tb_s in the base profile")
-    ce = flop_tok / compute_tok
-    if ce > 1:
-        raise CalibrationError(f"fitted compute efficiency {ce:.3g} > 1: raise peak_tflops")
+    # A per-token cost below the nominal peaks' floor (a small or noisy grid) gets the floor.
+    ce = min(1.0, flop_tok / compute_tok) if compute_tok > 0 else 1.0
     per_req = fit.per_seq - lm_flop_seq / ce
     per_step = fit.const - mem_const - lm_mem
     heads, hd = model.num_heads, model.head_dim
@@ -656,7 +652,8 @@ def run_fit(cfg: Any, console: Any) -> CalibrationResult:
                       f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')})")
         cap = engine.capabilities()
         blocks = engine.memory_model().num_kv_blocks_total
-        base_kw = OmegaConf.to_container(cfg.base, resolve=True)
+        base_kw = {k: tuple(v) if isinstance(v, list) else v
+                   for k, v in OmegaConf.to_container(cfg.base, resolve=True).items()}
         mem = memory_gb_for_blocks(blocks, model, cap.block_size, cap.max_num_batched_tokens,
                                    cap.max_num_seqs)
         base = HardwareSpec(name=str(cfg.profile), memory_gb=mem, **base_kw)

@@ -163,7 +163,8 @@ def test_prompt_longer_than_max_model_len_is_rejected_with_a_reason(env: Serving
 @pytest.fixture(scope="module")
 def int8_env(env: ServingEnv, tiny_model_path: Path):
     env.close()  # one vLLM engine at a time in this process
-    e = ServingEnv(cfg=load_config(_overrides(tiny_model_path, "env.kv8_dtype=int8_per_token_head")))
+    cfg = load_config(["engine=vllm", *_overrides(tiny_model_path, "env.kv8_dtype=int8_per_token_head")])
+    e = ServingEnv(cfg=cfg)
     yield e
     e.close()
 
