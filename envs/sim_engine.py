@@ -248,8 +248,8 @@ class SimEngine(Engine):
             raise RequestRejected(rid, "invalid_length", f"prompt_len={request.prompt_len} and output_len="
                                   f"{request.output_len} must both be >= 1")
         mml = self.model.max_model_len
-        if request.prompt_len > mml:
-            raise RequestRejected(rid, "prompt_too_long", f"prompt_len={request.prompt_len} > max_model_len={mml}")
+        if request.prompt_len >= mml:  # as vLLM: a prompt must leave room for one output token
+            raise RequestRejected(rid, "prompt_too_long", f"prompt_len={request.prompt_len} >= max_model_len={mml}")
         # vLLM stops a request at max_model_len: the output is clipped, not rejected.
         out = max(1, min(request.output_len, mml - request.prompt_len))
         need = -(-(request.prompt_len + out) // self.cfg.block_size)
