@@ -16,6 +16,7 @@ from typing import Literal
 KVDtype = Literal["auto", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2", "int8_per_token_head"]
 KV_DTYPES_16BIT: tuple[str, ...] = ("auto", "bfloat16", "float16")
 KV_DTYPES_8BIT: tuple[str, ...] = ("fp8", "fp8_e4m3", "fp8_e5m2", "int8_per_token_head")
+KV_DTYPES_ALL: tuple[str, ...] = KV_DTYPES_16BIT + KV_DTYPES_8BIT
 
 
 class EngineError(RuntimeError):

@@ -32,8 +32,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Literal
 
 from batchpilot.envs.engine import (
-    KV_DTYPES_8BIT,
-    KV_DTYPES_16BIT,
+    KV_DTYPES_ALL,
     DtypeUnavailable,
     Engine,
     EngineCapabilities,
@@ -48,7 +47,6 @@ from batchpilot.envs.engine import (
 from batchpilot.envs.specs import HardwareSpec, ModelSpec
 from batchpilot.envs.step_time import StepTimeModel
 
-_ALL_DTYPES = KV_DTYPES_16BIT + KV_DTYPES_8BIT
 #: Fixed CUDA-graph / NCCL / allocator reserve added to the activation estimate, bytes.
 _RESERVE_BYTES = 0.5e9
 
@@ -91,8 +89,8 @@ class SimEngineConfig:
             raise bad("max_num_batched_tokens", f"must be >= max_num_seqs={self.max_num_seqs} (as vLLM requires)")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise bad("gpu_memory_utilization", "must be in (0, 1]")
-        if self.kv_dtype not in _ALL_DTYPES:
-            raise bad("kv_dtype", f"use one of {_ALL_DTYPES}")
+        if self.kv_dtype not in KV_DTYPES_ALL:
+            raise bad("kv_dtype", f"use one of {KV_DTYPES_ALL}")
         if self.activation_workspace_gb is not None and self.activation_workspace_gb < 0:
             raise bad("activation_workspace_gb", "must be >= 0 GB or null (estimate)")
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
@@ -227,7 +225,7 @@ class SimEngine(Engine):
 
     def capabilities(self) -> EngineCapabilities:
         return EngineCapabilities(
-            kv_dtypes={d: self.hw.kv_dtype_reason(d) for d in _ALL_DTYPES},
+            kv_dtypes={d: self.hw.kv_dtype_reason(d) for d in KV_DTYPES_ALL},
             max_model_len=self.model.max_model_len, max_num_seqs=self.cfg.max_num_seqs,
             max_num_batched_tokens=self.cfg.max_num_batched_tokens, block_size=self.cfg.block_size,
             supports_max_active=True)
@@ -237,7 +235,7 @@ class SimEngine(Engine):
             budget_bytes=self.cfg.gpu_memory_utilization * self.hw.memory_gb * 1e9,
             weights_bytes=self.model.weights_bytes_per_rank, activation_bytes=self._activation_bytes(),
             block_size=self.cfg.block_size,
-            kv_block_bytes={d: self.model.kv_block_bytes(d, self.cfg.block_size) for d in _ALL_DTYPES},
+            kv_block_bytes={d: self.model.kv_block_bytes(d, self.cfg.block_size) for d in KV_DTYPES_ALL},
             num_kv_blocks_total=self._total_blocks)
 
     def add_request(self, request: Request) -> None:

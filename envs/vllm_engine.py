@@ -39,7 +39,7 @@ from typing import Any, Literal, Mapping
 import numpy as np
 
 from batchpilot.envs.engine import (
-    KV_DTYPES_8BIT,
+    KV_DTYPES_ALL,
     KV_DTYPES_16BIT,
     DtypeUnavailable,
     Engine,
@@ -55,7 +55,6 @@ from batchpilot.envs.engine import (
 )
 
 _GiB = 1 << 30
-_ALL_KV_DTYPES: tuple[str, ...] = KV_DTYPES_16BIT + KV_DTYPES_8BIT
 
 
 @dataclass(slots=True)
@@ -89,8 +88,8 @@ class VLLMEngineConfig:
     def __post_init__(self) -> None:
         if self.on_restart not in ("drain", "requeue"):
             raise ValueError(f"on_restart={self.on_restart!r}: use 'drain' or 'requeue'")
-        if self.kv_dtype not in _ALL_KV_DTYPES:
-            raise ValueError(f"kv_dtype={self.kv_dtype!r} is not one of {_ALL_KV_DTYPES}")
+        if self.kv_dtype not in KV_DTYPES_ALL:
+            raise ValueError(f"kv_dtype={self.kv_dtype!r} is not one of {KV_DTYPES_ALL}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
@@ -252,7 +251,7 @@ class VLLMEngine(Engine):
 
     def capabilities(self) -> EngineCapabilities:
         return EngineCapabilities(
-            kv_dtypes={d: self._why_not(d) for d in _ALL_KV_DTYPES},
+            kv_dtypes={d: self._why_not(d) for d in KV_DTYPES_ALL},
             max_model_len=self._cfg.max_model_len,
             max_num_seqs=self._cfg.max_num_seqs,
             max_num_batched_tokens=self._cfg.max_num_batched_tokens,
@@ -511,7 +510,7 @@ class VLLMEngine(Engine):
         is raised; no request is lost.
         """
         target = kv_dtype or self._cfg.kv_dtype
-        why = self._why_not(target) if target in _ALL_KV_DTYPES else f"unknown dtype {target!r}"
+        why = self._why_not(target) if target in KV_DTYPES_ALL else f"unknown dtype {target!r}"
         if why is not None:
             raise DtypeUnavailable(f"KV-cache dtype {target!r} is unavailable here: {why}")
         old_cfg = self._cfg
