@@ -28,7 +28,9 @@ def gw() -> RunningGateway:
 
 def test_upstream_killed_mid_load(gw: RunningGateway) -> None:
     [pid] = gw.upstream_pids()
-    body = {"prompt": "fault test", "max_tokens": 300, "ignore_eos": True}
+    # Long outputs, so requests are still running at the kill however fast the engine is
+    # (with one passive OpenMP thread a 300-token request ends in well under a second).
+    body = {"prompt": "fault test", "max_tokens": 1500, "ignore_eos": True}
 
     async def scenario() -> tuple[list, float]:
         async with httpx.AsyncClient(limits=httpx.Limits(max_connections=200)) as c:
