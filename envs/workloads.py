@@ -18,6 +18,7 @@ A stream is a pure function of the config and the ``np.random.Generator`` it is 
 
 from __future__ import annotations
 
+import bisect
 import math
 import numbers
 from collections.abc import Mapping, Sequence
@@ -359,6 +360,10 @@ class RequestStream:
         self.arrival_s, self.prompt_len, self.output_len, self.priority = t, p, o, pr
         for a in (t, p, o, pr):
             a.setflags(write=False)
+        # Plain-Python copies for the per-arrival hot path (pop_until runs thousands of times
+        # per second in training; numpy scalar calls cost more than the work).
+        self._t_list: list[float] = t.tolist()
+        self._rows = list(zip(p.tolist(), o.tolist(), pr.tolist()))
         self.prefix_hashes = tuple(prefix_hashes) if prefix_hashes is not None else None
         self.prefix_block_tokens = prefix_block_tokens
         self.id_prefix = id_prefix
@@ -382,13 +387,13 @@ class RequestStream:
     @property
     def next_arrival_time(self) -> float:
         """Arrival time of the next request not yet popped; ``inf`` when exhausted."""
-        return float(self.arrival_s[self._next]) if self._next < len(self) else math.inf
+        return self._t_list[self._next] if self._next < len(self._t_list) else math.inf
 
     def pop_until(self, t: float) -> list[Request]:
         """All not-yet-popped requests arriving at or before ``t``, in arrival order."""
-        end = int(np.searchsorted(self.arrival_s, t, side="right"))
-        out = [self._request(i) for i in range(self._next, max(end, self._next))]
-        self._next = max(end, self._next)
+        end = max(bisect.bisect_right(self._t_list, t), self._next)
+        out = [self._request(i) for i in range(self._next, end)]
+        self._next = end
         return out
 
     def reset(self) -> None:
@@ -396,12 +401,13 @@ class RequestStream:
         self._next = 0
 
     def _request(self, i: int) -> Request:
+        prompt_len, output_len, priority = self._rows[i]
         return Request(
             request_id=f"{self.id_prefix}{i}",
-            arrival_time=float(self.arrival_s[i]),
-            prompt_len=int(self.prompt_len[i]),
-            output_len=int(self.output_len[i]),
-            priority=int(self.priority[i]),
+            arrival_time=self._t_list[i],
+            prompt_len=prompt_len,
+            output_len=output_len,
+            priority=priority,
             prefix_hashes=self.prefix_hashes[i] if self.prefix_hashes is not None else (),
             prefix_block_tokens=self.prefix_block_tokens,
         )
