@@ -122,13 +122,27 @@ class LaneControl:
 
 @dataclass
 class Canary:
-    """A candidate policy on trial."""
+    """A candidate policy on trial against the incumbent (the guide's grey release)."""
 
     runtime: "PolicyRuntime"
     path: str
     share: float
     cand_goodput: list[float] = field(default_factory=list)
     base_goodput: list[float] = field(default_factory=list)
+
+    def record(self, who: str, goodput: float, *, min_intervals: int,
+               max_drop: float) -> tuple[bool, str] | None:
+        """Add one interval's goodput for ``who`` ("canary" or the incumbent). Once the canary
+        has ``min_intervals`` of them (and the incumbent at least one): (promote?, why) —
+        rolled back when its mean goodput is more than ``max_drop`` below the incumbent's."""
+        (self.cand_goodput if who == "canary" else self.base_goodput).append(goodput)
+        if len(self.cand_goodput) < min_intervals or not self.base_goodput:
+            return None
+        cand, base = float(np.mean(self.cand_goodput)), float(np.mean(self.base_goodput))
+        if cand < (1.0 - max_drop) * base:
+            return False, (f"canary goodput {cand:.2f}/s < {1 - max_drop:.0%} of incumbent "
+                           f"{base:.2f}/s: rolled back")
+        return True, f"canary goodput {cand:.2f}/s vs incumbent {base:.2f}/s: promoted"
 
 
 class ControlLoop:
@@ -360,15 +374,10 @@ class ControlLoop:
         c = self.canary
         if c is None:
             return
-        (c.cand_goodput if who == "canary" else c.base_goodput).append(goodput)
-        if len(c.cand_goodput) < self.cfg.control.canary_min_intervals or not c.base_goodput:
-            return
-        cand, base = float(np.mean(c.cand_goodput)), float(np.mean(c.base_goodput))
-        if cand < (1.0 - self.cfg.control.canary_max_drop) * base:
-            self._end_canary(False, f"canary goodput {cand:.2f}/s < {1 - self.cfg.control.canary_max_drop:.0%} "
-                                    f"of incumbent {base:.2f}/s: rolled back")
-        else:
-            self._end_canary(True, f"canary goodput {cand:.2f}/s vs incumbent {base:.2f}/s: promoted")
+        verdict = c.record(who, goodput, min_intervals=self.cfg.control.canary_min_intervals,
+                           max_drop=self.cfg.control.canary_max_drop)
+        if verdict is not None:
+            self._end_canary(*verdict)
 
     def _end_canary(self, promote: bool, why: str) -> None:
         c = self.canary

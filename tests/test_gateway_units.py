@@ -1,5 +1,5 @@
 """Gateway pieces that need no vLLM: config validation, prompt counting, the quality guard's
-rate and threshold, token agreement."""
+rate and threshold, token agreement, the canary's promote/rollback verdict."""
 
 from __future__ import annotations
 
@@ -39,6 +39,27 @@ def test_token_agreement() -> None:
     assert token_agreement([1, 2, 3], [1, 9, 3]) == pytest.approx(2 / 3)
     assert token_agreement([1, 2], [1, 2, 3, 4]) == 0.5
     assert token_agreement([], []) == 1.0
+
+
+@pytest.mark.parametrize(
+    "canary_goodput, promoted",
+    [(8.9, False), (9.1, True), (12.0, True)],  # incumbent 10/s; rollback below 90 % of it
+)
+def test_canary_rolls_back_on_a_goodput_drop_over_10_percent(canary_goodput: float, promoted: bool) -> None:
+    from batchpilot.config import REPO_ROOT
+    from batchpilot.policies.runtime import PolicyRuntime
+    from batchpilot.serving.control_loop import Canary
+
+    c = Canary(PolicyRuntime.from_dir(REPO_ROOT / "policies" / "pretrained"), "shipped", share=0.1)
+    verdicts = []
+    for _ in range(3):  # the incumbent drives most intervals
+        verdicts.append(c.record("incumbent", 10.0, min_intervals=3, max_drop=0.10))
+    for _ in range(3):
+        verdicts.append(c.record("canary", canary_goodput, min_intervals=3, max_drop=0.10))
+    assert verdicts[:-1] == [None] * 5  # no verdict before the canary has 3 intervals
+    promote, why = verdicts[-1]
+    assert promote is promoted
+    assert ("promoted" if promoted else "rolled back") in why
 
 
 def test_quality_guard_blocks_8bit_above_threshold() -> None:
