@@ -57,7 +57,3 @@ def reward_terms(snap: Snapshot, slo: SLO, cfg: RewardConfig, *, rate_scale: flo
         "quality_8bit": -cfg.quality_cost_8bit * on_8bit_frac,
     }
 
-
-def reward(snap: Snapshot, slo: SLO, cfg: RewardConfig, *, rate_scale: float,
-           on_8bit_frac: float) -> float:
-    return float(sum(reward_terms(snap, slo, cfg, rate_scale=rate_scale, on_8bit_frac=on_8bit_frac).values()))
