@@ -4,8 +4,9 @@ each term normalised, minus penalties. Every weight comes from ``conf/env/*.yaml
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
+from batchpilot.config import config_fields
 from batchpilot.serving.telemetry import SLO, Snapshot
 
 
@@ -24,10 +25,7 @@ class RewardConfig:
 
     @classmethod
     def from_cfg(cls, node: object, model_quality_cost: float = 0.0) -> "RewardConfig":
-        d = dict(node)  # type: ignore[call-overload]
-        unknown = set(d) - {f.name for f in fields(cls)}
-        if unknown:
-            raise ValueError(f"env.reward: unknown keys {sorted(unknown)}")
+        d = config_fields(cls, node, "env.reward")
         if d.get("quality_cost_8bit") is None:
             d["quality_cost_8bit"] = model_quality_cost
         for k, v in d.items():

@@ -28,9 +28,10 @@ from __future__ import annotations
 import heapq
 import math
 from collections import OrderedDict, deque
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any, Literal
 
+from batchpilot.config import config_fields
 from batchpilot.envs.engine import (
     KV_DTYPES_ALL,
     DtypeUnavailable,
@@ -101,12 +102,7 @@ class SimEngineConfig:
     @classmethod
     def from_cfg(cls, cfg: Any) -> "SimEngineConfig":
         """Build from the Hydra ``engine`` node; unknown keys raise."""
-        data = dict(cfg.items())
-        names = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - names)
-        if unknown:
-            raise ValueError(f"SimEngineConfig: unknown config keys {unknown}; known keys are {sorted(names)}")
-        return cls(**data)
+        return cls(**config_fields(cls, cfg, "engine (SimEngineConfig)"))
 
 
 class _Seq:

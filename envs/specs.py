@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
+from batchpilot.config import config_fields
 from batchpilot.envs.engine import KV_DTYPES_8BIT, KV_DTYPES_16BIT
 
 #: Bytes of one per-token-per-head scale for ``int8_per_token_head`` (fp32, as vLLM stores it).
@@ -21,14 +22,7 @@ def _check(cond: bool, spec: str, name: str, value: object, fix: str) -> None:
 def _kwargs(cls: type, cfg: Mapping[str, Any] | Any) -> dict[str, Any]:
     """Pick the dataclass fields out of a Hydra node (DictConfig or dict); unknown keys are an
     error so that a typo in YAML does not silently fall back to a default."""
-    if hasattr(cfg, "items"):
-        data = dict(cfg.items())
-    else:  # pragma: no cover - defensive
-        raise TypeError(f"{cls.__name__}.from_cfg expects a mapping, got {type(cfg).__name__}")
-    names = {f.name for f in fields(cls)}
-    unknown = sorted(set(data) - names)
-    if unknown:
-        raise ValueError(f"{cls.__name__}: unknown config keys {unknown}; known keys are {sorted(names)}")
+    data = config_fields(cls, cfg, cls.__name__)
     for k, v in list(data.items()):
         if isinstance(v, (list, tuple)) or type(v).__name__ == "ListConfig":
             data[k] = tuple(v)

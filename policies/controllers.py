@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol, runtime_checkable
 
+from batchpilot.config import config_fields
 from batchpilot.policies.knobs import BUCKETING_MODES, Knobs, Proposal
 from batchpilot.serving.telemetry import Snapshot
 
@@ -280,11 +281,7 @@ def register_controller(kind: str, builder: Callable[[Any, int], Controller]) ->
 
 
 def _fields(cls: type, d: dict[str, Any], kind: str, drop: tuple[str, ...] = ("kind", "name")) -> dict[str, Any]:
-    d = {k: v for k, v in d.items() if k not in drop}
-    unknown = set(d) - set(cls.__dataclass_fields__)  # type: ignore[attr-defined]
-    if unknown:
-        raise ValueError(f"policy {kind}: unknown keys {sorted(unknown)}")
-    return d
+    return config_fields(cls, d, f"policy {kind}", drop=drop)
 
 
 def _bounded(d: dict[str, Any], max_num_seqs: int) -> dict[str, Any]:

@@ -25,7 +25,7 @@ import json
 import math
 import os
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -45,7 +45,7 @@ from batchpilot.policies.callbacks import (
     mean_over_workloads,
     slo_deficit,
 )
-from batchpilot.config import CONF_DIR
+from batchpilot.config import CONF_DIR, config_fields
 
 
 # --- configuration -------------------------------------------------------------------------
@@ -83,11 +83,7 @@ class TrainConfig:
 
     @classmethod
     def from_cfg(cls, node: Any) -> "TrainConfig":
-        d = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node)
-        assert isinstance(d, dict)
-        unknown = set(d) - {f.name for f in fields(cls)}
-        if unknown:
-            raise ValueError(f"train: unknown keys {sorted(unknown)} (see conf/train/ppo.yaml)")
+        d = config_fields(cls, node, "train (conf/train/ppo.yaml)")
         if "net_arch" in d:
             d["net_arch"] = tuple(int(x) for x in d["net_arch"])
         tc = cls(**d)
@@ -129,11 +125,7 @@ class LoggerConfig:
 
     @classmethod
     def from_cfg(cls, node: Any) -> "LoggerConfig":
-        d = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node)
-        assert isinstance(d, dict)
-        unknown = set(d) - {f.name for f in fields(cls)}
-        if unknown:
-            raise ValueError(f"logger: unknown keys {sorted(unknown)} (see conf/logger/)")
+        d = config_fields(cls, node, "logger (conf/logger/)")
         d["tags"] = tuple(d.get("tags") or ())
         lc = cls(**d)
         if lc.mode not in ("offline", "online", "disabled"):

@@ -33,6 +33,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Protocol, Sequence
 
+from batchpilot.config import config_fields
 from batchpilot.policies.knobs import BUCKETING_MODES, Knobs
 
 #: Why a request left admission without running. A short slug, machine-readable.
@@ -133,10 +134,7 @@ class AdmissionConfig:
                 if name in data:
                     raise ValueError(f"admission config sets both {alias!r} and {name!r}")
                 data[name] = data.pop(alias)
-        known = set(cls.__dataclass_fields__)
-        unknown = set(data) - known
-        if unknown:
-            raise ValueError(f"unknown admission config keys {sorted(unknown)}; known: {sorted(known)}")
+        data = config_fields(cls, data, "admission config")
         for key in ("boundaries", "weights"):
             if key in data:
                 data[key] = tuple(data[key])

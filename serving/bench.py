@@ -21,10 +21,12 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
+
+from batchpilot.config import config_fields
 import numpy as np
 
 
@@ -42,11 +44,7 @@ class GatewayBenchConfig:
     @classmethod
     def from_cfg(cls, cfg: Any) -> "GatewayBenchConfig":
         node = cfg.get("gateway_bench") if hasattr(cfg, "get") else None
-        data = dict(node or {})
-        unknown = set(data) - {f.name for f in fields(cls)}
-        if unknown:
-            raise ValueError(f"unknown gateway_bench keys {sorted(unknown)}")
-        return cls(**data)
+        return cls(**config_fields(cls, node, "gateway_bench"))
 
 
 def _wait(url: str, path: str, timeout_s: float, proc: subprocess.Popen) -> None:

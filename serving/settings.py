@@ -8,9 +8,10 @@ gateway.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from batchpilot.config import config_fields
 from batchpilot.serving.admission import AdmissionConfig
 
 ControlMode = Literal["policy", "pid", "static", "shadow"]
@@ -20,12 +21,7 @@ TOKENIZER_MODES: tuple[str, ...] = ("auto", "local", "upstream", "chars")
 
 def _build(cls: type, node: Any, where: str) -> Any:
     """Dataclass ``cls`` from a mapping; unknown keys raise naming the section."""
-    data = dict(node or {})
-    known = {f.name for f in fields(cls)}
-    unknown = set(data) - known
-    if unknown:
-        raise ValueError(f"unknown keys {sorted(unknown)} in {where}; known: {sorted(known)}")
-    return cls(**data)
+    return cls(**config_fields(cls, node, where))
 
 
 @dataclass(slots=True)
