@@ -91,6 +91,10 @@ class PIDConfig:
     deadband: float = 0.02
     #: The guide samples every 50 ms; the caller runs decide() at this interval.
     interval_s: float = 0.05
+    #: After a cut, no further cut for this long. The P99 comes from a sliding window of
+    #: finished requests (telemetry's window_s), so a cut shows fully only once the window has
+    #: turned over; cutting on the stale P99 meanwhile drives the cap far below what was needed.
+    settle_s: float = 0.0
     #: With more requests waiting than running, TTFT/E2E measure the queue, not the batch, and a
     #: smaller cap would only lengthen it: steer on TPOT (engine-side) until the backlog clears.
     queue_aware: bool = True
@@ -109,6 +113,8 @@ class PIDConfig:
             raise ValueError(f"pid.smoothing must be in (0, 1], got {self.smoothing}")
         if not 0 < self.max_step_frac <= 1 or self.integral_limit < 0 or self.error_clip <= 0:
             raise ValueError("pid: need max_step_frac in (0, 1], integral_limit >= 0, error_clip > 0")
+        if self.settle_s < 0:
+            raise ValueError(f"pid.settle_s must be >= 0, got {self.settle_s}")
         if not 1 <= self.min_batch <= self.initial_batch_cap <= self.max_batch:
             raise ValueError(
                 f"pid: need 1 <= min_batch <= initial_batch_cap <= max_batch, got "
@@ -122,8 +128,10 @@ class PIDController:
     Error ``e = (target - p99) / target`` (positive = room to grow), clipped. Output
     ``u = kp e + ki I + kd (e - e_prev)``, clipped to [-1, 1], smoothed by an EMA, and applied
     as a relative step ``u * max_step_frac * cap``. Upward steps are scaled down for long mean
-    prompts and only taken when requests are waiting. Anti-windup: the integral is clamped and
-    frozen while the output is saturated or the cap cannot move the way the error asks.
+    prompts and only taken when requests are waiting. After a cut the controller waits
+    ``settle_s`` before cutting again (the windowed P99 lags the cap). Anti-windup: the integral
+    is clamped and frozen while the output is saturated or the cap cannot move the way the error
+    asks (a bound, or a cut still settling).
     """
 
     name = "pid"
@@ -136,6 +144,7 @@ class PIDController:
         self.integral = 0.0
         self.prev_error: float | None = None
         self.output = 0.0
+        self.last_cut_time = -math.inf
 
     def error(self, snap: Snapshot, cap: int) -> float:
         metric, slo = steering_metric(snap, cap, self.cfg.metric, self.cfg.slo_ms, self.cfg.queue_aware, self.cfg.tpot_slo_ms)
@@ -155,7 +164,8 @@ class PIDController:
         raw = c.kp * e + c.ki * self.integral + c.kd * de
         u = min(max(raw, -1.0), 1.0)
         cap = knobs.batch_cap
-        blocked = (e > 0 and cap >= c.max_batch) or (e < 0 and cap <= c.min_batch)
+        settling = snapshot.time - self.last_cut_time < c.settle_s
+        blocked = (e > 0 and cap >= c.max_batch) or (e < 0 and (cap <= c.min_batch or settling))
         # Conditional integration: no integrating further into a saturated output or against a
         # bound the cap already sits on (integrating an error of the other sign unwinds it).
         saturated = (raw > 1.0 and e > 0) or (raw < -1.0 and e < 0)
@@ -167,8 +177,10 @@ class PIDController:
             out *= self.length_weight(snapshot.mean_prompt_len)
             if not has_queue:
                 out = 0.0
-        if abs(out) < c.deadband:
+        if abs(out) < c.deadband or (out < 0 and settling):
             return Proposal(batch_cap=cap, bucketing=c.bucketing)
+        if out < 0:
+            self.last_cut_time = snapshot.time
         step = out * c.max_step_frac * cap
         step = math.copysign(max(1.0, abs(step)), step)
         new = int(round(cap + step))

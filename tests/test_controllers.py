@@ -26,9 +26,9 @@ POLICY_DIR = Path(__file__).resolve().parent.parent / "conf" / "policy"
 
 
 def snap(ttft_p99_ms: float = 100.0, queue: int = 10, mean_prompt_len: float = 512.0,
-         preemptions: int = 0, cap: int = 32) -> Snapshot:
+         preemptions: int = 0, cap: int = 32, time: float = 0.0) -> Snapshot:
     return Snapshot(
-        time=0.0, interval_s=0.05, arrival_rate=10.0, mean_prompt_len=mean_prompt_len,
+        time=time, interval_s=0.05, arrival_rate=10.0, mean_prompt_len=mean_prompt_len,
         queue_depth=(queue, 0, 0), num_running=cap, num_waiting_engine=0, kv_cache_usage=0.5,
         request_throughput=5.0, output_throughput=500.0, request_goodput=5.0,
         ttft_p50_ms=ttft_p99_ms / 2, ttft_p99_ms=ttft_p99_ms, tpot_p50_ms=10.0, tpot_p99_ms=20.0,
@@ -103,6 +103,30 @@ def test_queue_aware_steers_on_tpot_in_overload():
     assert AIMDController(AIMDConfig(slo_ms=1000.0, queue_aware=False)).decide(overload, Knobs(32)).batch_cap == 24
     # the same TTFT without a backlog is the batch's fault
     assert pid().decide(snap(ttft_p99_ms=5000.0, queue=5, cap=32), Knobs(32)).batch_cap < 32
+
+
+def test_pid_waits_for_a_cut_to_show_before_cutting_again():
+    """The windowed P99 stays high for a while after a cut: a settling PID does not keep
+    cutting on it, and does not wind its integral up meanwhile."""
+    c = pid(settle_s=10.0, queue_aware=False)
+    cap = c.decide(snap(ttft_p99_ms=5000.0, time=0.0), Knobs(100)).batch_cap
+    assert cap < 100
+    for t in range(1, 10):
+        assert c.decide(snap(ttft_p99_ms=5000.0, time=float(t)), Knobs(cap)).batch_cap == cap
+    assert c.integral == pytest.approx(-2.0)  # clipped first error only: frozen while settling
+    assert c.decide(snap(ttft_p99_ms=5000.0, time=10.0), Knobs(cap)).batch_cap < cap
+    # upward steps are never held
+    c = pid(settle_s=10.0)
+    cap = c.decide(snap(ttft_p99_ms=5000.0, queue=0, time=0.0), Knobs(100)).batch_cap
+    assert c.decide(snap(ttft_p99_ms=50.0, queue=20, time=1.0), Knobs(cap)).batch_cap > cap
+    # without settling it cuts every interval
+    c = pid(queue_aware=False)
+    caps = [100]
+    for t in range(3):
+        caps.append(c.decide(snap(ttft_p99_ms=5000.0, time=float(t)), Knobs(caps[-1])).batch_cap)
+    assert caps[0] > caps[1] > caps[2] > caps[3]
+    with pytest.raises(ValueError, match="settle_s"):
+        PIDConfig(settle_s=-1.0)
 
 
 def test_pid_reset_forgets_state():
