@@ -29,19 +29,24 @@ class Http1Error(ConnectionError):
 class _Parse:
     """httptools callbacks, collecting one response."""
 
-    __slots__ = ("headers", "headers_done", "body", "done")
+    __slots__ = ("headers", "headers_done", "body", "done", "keep_alive", "parser")
 
     def __init__(self) -> None:
         self.headers: list[tuple[bytes, bytes]] = []
         self.headers_done = False
         self.body: deque[bytes] = deque()
         self.done = False
+        self.keep_alive = False
+        self.parser: httptools.HttpResponseParser | None = None
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self.headers.append((name, value))
 
     def on_headers_complete(self) -> None:
         self.headers_done = True
+        # Asked here: once feed_data has returned a complete message the parser has reset and
+        # says False, which turned every pooled upstream call into a new connection.
+        self.keep_alive = self.parser is not None and self.parser.should_keep_alive()
 
     def on_body(self, body: bytes) -> None:
         self.body.append(body)
@@ -88,7 +93,8 @@ class Http1Response:
         if self._closed:
             return
         self._closed = True
-        if self._parser.should_keep_alive():
+        self._parse.parser = None  # drop the callback's reference cycle
+        if self._parse.keep_alive:
             self._pool._release(self._reader, self._writer)
         else:
             self._writer.close()
@@ -142,6 +148,7 @@ class Http1Pool:
                 writer.write(payload)
                 parse = _Parse()
                 parser = httptools.HttpResponseParser(parse)
+                parse.parser = parser
                 while not parse.headers_done:
                     data = await reader.read(65536)
                     if not data:

@@ -98,3 +98,45 @@ async def test_prompt_counter_local_and_chars(tiny_model_path) -> None:
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("close", [False, True])
+async def test_http1_pool_keeps_connections_alive(close: bool) -> None:
+    """Sequential upstream calls reuse one keep-alive connection (each whole response arrives
+    in one read here, the case that used to reset the parser's keep-alive answer); a server
+    that says ``connection: close`` gets a new connection per call."""
+    import asyncio
+
+    from batchpilot.serving.http1 import Http1Pool
+
+    connections = 0
+    extra = b"connection: close\r\n" if close else b""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal connections
+        connections += 1
+        while True:
+            head = await reader.readuntil(b"\r\n\r\n") if not reader.at_eof() else b""
+            if not head:
+                break
+            n = int(next(l.split(b":")[1] for l in head.split(b"\r\n") if l.lower().startswith(b"content-length")))
+            await reader.readexactly(n)
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n" + extra
+                         + b"content-length: 2\r\n\r\n{}")
+            await writer.drain()
+            if close:
+                break
+        writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    pool = Http1Pool("127.0.0.1", port)
+    try:
+        for _ in range(5):
+            r = await pool.request("POST", "/v1/completions", [("content-type", "application/json")], b"{}")
+            assert r.status == 200 and await r.read() == b"{}"
+        assert connections == (5 if close else 1)
+    finally:
+        pool.close()
+        server.close()
