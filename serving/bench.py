@@ -35,7 +35,7 @@ class GatewayBenchConfig:
     """The optional ``gateway_bench`` node of the bench config."""
 
     rate: float = 20.0  # pairs per second
-    num_pairs: int = 400
+    num_pairs: int = 1500
     warmup_pairs: int = 50
     max_tokens: int = 1
     prompt: str = "The quick brown fox jumps over the lazy dog."
