@@ -118,6 +118,9 @@ class LaneControl:
     last_counters: dict[str, float] = field(default_factory=dict)
     breaker_restart_done: bool = False
     last_decision: dict[str, Any] = field(default_factory=dict)
+    #: Who set the knobs the last interval ran under: a snapshot measures the interval that
+    #: just ended, so its goodput is that decision's, not the one about to be taken.
+    last_acting: str | None = None
 
 
 @dataclass
@@ -426,8 +429,10 @@ class ControlLoop:
         info = lane.upstream.info
         inputs = ShieldInputs.from_snapshot(snap, num_kv_blocks_total=info.num_kv_blocks if info else None)
         dec = ctl.shield.apply(proposal, lane.knobs, inputs, now)
+        if ctl.last_acting is not None:
+            self._canary_record(ctl.last_acting, snap.request_goodput)
         self._apply(lane, ctl, dec, who)
-        self._canary_record(who, snap.request_goodput)
+        ctl.last_acting = who
         mt = self.gw.metrics
         mt.goodput.labels(lane.name).set(snap.request_goodput)
         mt.p99_ttft.labels(lane.name).set(snap.ttft_p99_ms)

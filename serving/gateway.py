@@ -34,7 +34,7 @@ from batchpilot.serving.prom import CONTENT_TYPE, GatewayMetrics, bucket_name
 from batchpilot.serving.settings import ServeConfig
 from batchpilot.serving.telemetry import SLO, Telemetry
 from batchpilot.serving.tokens import PromptCounter
-from batchpilot.serving.upstream import ManagedVLLM, Upstream, UpstreamDown, free_port
+from batchpilot.serving.upstream import ManagedVLLM, Upstream, UpstreamDown, cpu_core_groups, free_port
 
 log = logging.getLogger(__name__)
 
@@ -91,13 +91,15 @@ class Gateway:
         if cfg.managed:
             self.model_dir = self.model_dir or default_model_dir()
             name = cfg.served_model_name or Path(self.model_dir).name
+            # Several CPU engines on one machine: give each its own cores (ignored on GPUs).
+            cores = cpu_core_groups(cfg.num_managed) if cfg.num_managed > 1 else [None]
             for i in range(cfg.num_managed):
                 port = cfg.managed_port_base + i if cfg.managed_port_base else free_port()
                 proc = ManagedVLLM(
                     self.model_dir, port, served_model_name=name, max_model_len=cfg.max_model_len,
                     max_num_seqs=cfg.max_num_seqs, kv_dtype=cfg.kv_dtype,
                     kv_cache_space_gib=cfg.kv_cache_space_gib, extra_args=cfg.extra_vllm_args,
-                    log_path=Path(f"/tmp/batchpilot-vllm-{port}.log"),
+                    log_path=Path(f"/tmp/batchpilot-vllm-{port}.log"), cpu_cores=cores[i],
                 )
                 upstreams.append(Upstream(proc.url, managed=proc, name=f"vllm{i}"))
         else:
@@ -115,6 +117,7 @@ class Gateway:
             )
             for i, up in enumerate(upstreams)
         ]
+        self._next_lane = 0  # round-robin among equally loaded lanes
         from batchpilot.serving.supervisor import Supervisor
 
         self.supervisor = Supervisor(cfg, self.lanes, self.metrics)
@@ -147,10 +150,16 @@ class Gateway:
 
     # --- routing ---------------------------------------------------------------------------
     def pick_lane(self) -> Lane:
-        """The least-loaded lane that admits now, else one restarting (requests queue for it)."""
+        """The least-loaded lane that admits now, else one restarting (requests queue for it).
+        Ties go round-robin: at light load every lane is empty, and "the first of the least
+        loaded" sent all traffic to one upstream."""
         open_ = [ln for ln in self.lanes if ln.available]
+        if len(open_) > 1:
+            self._next_lane = (self._next_lane + 1) % len(open_)
+            rotated = open_[self._next_lane:] + open_[:self._next_lane]
+            return min(rotated, key=lambda ln: ln.load)
         if open_:
-            return min(open_, key=lambda ln: ln.load) if len(open_) > 1 else open_[0]
+            return open_[0]
         waiting = [ln for ln in self.lanes if ln.upstream.restarting or
                    (ln.upstream.managed is not None and self.cfg.auto_restart)]
         if waiting:
