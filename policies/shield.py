@@ -536,8 +536,9 @@ class Shield:
         if failed >= cfg.alert_after:
             alerts.append(f"breach persists after {failed} adjustments in a row: {reason}")
         if self.breaker_level >= 2 and self.num_failed_sheds >= cfg.restart_after:
+            if self.breaker_level < 3:  # alert on the way in, not on every decision after
+                alerts.append(f"breaker level 3: recommend an engine restart ({reason})")
             self.breaker_level = 3
-            alerts.append(f"breaker level 3: recommend an engine restart ({reason})")
         return self.breaker_level, shrink
 
 

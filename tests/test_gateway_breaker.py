@@ -1,0 +1,63 @@
+"""The circuit breaker's levels on a live gateway: with a TPOT objective no engine can meet, the
+breaker shrinks the cap (level 1) down to the minimum, sheds low-priority load (level 2), and
+restarts the managed upstream (level 3), while core requests (priority 0) are all served."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import pytest
+
+from gateway_helpers import RunningGateway, one_request, running_gateway
+
+pytestmark = [pytest.mark.live, pytest.mark.slow, pytest.mark.timeout(900)]
+
+
+@pytest.fixture(scope="module")
+def gw() -> RunningGateway:
+    # TPOT <= 0.01 ms: every finished request breaches it, an "engine" breach (the batch's
+    # fault, not queueing), which is what walks the breaker up to a restart. A small starting
+    # cap and a short cooldown get there in seconds.
+    with running_gateway("slo.tpot_ms=0.01", "serve.control.initial_batch_cap=4", "serve.control.interval_s=0.5",
+                         "shield.breaker_cooldown_s=0.5", "serve.request_timeout_s=120") as g:
+        yield g
+
+
+async def _mixed_load(url: str, seconds: float, rate: float) -> list[tuple[int, object]]:
+    """Open-loop arrivals alternating core (x-priority: 0) and low-priority (1) requests."""
+    out: list[asyncio.Task] = []
+    prios: list[int] = []
+    async with httpx.AsyncClient(limits=httpx.Limits(max_connections=256)) as c:
+        t0 = time.monotonic()
+        i = 0
+        while time.monotonic() - t0 < seconds:
+            prio = i % 2
+            prios.append(prio)
+            out.append(asyncio.create_task(one_request(c, url, {"prompt": f"breaker load {i}", "max_tokens": 8},
+                                                       headers={"x-priority": str(prio)}, timeout_s=180)))
+            i += 1
+            await asyncio.sleep(max(0.0, t0 + i / rate - time.monotonic()))
+        results = await asyncio.gather(*out)
+    return list(zip(prios, results))
+
+
+def test_breaker_walks_to_restart_and_keeps_core_requests(gw: RunningGateway) -> None:
+    results = asyncio.run(_mixed_load(gw.url, 25.0, 6.0))
+    with open(gw.log_path) as f:
+        log = f.read()
+    core = [o for p, o in results if p == 0]
+    low = [o for p, o in results if p == 1]
+    assert core and all(o.status == 200 for o in core), [(o.status, o.reason) for o in core if o.status != 200]
+    shed = [o for o in low if o.status == 429]
+    assert shed and all(o.reason == "shed_low_priority" and o.retry_after for o in shed), [(o.status, o.reason) for o in low]
+    assert all(o.status in (200, 429) for o in low), [(o.status, o.reason) for o in low]
+    assert "breaker level 3 on vllm0: restarting it" in log, log[-3000:]
+    assert gw.metric("batchpilot:upstream_restarts_total", cause="breaker") >= 1
+    assert gw.metric("batchpilot:shield_interventions_total", kind="breaker_shrink") >= 1
+    assert gw.metric("batchpilot:requests_rejected_total", reason="shed_low_priority") == len(shed)
+    # After the restart the upstream serves again.
+    r = httpx.post(f"{gw.url}/v1/completions", json={"prompt": "after", "max_tokens": 2},
+                   headers={"x-priority": "0"}, timeout=120)
+    assert r.status_code == 200, r.text
