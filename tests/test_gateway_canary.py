@@ -41,8 +41,12 @@ def gw() -> RunningGateway:
     if not (SHIPPED / "manifest.json").is_file():
         pytest.fail("the shipped policy is missing from policies/pretrained")
     # PID first (it holds the cap at light load, so routing sees two equal upstreams); the
-    # canary test loads its own incumbent policy.
+    # canary test loads its own incumbent policy. Generous SLOs: goodput is then throughput, so
+    # the verdict turns on the candidate's cap and not on whether this shared 2-core machine
+    # happened to push the incumbent's upstream past a latency objective (seen: the breaker
+    # then cut the incumbent too, and a 10 % comparison became a coin toss).
     with running_gateway("serve.num_managed=2", "serve.control.mode=pid", f"serve.control.policy_dir={SHIPPED}",
+                         "slo.ttft_ms=30000", "slo.tpot_ms=10000",
                          "serve.control.interval_s=0.5", "serve.control.canary_min_intervals=20",
                          timeout_s=420) as g:
         yield g
@@ -57,9 +61,9 @@ def _served(url: str) -> float:
                if s.name == "vllm:request_success_total")
 
 
-def _load(url: str, seconds: float, rate: float) -> None:
+def _load(url: str, seconds: float, rate: float, max_tokens: int = 32) -> None:
     n = int(seconds * rate)
-    res = asyncio.run(burst(url, n, rate, {"prompt": "steady traffic over both upstreams", "max_tokens": 32}))
+    res = asyncio.run(burst(url, n, rate, {"prompt": "steady traffic over both upstreams", "max_tokens": max_tokens}))
     assert res.count(200) + res.count(429) + res.count(503) == n, res
 
 
@@ -83,7 +87,9 @@ def test_requests_spread_over_both_upstreams(gw: RunningGateway) -> None:
     _load(gw.url, 4.0, 20.0)
     after = {name: _served(u["url"]) for name, u in ups.items()}
     served = {name: after[name] - mid[name] for name in ups}
-    assert sum(served.values()) >= 80 and all(v >= 16 for v in served.values()), (served, gw.status()["control"]["lanes"])
+    # Both take part; how evenly depends on how fast each engine runs on this shared 2-core
+    # machine (least-loaded routing rightly favours the faster one).
+    assert sum(served.values()) >= 80 and all(v >= 4 for v in served.values()), (served, gw.status()["control"]["lanes"])
 
 
 def test_a_canary_that_drops_goodput_is_rolled_back(gw: RunningGateway, tmp_path: Path) -> None:
@@ -94,6 +100,11 @@ def test_a_canary_that_drops_goodput_is_rolled_back(gw: RunningGateway, tmp_path
     assert r.status_code == 200 and r.json()["ok"], r.text
     r = httpx.post(f"{gw.url}/admin/mode", json={"mode": "policy"}, headers=AUTH, timeout=30)
     assert r.status_code == 200 and r.json()["acting"] == "policy", r.text
+    # Both upstreams start level (PID may have trimmed a cap during the routing test).
+    r = httpx.post(f"{gw.url}/admin/freeze", json={"frozen": False, "knobs": {"batch_cap": 16}}, headers=AUTH,
+                   timeout=30)
+    assert r.status_code == 200, r.text
+    assert {ln["knobs_in_force"]["batch_cap"] for ln in gw.status()["control"]["lanes"].values()} == {16}
     r = httpx.post(f"{gw.url}/admin/policy/reload", json={"path": str(bad), "canary_share": 0.5},
                    headers=AUTH, timeout=30)
     assert r.status_code == 200 and r.json()["canary"] is True, r.text
@@ -101,9 +112,10 @@ def test_a_canary_that_drops_goodput_is_rolled_back(gw: RunningGateway, tmp_path
     assert st["canary"]["state"] == "evaluating" and st["canary"]["path"] == str(bad), st["canary"]
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and gw.status()["control"]["canary"]["state"] == "evaluating":
-        _load(gw.url, 3.0, 12.0)
+        # Long enough requests that a cap of 1 really limits what its upstream serves.
+        _load(gw.url, 3.0, 12.0, max_tokens=192)
     st = gw.status()["control"]
-    assert st["canary"]["state"] == "rolled_back", (st["canary"], st["events"])
+    assert st["canary"]["state"] == "rolled_back", (st["canary"], st["events"], st["lanes"])
     assert st["policy_path"] == str(incumbent) and st["acting"] == "policy", st
     assert any("rolled back" in e for e in st["events"]), st["events"]
     assert gw.metric("batchpilot:canary_state") == 3  # rolled_back
