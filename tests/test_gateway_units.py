@@ -140,3 +140,19 @@ async def test_http1_pool_keeps_connections_alive(close: bool) -> None:
     finally:
         pool.close()
         server.close()
+
+
+def test_cpu_core_groups_are_disjoint_and_cover_the_cores() -> None:
+    import os
+
+    from batchpilot.serving.upstream import cpu_core_groups
+
+    cores = sorted(os.sched_getaffinity(0))
+    assert cpu_core_groups(1) == [",".join(map(str, cores))]
+    for n in range(1, len(cores) + 1):
+        groups = [set(map(int, g.split(","))) for g in cpu_core_groups(n)]
+        assert len(groups) == n and all(groups)
+        assert all(a.isdisjoint(b) for i, a in enumerate(groups) for b in groups[i + 1:])
+        assert set().union(*groups) <= set(cores)
+    more = cpu_core_groups(len(cores) + 1)  # more engines than cores: shared round-robin
+    assert len(more) == len(cores) + 1 and more[-1] == more[0]
