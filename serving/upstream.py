@@ -22,6 +22,7 @@ from typing import Any
 
 import httpx
 
+from batchpilot.envs.vllm_engine import small_machine_omp_defaults
 from batchpilot.serving.http1 import Http1Pool
 
 log = logging.getLogger(__name__)
@@ -131,6 +132,7 @@ class ManagedVLLM:
         env["VLLM_CPU_KVCACHE_SPACE"] = str(self.kv_cache_space_gib)
         if self.cpu_cores is not None:
             env.setdefault("VLLM_CPU_OMP_THREADS_BIND", self.cpu_cores)
+        small_machine_omp_defaults(env)
         out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
         try:
             self.proc = subprocess.Popen(

