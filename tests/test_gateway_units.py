@@ -156,3 +156,62 @@ def test_cpu_core_groups_are_disjoint_and_cover_the_cores() -> None:
         assert set().union(*groups) <= set(cores)
     more = cpu_core_groups(len(cores) + 1)  # more engines than cores: shared round-robin
     assert len(more) == len(cores) + 1 and more[-1] == more[0]
+
+
+@pytest.mark.anyio
+async def test_http1_pool_drops_stale_connections_and_never_resends() -> None:
+    """A connection the server closed while idle, or one idle past keepalive_expiry_s, is not
+    reused; a request whose connection dies before the answer fails (no second copy is sent:
+    vLLM may already be generating it)."""
+    import asyncio
+
+    from batchpilot.serving.http1 import Http1Error, Http1Pool
+
+    connections, requests = 0, 0
+    mode = {"after": "keep"}
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal connections, requests
+        connections += 1
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                n = int(next(l.split(b":")[1] for l in head.split(b"\r\n") if l.lower().startswith(b"content-length")))
+                await reader.readexactly(n)
+                requests += 1
+                if mode["after"] == "die":  # the upstream dies mid-request
+                    break
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}")
+                await writer.drain()
+                if mode["after"] == "close_idle":  # e.g. the server's keep-alive timeout
+                    break
+        except asyncio.IncompleteReadError:
+            pass
+        writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    pool = Http1Pool("127.0.0.1", server.sockets[0].getsockname()[1], keepalive_expiry_s=0.2)
+
+    async def call() -> bytes:
+        r = await pool.request("POST", "/v1/completions", [], b"{}")
+        return await r.read()
+
+    try:
+        mode["after"] = "close_idle"
+        assert await call() == b"{}"
+        await asyncio.sleep(0.05)  # the server's FIN arrives while the connection is idle
+        assert await call() == b"{}" and connections == 2
+        mode["after"] = "keep"
+        await asyncio.sleep(0.05)  # (the second connection was closed after its answer too)
+        assert await call() == b"{}"
+        assert await call() == b"{}" and connections == 3  # reused
+        await asyncio.sleep(0.3)  # idle past keepalive_expiry_s
+        assert await call() == b"{}" and connections == 4
+        mode["after"] = "die"
+        before = requests
+        with pytest.raises(Http1Error) as err:
+            await call()  # on the pooled connection
+        assert not err.value.connect and requests == before + 1 and connections == 4
+    finally:
+        pool.close()
+        server.close()
