@@ -47,7 +47,7 @@ def gw() -> RunningGateway:
     # then cut the incumbent too, and a 10 % comparison became a coin toss).
     with running_gateway("serve.num_managed=2", "serve.control.mode=pid", f"serve.control.policy_dir={SHIPPED}",
                          "slo.ttft_ms=30000", "slo.tpot_ms=10000",
-                         "serve.control.interval_s=0.5", "serve.control.canary_min_intervals=20",
+                         "serve.control.interval_s=0.5", "serve.control.canary_min_intervals=30",
                          timeout_s=420) as g:
         yield g
 
@@ -101,10 +101,10 @@ def test_a_canary_that_drops_goodput_is_rolled_back(gw: RunningGateway, tmp_path
     r = httpx.post(f"{gw.url}/admin/mode", json={"mode": "policy"}, headers=AUTH, timeout=30)
     assert r.status_code == 200 and r.json()["acting"] == "policy", r.text
     # Both upstreams start level (PID may have trimmed a cap during the routing test).
-    r = httpx.post(f"{gw.url}/admin/freeze", json={"frozen": False, "knobs": {"batch_cap": 16}}, headers=AUTH,
+    r = httpx.post(f"{gw.url}/admin/freeze", json={"frozen": False, "knobs": {"batch_cap": 8}}, headers=AUTH,
                    timeout=30)
     assert r.status_code == 200, r.text
-    assert {ln["knobs_in_force"]["batch_cap"] for ln in gw.status()["control"]["lanes"].values()} == {16}
+    assert {ln["knobs_in_force"]["batch_cap"] for ln in gw.status()["control"]["lanes"].values()} == {8}
     r = httpx.post(f"{gw.url}/admin/policy/reload", json={"path": str(bad), "canary_share": 0.5},
                    headers=AUTH, timeout=30)
     assert r.status_code == 200 and r.json()["canary"] is True, r.text
