@@ -48,6 +48,7 @@ class _Parse:
         # Asked here: once feed_data has returned a complete message the parser has reset and
         # says False, which turned every pooled upstream call into a new connection.
         self.keep_alive = self.parser is not None and self.parser.should_keep_alive()
+        self.parser = None  # needed only for that question; no parse <-> parser cycle after it
 
     def on_body(self, body: bytes) -> None:
         self.body.append(body)
@@ -94,7 +95,6 @@ class Http1Response:
         if self._closed:
             return
         self._closed = True
-        self._parse.parser = None  # drop the callback's reference cycle
         if self._parse.keep_alive:
             self._pool._release(self._reader, self._writer)
         else:
