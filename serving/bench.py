@@ -102,7 +102,8 @@ def bench_gateway(cfg: Any) -> dict[str, Any]:
              "serve.log_level=warning",
              "hydra.run.dir=/tmp/batchpilot-hydra", "hydra.output_subdir=null", "hydra/job_logging=none",
              "hydra/hydra_logging=none"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO_ROOT, start_new_session=True,
+            # Own process group (to end it), same session as vLLM and this client: see ManagedVLLM.
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO_ROOT, process_group=0,
         )
         gw_url = f"http://127.0.0.1:{gw_port}"
         _wait(gw_url, "/readyz", 120, gw_proc)

@@ -11,6 +11,7 @@ vLLM notices and turns into a request abort). Health, metrics and admin calls ke
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import deque
 from typing import AsyncIterator
 
@@ -29,19 +30,25 @@ class Http1Error(ConnectionError):
 class _Parse:
     """httptools callbacks, collecting one response."""
 
-    __slots__ = ("headers", "headers_done", "body", "done")
+    __slots__ = ("headers", "headers_done", "body", "done", "keep_alive", "parser")
 
     def __init__(self) -> None:
         self.headers: list[tuple[bytes, bytes]] = []
         self.headers_done = False
         self.body: deque[bytes] = deque()
         self.done = False
+        self.keep_alive = False
+        self.parser: httptools.HttpResponseParser | None = None
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self.headers.append((name, value))
 
     def on_headers_complete(self) -> None:
         self.headers_done = True
+        # Asked here: once feed_data has returned a complete message the parser has reset and
+        # says False, which turned every pooled upstream call into a new connection.
+        self.keep_alive = self.parser is not None and self.parser.should_keep_alive()
+        self.parser = None  # needed only for that question; no parse <-> parser cycle after it
 
     def on_body(self, body: bytes) -> None:
         self.body.append(body)
@@ -88,7 +95,7 @@ class Http1Response:
         if self._closed:
             return
         self._closed = True
-        if self._parser.should_keep_alive():
+        if self._parse.keep_alive:
             self._pool._release(self._reader, self._writer)
         else:
             self._writer.close()
@@ -102,21 +109,38 @@ class Http1Response:
 
 
 class Http1Pool:
-    """Keep-alive connections to one ``host:port``."""
+    """Keep-alive connections to one ``host:port``.
 
-    def __init__(self, host: str, port: int, max_idle: int = 512) -> None:
+    A request is never resent: once its bytes may have reached the server, a failure is the
+    caller's to report (vLLM may have started generating). Stale connections are weeded out
+    before use instead: one idle longer than ``keepalive_expiry_s`` (under the 5 s after which
+    vLLM's server closes idle connections) or one the server has already closed is dropped.
+    """
+
+    def __init__(self, host: str, port: int, max_idle: int = 512, keepalive_expiry_s: float = 4.0) -> None:
         self.host, self.port, self.max_idle = host, port, max_idle
-        self._idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+        self.keepalive_expiry_s = keepalive_expiry_s
+        self._idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter, float]] = []
         self._host_header = f"{host}:{port}".encode()
 
     def _release(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         if len(self._idle) < self.max_idle and not writer.is_closing():
-            self._idle.append((reader, writer))
+            self._idle.append((reader, writer, time.monotonic()))
         else:
             writer.close()
 
+    def _reusable(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter] | None:
+        """The most recently used idle connection that is still open, dropping stale ones."""
+        now = time.monotonic()
+        while self._idle:
+            reader, writer, since = self._idle.pop()
+            if now - since < self.keepalive_expiry_s and not writer.is_closing() and not reader.at_eof():
+                return reader, writer
+            writer.close()
+        return None
+
     def close(self) -> None:
-        for _, w in self._idle:
+        for _, w, _ in self._idle:
             w.close()
         self._idle.clear()
 
@@ -127,33 +151,28 @@ class Http1Pool:
             raise Http1Error(f"cannot connect to {self.host}:{self.port}: {exc}", connect=True) from None
 
     async def request(self, method: str, path: str, headers: list[tuple[str, str]], body: bytes) -> Http1Response:
-        """Send one request, return once the response head is in. A pooled connection the
-        server closed meanwhile is retried once on a fresh one (nothing was read yet)."""
+        """Send one request, return once the response head is in."""
         head = [f"{method} {path} HTTP/1.1\r\n".encode(), b"host: ", self._host_header, b"\r\n",
                 b"content-length: ", str(len(body)).encode(), b"\r\n"]
         for k, v in headers:
             head.append(f"{k}: {v}\r\n".encode("latin-1"))
         head.append(b"\r\n")
         payload = b"".join(head) + body
-        for attempt in (0, 1):
-            reused = bool(self._idle) and attempt == 0
-            reader, writer = self._idle.pop() if reused else await self._connect()
-            try:
-                writer.write(payload)
-                parse = _Parse()
-                parser = httptools.HttpResponseParser(parse)
-                while not parse.headers_done:
-                    data = await reader.read(65536)
-                    if not data:
-                        raise ConnectionResetError("connection closed before the response head")
-                    parser.feed_data(data)
-                return Http1Response(self, reader, writer, parse, parser)
-            except (OSError, httptools.HttpParserError) as exc:
-                writer.close()
-                if reused:
-                    continue  # a stale keep-alive connection: try a fresh one
-                raise Http1Error(f"upstream {self.host}:{self.port} failed: {exc!r}", connect=False) from None
-            except BaseException:
-                writer.close()
-                raise
-        raise AssertionError("unreachable")
+        reader, writer = self._reusable() or await self._connect()
+        try:
+            writer.write(payload)
+            parse = _Parse()
+            parser = httptools.HttpResponseParser(parse)
+            parse.parser = parser
+            while not parse.headers_done:
+                data = await reader.read(65536)
+                if not data:
+                    raise ConnectionResetError("connection closed before the response head")
+                parser.feed_data(data)
+            return Http1Response(self, reader, writer, parse, parser)
+        except (OSError, httptools.HttpParserError) as exc:
+            writer.close()
+            raise Http1Error(f"upstream {self.host}:{self.port} failed: {exc!r}", connect=False) from None
+        except BaseException:
+            writer.close()
+            raise

@@ -144,8 +144,11 @@ class Lane:
         if fut.done():  # admitted at once: the common case, no timer needed
             return
         try:
-            await asyncio.wait_for(fut, timeout=max(deadline - time.monotonic(), 0.0))
-        except asyncio.TimeoutError:
+            # Not asyncio.wait_for: on Python 3.11 it swallows a cancellation that lands in the
+            # same loop turn as the grant, and a client that had left was then served in full.
+            async with asyncio.timeout_at(deadline):
+                await fut
+        except TimeoutError:
             self.waiters.pop(req.request_id, None)
             if self.admission.is_in_flight(req.request_id):  # admitted in the same instant
                 return
@@ -153,12 +156,14 @@ class Lane:
             self._count_rejected("timeout")
             raise Refused("timeout", REJECT_MESSAGE["timeout"], status=503, retry_after=self.retry_after_s) from None
         except asyncio.CancelledError:
+            # The client left while queued, or just as its slot was granted (the slot is handed
+            # on then): either way it never reached the upstream, so it counts as "cancelled".
             self.waiters.pop(req.request_id, None)
             if self.admission.is_in_flight(req.request_id):
                 self.release(req.request_id)
             else:
                 self.admission.cancel(req.request_id, time.monotonic())
-                self.metrics.rejected.labels("cancelled").inc()
+            self.metrics.rejected.labels("cancelled").inc()
             raise
         except Refused:
             raise  # a queued request that was shed: the future carries the Refused

@@ -150,7 +150,9 @@ def test_disconnects_free_slots(gw: RunningGateway) -> None:
             async with c.stream("POST", f"{gw.url}/v1/completions", json=long) as s:
                 it = s.aiter_raw()
                 await it.__anext__()  # the stream holds the only slot
-                small = {"prompt": "q", "max_tokens": 400, "ignore_eos": True}
+                # Long enough that some are still queued when their clients leave, even if the
+                # stream has ended by then.
+                small = {"prompt": "q", "max_tokens": 1500, "ignore_eos": True}
                 tasks = [asyncio.create_task(c.post(f"{gw.url}/v1/completions", json=small)) for _ in range(n_queued)]
                 seen = 0
                 for _ in range(250):  # up to ~5 s on a busy machine

@@ -100,6 +100,48 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
+@pytest.mark.anyio
+@pytest.mark.parametrize("close", [False, True])
+async def test_http1_pool_keeps_connections_alive(close: bool) -> None:
+    """Sequential upstream calls reuse one keep-alive connection (each whole response arrives
+    in one read here, the case that used to reset the parser's keep-alive answer); a server
+    that says ``connection: close`` gets a new connection per call."""
+    import asyncio
+
+    from batchpilot.serving.http1 import Http1Pool
+
+    connections = 0
+    extra = b"connection: close\r\n" if close else b""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal connections
+        connections += 1
+        while True:
+            head = await reader.readuntil(b"\r\n\r\n") if not reader.at_eof() else b""
+            if not head:
+                break
+            n = int(next(l.split(b":")[1] for l in head.split(b"\r\n") if l.lower().startswith(b"content-length")))
+            await reader.readexactly(n)
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n" + extra
+                         + b"content-length: 2\r\n\r\n{}")
+            await writer.drain()
+            if close:
+                break
+        writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    pool = Http1Pool("127.0.0.1", port)
+    try:
+        for _ in range(5):
+            r = await pool.request("POST", "/v1/completions", [("content-type", "application/json")], b"{}")
+            assert r.status == 200 and await r.read() == b"{}"
+        assert connections == (5 if close else 1)
+    finally:
+        pool.close()
+        server.close()
+
+
 def test_cpu_core_groups_are_disjoint_and_cover_the_cores() -> None:
     import os
 
@@ -114,3 +156,96 @@ def test_cpu_core_groups_are_disjoint_and_cover_the_cores() -> None:
         assert set().union(*groups) <= set(cores)
     more = cpu_core_groups(len(cores) + 1)  # more engines than cores: shared round-robin
     assert len(more) == len(cores) + 1 and more[-1] == more[0]
+
+
+@pytest.mark.anyio
+async def test_http1_pool_drops_stale_connections_and_never_resends() -> None:
+    """A connection the server closed while idle, or one idle past keepalive_expiry_s, is not
+    reused; a request whose connection dies before the answer fails (no second copy is sent:
+    vLLM may already be generating it)."""
+    import asyncio
+
+    from batchpilot.serving.http1 import Http1Error, Http1Pool
+
+    connections, requests = 0, 0
+    mode = {"after": "keep"}
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal connections, requests
+        connections += 1
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                n = int(next(l.split(b":")[1] for l in head.split(b"\r\n") if l.lower().startswith(b"content-length")))
+                await reader.readexactly(n)
+                requests += 1
+                if mode["after"] == "die":  # the upstream dies mid-request
+                    break
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}")
+                await writer.drain()
+                if mode["after"] == "close_idle":  # e.g. the server's keep-alive timeout
+                    break
+        except asyncio.IncompleteReadError:
+            pass
+        writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    pool = Http1Pool("127.0.0.1", server.sockets[0].getsockname()[1], keepalive_expiry_s=0.2)
+
+    async def call() -> bytes:
+        r = await pool.request("POST", "/v1/completions", [], b"{}")
+        return await r.read()
+
+    try:
+        mode["after"] = "close_idle"
+        assert await call() == b"{}"
+        await asyncio.sleep(0.05)  # the server's FIN arrives while the connection is idle
+        assert await call() == b"{}" and connections == 2
+        mode["after"] = "keep"
+        await asyncio.sleep(0.05)  # (the second connection was closed after its answer too)
+        assert await call() == b"{}"
+        assert await call() == b"{}" and connections == 3  # reused
+        await asyncio.sleep(0.3)  # idle past keepalive_expiry_s
+        assert await call() == b"{}" and connections == 4
+        mode["after"] = "die"
+        before = requests
+        with pytest.raises(Http1Error) as err:
+            await call()  # on the pooled connection
+        assert not err.value.connect and requests == before + 1 and connections == 4
+    finally:
+        pool.close()
+        server.close()
+
+
+@pytest.mark.anyio
+async def test_client_gone_as_its_slot_is_granted_is_not_served() -> None:
+    """A queued request whose client leaves in the same loop turn as its slot is granted (the
+    request ahead finishes) must not go on to the upstream: the slot is handed back and the
+    request counts as "cancelled". (``asyncio.wait_for`` on Python 3.11 swallowed that
+    cancellation, and the gone client was served in full.)"""
+    import asyncio
+    import time
+
+    from batchpilot.envs.engine import Request
+    from batchpilot.policies.knobs import Knobs
+    from batchpilot.serving.admission import AdmissionConfig
+    from batchpilot.serving.lanes import Lane
+    from batchpilot.serving.telemetry import SLO, Telemetry
+    from batchpilot.serving.upstream import Upstream
+
+    metrics = GatewayMetrics()
+    lane = Lane.build(0, Upstream("http://127.0.0.1:9"), AdmissionConfig(), Knobs(batch_cap=1),
+                      Telemetry(SLO()), metrics, retry_after_s=1)
+    lane.upstream.healthy = True
+    deadline = time.monotonic() + 30
+    await lane.acquire(Request("first", time.monotonic(), 4, 4), deadline)
+    second = asyncio.create_task(lane.acquire(Request("second", time.monotonic(), 4, 4), deadline))
+    await asyncio.sleep(0)  # "second" is queued behind the single slot
+    assert lane.admission.num_waiting == 1
+    lane.release("first")  # grants the slot to "second" ...
+    second.cancel()  # ... as its client goes away
+    with pytest.raises(asyncio.CancelledError):
+        await second
+    assert lane.admission.num_in_flight == 0 and lane.admission.num_waiting == 0
+    assert metrics.rejected.labels("cancelled")._value.get() == 1
+    await lane.upstream.aclose()
