@@ -304,16 +304,12 @@ class Fit:
 
 
 def _nnls(A: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """Non-negative least squares by dropping the most negative coefficient until none is
-    (enough for five well-scaled features; scipy is not a dependency)."""
-    active = list(range(A.shape[1]))
-    while True:
-        x = np.zeros(A.shape[1])
-        sol, *_ = np.linalg.lstsq(A[:, active], b, rcond=None)
-        x[active] = sol
-        if (sol >= 0).all() or len(active) == 1:
-            return np.maximum(x, 0.0)
-        active.pop(int(np.argmin(sol)))
+    """Non-negative least squares (scipy's active-set solver): every fitted cost is a time per
+    unit of work, and a negative one would make the step-time model reward more work."""
+    from scipy.optimize import nnls
+
+    x, _ = nnls(A, b)
+    return x
 
 
 def fit_samples(samples: Sequence[IterationSample], huber: float = 0.15) -> Fit:

@@ -79,30 +79,14 @@ class Timeline:
 
 
 # --- statistics ------------------------------------------------------------------------------
-def _t_cdf(x: float, df: int) -> float:
-    """Student-t CDF at ``x >= 0`` by Simpson integration of the density (no SciPy here)."""
-    if x <= 0:
-        return 0.5
-    n = 4000  # even; the density is smooth, so this is accurate to ~1e-10 for df >= 1
-    t = np.linspace(0.0, x, n + 1)
-    logc = math.lgamma((df + 1) / 2) - math.lgamma(df / 2) - 0.5 * math.log(df * math.pi)
-    pdf = np.exp(logc - (df + 1) / 2 * np.log1p(t * t / df))
-    w = np.ones(n + 1)
-    w[1:-1:2], w[2:-1:2] = 4.0, 2.0
-    return 0.5 + float(np.dot(w, pdf)) * (x / n) / 3.0
-
-
 def t_quantile(p: float, df: int) -> float:
-    """The ``p`` quantile (``p`` in [0.5, 1)) of Student's t with ``df`` degrees of freedom."""
+    """The ``p`` quantile (``p`` in [0.5, 1)) of Student's t with ``df`` degrees of freedom
+    (the CI's multiplier; scipy's)."""
     if not 0.5 <= p < 1 or df < 1:
         raise ValueError(f"need 0.5 <= p < 1 and df >= 1, got p={p}, df={df}")
-    lo, hi = 0.0, 1.0
-    while _t_cdf(hi, df) < p:
-        hi *= 2.0
-    for _ in range(60):
-        mid = 0.5 * (lo + hi)
-        lo, hi = (mid, hi) if _t_cdf(mid, df) < p else (lo, mid)
-    return 0.5 * (lo + hi)
+    from scipy.stats import t
+
+    return float(t.ppf(p, df))
 
 
 def mean_ci(values: Sequence[float], level: float = 0.95) -> tuple[float, float, int]:

