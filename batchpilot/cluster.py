@@ -127,10 +127,13 @@ def launch_sweep(
         log.info(f"\t#{idx} : {' '.join(filter_overrides(overrides))}")
     state = Singleton.get_state()
     with ray_session(ray, address, num_cpus, init) as resources:
-        log.info(f"Ray cluster: {resources.get('CPU', 0):g} CPUs; {len(jobs)} jobs → {config.hydra.sweep.dir}")
+        cpus = resources.get("CPU", 0)
+        log.info(f"Ray cluster: {cpus:g} CPUs; {len(jobs)} jobs → {config.hydra.sweep.dir}")
         task = ray.remote(run_hydra_job)
         refs = [
-            task.options(num_cpus=job_cpus(sc, cpus_per_job), max_retries=0).remote(hydra_context, sc, task_function, state)
+            task.options(num_cpus=job_cpus(sc, cpus_per_job), max_retries=0).remote(
+                hydra_context, sc, task_function, state
+            )
             for sc in jobs
         ]
         job_of = {ref: sc.hydra.job.num for ref, sc in zip(refs, jobs)}

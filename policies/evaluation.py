@@ -502,8 +502,9 @@ class Cell:
 
     @property
     def label(self) -> str:
-        what = f"grid point {self.point}" if self.point is not None else f"seed {','.join(map(str, self.seeds))}"
-        return f"{self.name} · {what}"
+        if self.point is not None:
+            return f"{self.name} · grid point {self.point}"
+        return f"{self.name} · seed {','.join(map(str, self.seeds))}"
 
 
 CellResult = list[tuple[int, Episode]]
@@ -518,7 +519,12 @@ def run_cell(plan: WorkloadPlan, cell: Cell) -> CellResult:
 
 
 def split_cells(
-    workload: int, name: str, policy: Mapping[str, Any], seeds: Sequence[int], record_seed: int | None, live: bool
+    workload: int,
+    name: str,
+    policy: Mapping[str, Any],
+    seeds: Sequence[int],
+    record_seed: int | None,
+    live: bool,
 ) -> list[Cell]:
     """A controller's seeds as cells: one per seed on the simulator (the finest unit that runs
     in parallel), all in one cell on a live engine (it starts once per controller, ~a minute)."""
@@ -562,8 +568,11 @@ def run_on_ray(
     ray = require_launcher(launcher)
     with ray_session(ray, launcher.address, launcher.num_cpus, launcher.init) as resources:
         cpus = resources.get("CPU", 0.0)
-        log(f"Ray cluster: {cpus:g} CPUs, {len(cells)} cells to start, {launcher.cpus_per_cell:g} CPU per cell")
-        task = ray.remote(run_cell).options(num_cpus=launcher.cpus_per_cell, max_retries=0)
+        per = launcher.cpus_per_cell
+        log(f"Ray cluster: {cpus:g} CPUs, {len(cells)} cells to start, {per:g} CPU per cell")
+        # Ray's default retries re-run a cell whose worker died (an episode is a pure function
+        # of its seed); a cell's own error is not retried.
+        task = ray.remote(run_cell).options(num_cpus=launcher.cpus_per_cell)
         refs = [ray.put(p) for p in plans]
         running: dict[Any, Cell] = {}
 
@@ -623,7 +632,8 @@ class _Matrix:
                 if name == BEST_STATIC:
                     self.grids[wi], self.notes[wi] = best_static_grid(self.ecfg.best_static, plan)
                     self.left[wi] = len(self.grids[wi])
-                    cells += [Cell(wi, name, p.policy(), (tune,), None, i) for i, p in enumerate(self.grids[wi])]
+                    grid = enumerate(self.grids[wi])
+                    cells += [Cell(wi, name, p.policy(), (tune,), None, i) for i, p in grid]
                 else:
                     cells += self.table_cells(wi, name, policy_config(name, self.ecfg, plan))
         return cells
@@ -730,7 +740,8 @@ def evaluate(cfg: DictConfig, overrides: Sequence[str] | None = None) -> list[di
         task = progress.add_task("evaluating", total=matrix.total_episodes)
 
         def on_done(cell: Cell, result: CellResult) -> list[Cell]:
-            progress.update(task, advance=len(result), description=f"{plans[cell.workload].name} · {cell.label}")
+            where = f"{plans[cell.workload].name} · {cell.label}"
+            progress.update(task, advance=len(result), description=where)
             return matrix.done(cell, result, console.log)
 
         if ecfg.launcher.kind == "ray":

@@ -123,19 +123,24 @@ def test_evaluate_without_ray_names_the_extra(monkeypatch: pytest.MonkeyPatch, t
         _evaluate(tmp_path, ["launcher=ray"])
 
 
-def _script(code: str, args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
-    """Run a script with ``import ray`` failing, as on a machine without the extra."""
-    boot = f"import runpy, sys; sys.modules['ray'] = None; sys.argv = [{code!r}, *sys.argv[1:]]; runpy.run_path({code!r}, run_name='__main__')"
-    return subprocess.run([sys.executable, "-c", boot, *args], cwd=cwd, capture_output=True, text=True, timeout=120)
+def _script(name: str, args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
+    """Run ``scripts/<name>`` with ``import ray`` failing, as on a machine without the extra."""
+    path = str(REPO_ROOT / "scripts" / name)
+    boot = (
+        "import runpy, sys; sys.modules['ray'] = None; "
+        f"sys.argv = [{path!r}, *sys.argv[1:]]; runpy.run_path({path!r}, run_name='__main__')"
+    )
+    cmd = [sys.executable, "-c", boot, *args]
+    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=120)
 
 
 def test_scripts_without_ray_fail_in_one_line(tmp_path: Path) -> None:
-    ev = _script(str(REPO_ROOT / "scripts" / "evaluate.py"), [*MATRIX, "launcher=ray", f"out_dir={tmp_path}"], tmp_path)
-    tr = _script(str(REPO_ROOT / "scripts" / "train.py"), ["-m", "hydra/launcher=ray", *TINY, "seed=0,1"], tmp_path)
-    for proc, who in ((ev, "evaluate"), (tr, "train")):
+    ev = _script("evaluate.py", [*MATRIX, "launcher=ray", f"out_dir={tmp_path}"], tmp_path)
+    tr = _script("train.py", ["-m", "hydra/launcher=ray", *TINY, "seed=0,1"], tmp_path)
+    for proc, start in ((ev, "evaluate: error: launcher=ray"), (tr, "train: error: hydra/launcher=ray")):
         assert proc.returncode == 2, proc.stderr[-3000:]
         err = [line for line in proc.stderr.splitlines() if line.strip()]
-        assert err[-1].startswith(f"{who}: error: hydra/launcher=ray needs Ray" if who == "train" else f"{who}: error: launcher=ray needs Ray")
+        assert err[-1].startswith(f"{start} needs Ray"), err[-1]
         assert "pip install -e '.[cluster]'" in err[-1]
         assert "Traceback" not in proc.stderr
     assert not (tmp_path / "multirun").exists()
@@ -158,19 +163,21 @@ def _tree(root: Path) -> set[str]:
 @pytest.mark.slow
 def test_training_sweep_on_ray_exports_where_serial_does(tmp_path: Path) -> None:
     """Two jobs as Ray tasks on a local 2-CPU cluster the sweep starts (and stops): each job's
-    folder holds what a serial multirun's does: train.log, comparison.json, best model and the
-    exported policy, which loads."""
+    folder holds what a serial multirun's does (train.log, comparison.json, best model, the
+    exported policy), and the exported weights are the serial run's."""
     from batchpilot.policies.runtime import PolicyRuntime
 
     wait_no_ray_processes()
     ray_dir, serial_dir = tmp_path / "ray", tmp_path / "serial"
-    proc = _train_sweep(["hydra/launcher=ray", "hydra.launcher.num_cpus=2", f"hydra.sweep.dir={ray_dir}"], tmp_path)
+    on_ray = ["hydra/launcher=ray", "hydra.launcher.num_cpus=2", f"hydra.sweep.dir={ray_dir}"]
+    proc = _train_sweep(on_ray, tmp_path)
     wait_no_ray_processes()
     _train_sweep([f"hydra.sweep.dir={serial_dir}"], tmp_path)
 
     assert _tree(ray_dir) == _tree(serial_dir)
     for job in ("0", "1"):
-        assert (ray_dir / job / "policy" / "manifest.json").is_file()
+        weights = "policy/policy.safetensors"  # the same seed trains the same policy anywhere
+        assert (ray_dir / job / weights).read_bytes() == (serial_dir / job / weights).read_bytes()
         rt = PolicyRuntime.from_dir(ray_dir / job / "policy")
         assert rt.n_features > 0
         rows = json.loads((ray_dir / job / "comparison.json").read_text())["rows"]

@@ -30,9 +30,8 @@ class BatchpilotRayLauncher(Launcher):
         self.address = address or None
         self.num_cpus = num_cpus
         self.cpus_per_job = cpus_per_job
-        self.init: dict[str, Any] = (
-            OmegaConf.to_container(init, resolve=True) if isinstance(init, DictConfig) else dict(init or {})  # type: ignore[assignment]
-        )
+        node = OmegaConf.to_container(init, resolve=True) if isinstance(init, DictConfig) else init
+        self.init: dict[str, Any] = dict(node or {})  # type: ignore[arg-type]
         self.hydra_context: HydraContext | None = None
         self.task_function: TaskFunction | None = None
         self.config: DictConfig | None = None
