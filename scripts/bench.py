@@ -120,11 +120,19 @@ def bench_gateway(cfg: DictConfig) -> dict[str, Any]:
     return run(cfg)
 
 
+def bench_http_client(cfg: DictConfig) -> dict[str, Any]:
+    """The gateway's hot-path HTTP client against aiohttp's, side by side."""
+    from batchpilot.serving.client_bench import bench_http_client as run
+
+    return run(cfg.get("client_bench"))
+
+
 TARGETS: dict[str, Callable[[DictConfig], dict[str, Any]]] = {
     "sim": bench_sim,
     "env": bench_env,
     "policy": bench_policy,
     "gateway": bench_gateway,
+    "http_client": bench_http_client,
 }
 
 

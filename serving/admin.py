@@ -1,18 +1,22 @@
 """The admin API (``/admin/*``): policy reload / canary, mode switch, freeze knobs, status.
 
-Behind a bearer token (``serve.admin_token`` or ``$BATCHPILOT_ADMIN_TOKEN``); without a
-configured token the admin API is off (403). Policies are loaded by ``PolicyRuntime`` from
-safetensors + JSON: nothing is ever unpickled.
+Behind a bearer token (``$BATCHPILOT_ADMIN_TOKEN`` or the file ``serve.admin_token_file``);
+without a configured token the admin API is off (403). Every body is checked whole before
+anything changes (pydantic models, strict types, unknown keys refused): a bad call is a JSON 400
+saying what was wrong and leaves the gateway as it was. Policies are loaded by
+``PolicyRuntime`` from safetensors + JSON: nothing is ever unpickled.
 """
 
 from __future__ import annotations
 
 import hmac
-from typing import Any
+from typing import Any, Literal, TypeVar
 
 from fastapi import APIRouter, Depends, Request
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from batchpilot.serving.lanes import BadRequest, GatewayError
+from batchpilot.policies.knobs import BUCKETING_MODES
+from batchpilot.serving.errors import BadRequest, GatewayError, json_object
 
 router = APIRouter(prefix="/admin")
 
@@ -20,7 +24,7 @@ router = APIRouter(prefix="/admin")
 def _require_token(request: Request) -> None:
     token = request.app.state.gateway.cfg.admin_token
     if not token:
-        raise GatewayError("admin_disabled", "the admin API is off: set serve.admin_token or $BATCHPILOT_ADMIN_TOKEN",
+        raise GatewayError("admin_disabled", "the admin API is off: export BATCHPILOT_ADMIN_TOKEN or set serve.admin_token_file",
                            status=403)
     auth = request.headers.get("authorization", "")
     given = auth[7:] if auth.lower().startswith("bearer ") else ""
@@ -28,19 +32,66 @@ def _require_token(request: Request) -> None:
         raise GatewayError("unauthorized", "missing or wrong bearer token", status=401)
 
 
-async def _json(request: Request) -> dict[str, Any]:
-    raw = await request.body()
-    if not raw:
-        return {}
-    import json
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
 
+
+class ReloadBody(_Body):
+    #: Exported policy folder; None = the one loaded now (or the shipped one).
+    path: str | None = Field(default=None, min_length=1, max_length=4096)
+    #: 0 = load now; > 0 = canary on that share of traffic; None = the configured share.
+    canary_share: float | None = Field(default=None, ge=0.0, le=1.0, allow_inf_nan=False)
+
+    @field_validator("path")
+    @classmethod
+    def _printable(cls, v: str | None) -> str | None:
+        if v is not None and not v.isprintable():
+            raise ValueError("must not contain control characters (newlines, tabs, ...)")
+        return v
+
+    @field_validator("canary_share", mode="before")
+    @classmethod
+    def _int_is_a_share(cls, v: Any) -> Any:
+        return float(v) if isinstance(v, int) and not isinstance(v, bool) else v
+
+
+class ModeBody(_Body):
+    mode: Literal["policy", "pid", "static", "shadow"]
+
+
+class KnobsBody(_Body):
+    batch_cap: int | None = Field(default=None, ge=1)
+    bucketing: str | None = None
+
+    @field_validator("bucketing")
+    @classmethod
+    def _known_mode(cls, v: str | None) -> str | None:
+        if v is not None and v not in BUCKETING_MODES:
+            raise ValueError(f"must be one of {BUCKETING_MODES}")
+        return v
+
+
+class FreezeBody(_Body):
+    frozen: bool = True
+    knobs: KnobsBody | None = None
+
+
+class KvDtypeBody(_Body):
+    dtype: str = Field(min_length=1, max_length=32, pattern=r"^[a-z0-9_]+$")
+
+
+B = TypeVar("B", bound=_Body)
+
+
+async def _body(request: Request, model: type[B]) -> B:
+    """The request body as ``model``; a 400 naming each wrong field otherwise."""
+    raw = await request.body()
+    data = json_object(raw) if raw else {}
     try:
-        body = json.loads(raw)
-    except json.JSONDecodeError as exc:
-        raise BadRequest("invalid_json", f"request body is not valid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise BadRequest("invalid_body", "request body must be a JSON object")
-    return body
+        return model.model_validate(data)
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'body'}: {e['msg']}" for e in exc.errors())
+        raise BadRequest("invalid_field", problems) from None
 
 
 @router.get("/status", dependencies=[Depends(_require_token)])
@@ -53,43 +104,41 @@ async def status(request: Request) -> dict[str, Any]:
         "upstreams": {ln.name: {"url": ln.upstream.url, "restarts": ln.upstream.num_restarts,
                                 "pid": ln.upstream.managed.pid if ln.upstream.managed else None}
                       for ln in gw.lanes},
+        "engine_log_dir": str(gw.log_dir) if gw.log_dir else None,
     }
 
 
 @router.post("/policy/reload", dependencies=[Depends(_require_token)])
 async def reload_policy(request: Request) -> dict[str, Any]:
-    """Body: ``{"path": folder (optional), "canary_share": 0..1 (optional; 0 = load now)}``."""
-    body = await _json(request)
-    share = body.get("canary_share")
-    if share is not None and not (isinstance(share, (int, float)) and 0 <= share <= 1):
-        raise BadRequest("invalid_field", f"canary_share must be in [0, 1], got {share!r}")
-    return request.app.state.gateway.control.reload_policy(body.get("path"), share)
+    """Body: ``{"path": folder (optional), "canary_share": 0..1 (optional; 0 = load now)}``.
+    A policy that fails to load is a 400 and the running one stays."""
+    body = await _body(request, ReloadBody)
+    try:
+        return request.app.state.gateway.control.reload_policy(body.path, body.canary_share)
+    except ValueError as exc:
+        raise BadRequest("policy_load_failed", str(exc)) from None
 
 
 @router.post("/mode", dependencies=[Depends(_require_token)])
 async def set_mode(request: Request) -> dict[str, Any]:
     """Body: ``{"mode": "policy" | "pid" | "static" | "shadow"}``."""
-    body = await _json(request)
+    body = await _body(request, ModeBody)
     ctl = request.app.state.gateway.control
-    try:
-        ctl.set_mode(str(body.get("mode")))
-    except ValueError as exc:
-        raise BadRequest("invalid_field", str(exc)) from None
+    ctl.set_mode(body.mode)
     return {"mode": ctl.mode, "acting": ctl.acting(), "fallback_reason": ctl.fallback_reason}
 
 
 @router.post("/freeze", dependencies=[Depends(_require_token)])
 async def freeze(request: Request) -> dict[str, Any]:
-    """Body: ``{"frozen": bool, "knobs": {"batch_cap": n, "bucketing": mode} (optional)}``."""
-    body = await _json(request)
-    frozen = body.get("frozen", True)
-    if not isinstance(frozen, bool):
-        raise BadRequest("invalid_field", f"frozen must be true or false, got {frozen!r}")
+    """Body: ``{"frozen": bool, "knobs": {"batch_cap": n, "bucketing": mode} (optional)}``.
+    Checked whole first: a refused call neither freezes nor changes a knob."""
+    body = await _body(request, FreezeBody)
+    knobs = body.knobs.model_dump(exclude_none=True) if body.knobs else None
     try:
-        request.app.state.gateway.control.freeze(frozen, body.get("knobs"))
-    except (ValueError, TypeError) as exc:
+        request.app.state.gateway.control.freeze(body.frozen, knobs)
+    except ValueError as exc:
         raise BadRequest("invalid_field", str(exc)) from None
-    return {"frozen": frozen}
+    return {"frozen": body.frozen}
 
 
 @router.post("/kv_dtype", dependencies=[Depends(_require_token)])
@@ -97,9 +146,9 @@ async def set_kv_dtype(request: Request) -> dict[str, Any]:
     """Body: ``{"dtype": "auto" | "fp8" | ...}``. An operator's KV dtype switch: managed
     upstreams restart one at a time (drained first, queued requests wait); unmanaged ones only
     get it recommended. Bypasses the shield's dwell time, not the runnable-dtype check."""
-    body = await _json(request)
+    body = await _body(request, KvDtypeBody)
     try:
-        return request.app.state.gateway.control.force_kv_dtype(str(body.get("dtype")))
+        return request.app.state.gateway.control.force_kv_dtype(body.dtype)
     except ValueError as exc:
         raise BadRequest("invalid_field", str(exc)) from None
 
@@ -108,3 +157,5 @@ async def set_kv_dtype(request: Request) -> dict[str, Any]:
 async def quality_reset(request: Request) -> dict[str, Any]:
     request.app.state.gateway.quality.reset()
     return {"ok": True}
+
+

@@ -211,7 +211,9 @@ class ControlLoop:
 
     # --- policy management -----------------------------------------------------------------
     def _note(self, msg: str) -> None:
-        log.warning(msg)
+        # Values from admin calls end up here: escape control characters so none forges a line.
+        msg = "".join(c if c.isprintable() else repr(c)[1:-1] for c in msg)
+        log.warning("%s", msg)
         self.events = (self.events + [f"{time.strftime('%H:%M:%S')} {msg}"])[-50:]
 
     def _resolve_policy_dir(self, path: str | None) -> str:
@@ -227,36 +229,41 @@ class ControlLoop:
 
         p = self._resolve_policy_dir(path)
         try:
-            self.runtime = PolicyRuntime.from_dir(p)
+            rt = PolicyRuntime.from_dir(p)
         except (PolicyLoadError, OSError, ValueError) as exc:
             self.runtime = None
-            self._fallback("load_failed", f"policy at {p} failed to load: {exc}")
+            self._fallback("load_failed", f"policy at {p!r} failed to load: {exc}")
             return False
-        self.policy_path = p
-        self.fallback_reason = None
-        self._publish_mode()
-        log.info("policy loaded from %s", p)
+        self._use_policy(rt, p)
         return True
 
+    def _use_policy(self, runtime: "PolicyRuntime", path: str) -> None:
+        self.runtime = runtime
+        self.policy_path = path
+        self.fallback_reason = None
+        self._publish_mode()
+        log.info("policy loaded from %r", path)
+
     def reload_policy(self, path: str | None, canary_share: float | None = None) -> dict[str, Any]:
-        """Admin: load a policy now, or start a canary with it (``canary_share`` > 0)."""
+        """Admin: load a policy now, or start a canary with it (``canary_share`` > 0). A policy
+        that fails to load raises ``ValueError`` and changes nothing: the running one stays."""
         from batchpilot.policies.runtime import PolicyLoadError, PolicyRuntime
 
         p = self._resolve_policy_dir(path or self.policy_path)
         share = self.cfg.control.canary_share if canary_share is None else canary_share
+        try:
+            rt = PolicyRuntime.from_dir(p)
+        except (PolicyLoadError, OSError, ValueError) as exc:
+            self._note(f"policy at {p!r} failed to load; the running controller is kept: {exc}")
+            raise ValueError(f"policy at {p!r} failed to load (the running controller is kept): {exc}") from None
         if share > 0 and self.runtime is not None:
-            try:
-                rt = PolicyRuntime.from_dir(p)
-            except (PolicyLoadError, OSError, ValueError) as exc:
-                self._note(f"canary policy at {p} failed to load, incumbent kept: {exc}")
-                return {"ok": False, "error": str(exc)}
             self.canary = Canary(rt, p, share)
             self.canary_state = "evaluating"
-            self._note(f"canary started: {p} on {share:.0%} of traffic")
+            self._note(f"canary started: {p!r} on {share:.0%} of traffic")
             self._publish_mode()
             return {"ok": True, "canary": True, "path": p}
-        ok = self.load_policy(p)
-        return {"ok": ok, "canary": False, "path": p, "fallback_reason": self.fallback_reason}
+        self._use_policy(rt, p)
+        return {"ok": True, "canary": False, "path": p, "fallback_reason": self.fallback_reason}
 
     def set_mode(self, mode: str) -> None:
         if mode not in CONTROL_MODES:
@@ -268,14 +275,18 @@ class ControlLoop:
         self._publish_mode()
 
     def freeze(self, frozen: bool, knobs: dict[str, Any] | None = None) -> None:
-        """Hold the knobs (the breaker still protects). ``knobs`` sets them first, through
-        the shield's range checks (not its step limit: an operator's explicit choice)."""
+        """Hold the knobs (the breaker still protects). ``knobs`` sets them first, within the
+        shield's range (not its step limit: an operator's explicit choice). A batch cap out of
+        range raises ``ValueError`` before anything changes; it is never silently clamped."""
+        knobs = {key: knobs[key] for key in ("batch_cap", "bucketing") if key in knobs} if knobs else {}
+        cap = knobs.get("batch_cap")
+        if cap is not None:
+            top = min(self.lane_ctl[ln.index].shield.max_batch for ln in self.gw.lanes)
+            if not 1 <= cap <= top:
+                raise ValueError(f"batch_cap must be in [1, {top}] (the shield's max_batch), got {cap}")
         self.frozen = frozen
-        if knobs:
-            for ln in self.gw.lanes:
-                k = ln.knobs.with_(**{key: knobs[key] for key in ("batch_cap", "bucketing") if key in knobs})
-                k = k.with_(batch_cap=max(1, min(int(k.batch_cap), self.lane_ctl[ln.index].shield.max_batch)))
-                ln.set_knobs(k)
+        for ln in self.gw.lanes if knobs else ():
+            ln.set_knobs(ln.knobs.with_(**knobs))
         self._note(f"knobs {'frozen' if frozen else 'released'}" + (f" at {knobs}" if knobs else ""))
 
     def force_kv_dtype(self, dtype: str) -> dict[str, Any]:
@@ -301,7 +312,7 @@ class ControlLoop:
                     await self.gw.supervisor.restart(ln, cause="admin", kv_dtype=dtype)
                     self.lane_ctl[ln.index].shield.last_dtype_switch = time.monotonic()
 
-            asyncio.create_task(one_by_one())
+            self.gw.supervisor.spawn(one_by_one(), "batchpilot-admin-kv-dtype")
         self._note(f"operator KV dtype switch to {dtype}: {out}")
         return {"dtype": dtype, "upstreams": out}
 
@@ -463,7 +474,7 @@ class ControlLoop:
                 pass  # the quality guard keeps 16-bit
             elif lane.upstream.managed is not None:
                 self._note(f"{who} switches {lane.name} KV cache to {want}: restarting it")
-                asyncio.create_task(self.gw.supervisor.restart(lane, cause="kv_dtype", kv_dtype=want))
+                self.gw.supervisor.spawn(self.gw.supervisor.restart(lane, cause="kv_dtype", kv_dtype=want), "batchpilot-restart")
             else:
                 mt.kv_recommendation.labels(lane.name, want).set(1)
                 log.info("recommend kv_cache_dtype=%s for %s (not managed: not applied)", want, lane.name)
@@ -484,7 +495,7 @@ class ControlLoop:
             if lane.upstream.managed is not None:
                 ctl.breaker_restart_done = True
                 self._note(f"breaker level 3 on {lane.name}: restarting it (core requests stay queued)")
-                asyncio.create_task(self.gw.supervisor.restart(lane, cause="breaker"))
+                self.gw.supervisor.spawn(self.gw.supervisor.restart(lane, cause="breaker"), "batchpilot-restart")
             else:
                 self._note(f"breaker level 3 on {lane.name}: restart recommended (not managed)")
         if dec.breaker_level == 0:
@@ -495,7 +506,7 @@ class ControlLoop:
                 and lane.upstream.managed is not None and not lane.upstream.restarting:
             self._note(f"quality guard: output-diff rate {guard.diff_rate:.1%} above threshold; "
                        f"{lane.name} back to 16-bit KV")
-            asyncio.create_task(self.gw.supervisor.restart(lane, cause="quality", kv_dtype="auto"))
+            self.gw.supervisor.spawn(self.gw.supervisor.restart(lane, cause="quality", kv_dtype="auto"), "batchpilot-restart")
 
     def status(self) -> dict[str, Any]:
         return {

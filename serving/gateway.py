@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import tempfile
 import time
 import uuid
 from contextlib import asynccontextmanager
@@ -25,22 +26,25 @@ from typing import Any, AsyncIterator
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.requests import ClientDisconnect
 
 from batchpilot.envs.engine import Request as EngineRequest
 from batchpilot.policies.knobs import Knobs
 from batchpilot.serving.http1 import Http1Error, Http1Response
-from batchpilot.serving.lanes import BadRequest, ClientGone, GatewayError, Lane, Refused
+from batchpilot.serving.http_server import with_head_timeout
+from batchpilot.serving.errors import BadRequest, ClientGone, GatewayError, Refused, json_object
+from batchpilot.serving.lanes import Lane
 from batchpilot.serving.prom import CONTENT_TYPE, GatewayMetrics, bucket_name
 from batchpilot.serving.settings import ServeConfig
 from batchpilot.serving.telemetry import SLO, Telemetry
-from batchpilot.serving.tokens import PromptCounter
+from batchpilot.serving.tokens import PromptCounter, PromptTooLong
 from batchpilot.serving.upstream import ManagedVLLM, Upstream, UpstreamDown, cpu_core_groups, free_port
 
 log = logging.getLogger(__name__)
 
-#: Request headers not forwarded upstream (hop-by-hop, or recomputed by the client library).
-_DROP_HEADERS = frozenset({"host", "content-length", "connection", "keep-alive", "transfer-encoding",
-                           "authorization", "accept-encoding"})
+#: Request headers not forwarded upstream besides hop-by-hop ones (``http1.forwardable``) and
+#: the gateway's own (priority, trusted key): credentials and encodings the gateway decides.
+_DROP_HEADERS = frozenset({"authorization", "accept-encoding"})
 #: Response headers not copied back (the ASGI server sets its own).
 _DROP_RESP_HEADERS = frozenset({"content-length", "connection", "keep-alive", "transfer-encoding",
                                 "date", "server", "content-encoding"})
@@ -87,19 +91,22 @@ class Gateway:
         self.started = time.monotonic()
         self.ready = False
         self.model_dir = cfg.model
+        self.log_dir: Path | None = None  # the managed engines' logs
         upstreams: list[Upstream] = []
         if cfg.managed:
             self.model_dir = self.model_dir or default_model_dir()
             name = cfg.served_model_name or Path(self.model_dir).name
             # Several CPU engines on one machine: give each its own cores (ignored on GPUs).
             cores = cpu_core_groups(cfg.num_managed) if cfg.num_managed > 1 else [None]
+            self.log_dir = Path(cfg.log_dir) if cfg.log_dir else Path(tempfile.mkdtemp(prefix="batchpilot-"))
+            self.log_dir.mkdir(parents=True, exist_ok=True)
             for i in range(cfg.num_managed):
                 port = cfg.managed_port_base + i if cfg.managed_port_base else free_port()
                 proc = ManagedVLLM(
                     self.model_dir, port, served_model_name=name, max_model_len=cfg.max_model_len,
                     max_num_seqs=cfg.max_num_seqs, kv_dtype=cfg.kv_dtype,
                     kv_cache_space_gib=cfg.kv_cache_space_gib, extra_args=cfg.extra_vllm_args,
-                    log_path=Path(f"/tmp/batchpilot-vllm-{port}.log"), cpu_cores=cores[i],
+                    log_path=self.log_dir / f"vllm-{port}.log", cpu_cores=cores[i],
                 )
                 upstreams.append(Upstream(proc.url, managed=proc, name=f"vllm{i}"))
         else:
@@ -137,8 +144,9 @@ class Gateway:
         self.control = ControlLoop(self)
         await self.control.start()
         self.ready = True
-        log.info("gateway ready on %s:%d in front of %s", self.cfg.host, self.cfg.port,
-                 ", ".join(ln.upstream.url for ln in self.lanes))
+        log.info("gateway ready on %s:%d in front of %s%s", self.cfg.host, self.cfg.port,
+                 ", ".join(ln.upstream.url for ln in self.lanes),
+                 f" (engine logs in {self.log_dir})" if self.log_dir else "")
 
     async def stop(self) -> None:
         self.ready = False
@@ -173,13 +181,41 @@ class Gateway:
 
 
 # --- request validation -----------------------------------------------------------------------
-def _parse_body(raw: bytes, chat: bool) -> dict[str, Any]:
+async def _read_body(request: Request, cfg: ServeConfig) -> bytes:
+    """The request body, refused with 413 above ``max_body_bytes`` (before reading it when the
+    client says its length) and with 408 when it does not arrive within ``body_timeout_s``: a
+    50 MB prompt froze the gateway for a minute, and half-open bodies were held forever."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > cfg.max_body_bytes:
+        raise _too_large(int(declared), cfg)
+    chunks: list[bytes] = []
+    size = 0
     try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise BadRequest("invalid_json", f"request body is not valid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise BadRequest("invalid_body", "request body must be a JSON object")
+        async with asyncio.timeout(cfg.body_timeout_s):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > cfg.max_body_bytes:
+                    raise _too_large(size, cfg)
+                chunks.append(chunk)
+    except TimeoutError:
+        raise GatewayError("body_timeout", f"the request body did not arrive within {cfg.body_timeout_s:g} s",
+                           status=408) from None
+    except ClientDisconnect:
+        raise ClientGone() from None
+    return b"".join(chunks)
+
+
+def _too_large(size: int, cfg: ServeConfig) -> GatewayError:
+    return GatewayError("body_too_large", f"the request body has {size} bytes or more; the limit is "
+                        f"serve.max_body_bytes={cfg.max_body_bytes}", status=413)
+
+
+#: Bodies above this are parsed in a worker thread, so the event loop keeps serving others.
+_PARSE_OFF_LOOP_BYTES = 256 * 1024
+
+
+async def _parse_body(raw: bytes, chat: bool) -> dict[str, Any]:
+    body = await asyncio.to_thread(json_object, raw) if len(raw) > _PARSE_OFF_LOOP_BYTES else json_object(raw)
     field_ = "messages" if chat else "prompt"
     if field_ not in body:
         raise BadRequest("missing_field", f"missing required field {field_!r}")
@@ -203,15 +239,23 @@ def _parse_body(raw: bytes, chat: bool) -> dict[str, Any]:
 
 
 def _priority(request: Request, cfg: ServeConfig) -> int:
+    """The request's priority. Anyone may lower their own importance; a priority above the
+    default (a smaller number; 0 = core, never shed) needs a trusted key, or any client could
+    opt out of load shedding."""
     raw = request.headers.get(cfg.priority_header)
     if raw is None:
         return cfg.default_priority
     try:
         p = int(raw)
     except ValueError:
-        raise BadRequest("invalid_header", f"header {cfg.priority_header} must be an integer, got {raw!r}") from None
+        raise BadRequest("invalid_header", f"header {cfg.priority_header} must be an integer, got {raw[:40]!r}") from None
     if p < 0:
         raise BadRequest("invalid_header", f"header {cfg.priority_header} must be >= 0 (0 = core), got {p}")
+    if p < cfg.default_priority and not cfg.is_trusted(request.headers.get(cfg.trusted_key_header)):
+        raise GatewayError(
+            "priority_not_allowed",
+            f"{cfg.priority_header}: {p} is above the default priority {cfg.default_priority}; it needs a trusted "
+            f"key in header {cfg.trusted_key_header}", status=403)
     return p
 
 
@@ -253,21 +297,23 @@ async def _proxy(request: Request, path: str, chat: bool) -> Response:
     cfg = gw.cfg
     t_arrival = time.monotonic()
     deadline = t_arrival + cfg.request_timeout_s
-    raw = await request.body()
-    body = _parse_body(raw, chat)
+    raw = await _read_body(request, cfg)
+    body = await _parse_body(raw, chat)
     priority = _priority(request, cfg)
     lane = gw.pick_lane()
     info = lane.upstream.info
     if "model" not in body and info is not None:
         body["model"] = info.model
         raw = json.dumps(body).encode()
+    max_len = gw.max_model_len(lane)
     try:
-        prompt_len = await gw.counter.count(body, chat, lane.upstream.tokenize)
+        prompt_len = await gw.counter.count(body, chat, lane.upstream.tokenize, limit=max_len)
+    except PromptTooLong as exc:
+        raise BadRequest("prompt_too_long", str(exc)) from None
     except UpstreamDown as exc:
         raise Refused("upstream_down", str(exc), status=503, retry_after=cfg.retry_after_s) from None
     except ValueError as exc:  # the upstream's /tokenize refused it
         raise BadRequest("invalid_prompt", f"could not tokenize the prompt: {exc}") from None
-    max_len = gw.max_model_len(lane)
     max_tokens = body.get("max_tokens") or body.get("max_completion_tokens")
     if prompt_len > max_len:
         raise BadRequest("prompt_too_long",
@@ -281,7 +327,8 @@ async def _proxy(request: Request, path: str, chat: bool) -> Response:
     guard = _DisconnectGuard(request)
     admitted: list[bool] = [False]
     try:
-        headers = [(k, v) for k, v in request.headers.items() if k not in _DROP_HEADERS]
+        drop = _DROP_HEADERS | {cfg.trusted_key_header, cfg.priority_header}
+        headers = [(k, v) for k, v in request.headers.items() if k not in drop]
         return await _forward(gw, lane, req, bucket, body, raw, headers, path, deadline, admitted)
     except asyncio.CancelledError:
         if guard.gone:
@@ -321,11 +368,9 @@ async def _forward(gw: Gateway, lane: Lane, req: EngineRequest, bucket: int, bod
         timer.finish(ok=resp.status == 200, content=content)
         if sampled is not None and resp.status == 200:
             gw.quality.submit(sampled)
-        gw.metrics.requests.labels(path, str(resp.status)).inc()
         # Time spent in the gateway itself (before the upstream call and after it), for benchmarks.
         resp_headers["x-gateway-overhead-ms"] = f"{(timer.t_send - t_arrival + time.monotonic() - t_recv) * 1e3:.3f}"
         return Response(content, status_code=resp.status, headers=resp_headers)
-    gw.metrics.requests.labels(path, "200").inc()
     if sampled is not None:
         gw.quality.submit(sampled)
     return StreamingResponse(_relay(resp, timer, lane, deadline), status_code=200, headers=resp_headers)
@@ -452,6 +497,44 @@ def _completion_tokens(data: bytes) -> int | None:
 
 
 # --- the app ----------------------------------------------------------------------------------
+#: Paths counted under their own name in ``batchpilot:requests_total``; anything else is
+#: "other" (a client choosing the label would otherwise grow the metric without bound).
+_COUNTED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models", "/healthz", "/readyz",
+                            "/metrics", "/admin/status", "/admin/policy/reload", "/admin/mode", "/admin/freeze",
+                            "/admin/kv_dtype", "/admin/quality/reset"})
+
+
+class StatusCounter:
+    """ASGI middleware counting every answer by path and status in one place: errors, 413s,
+    a client gone before the answer (499) and the last-resort 500 included."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = 0
+
+        async def send_counted(message: dict) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_counted)
+        except BaseException:
+            status = status or 500
+            raise
+        finally:
+            gw = getattr(scope["app"].state, "gateway", None)
+            if gw is not None:
+                path = scope["path"] if scope["path"] in _COUNTED_PATHS else "other"
+                gw.metrics.requests.labels(path, str(status or 499)).inc()
+
+
 def _error_response(exc: GatewayError) -> JSONResponse:
     headers = {"Retry-After": str(exc.retry_after)} if exc.retry_after is not None else None
     body = {"error": {"message": exc.message, "type": type(exc).__name__, "code": exc.status, "reason": exc.reason}}
@@ -472,14 +555,22 @@ def build_app(settings: AppSettings) -> FastAPI:
             await gw.stop()
 
     app = FastAPI(title="batchpilot gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.add_middleware(StatusCounter)
 
     @app.exception_handler(GatewayError)
     async def _on_gateway_error(request: Request, exc: GatewayError) -> JSONResponse:
         gw: Gateway = request.app.state.gateway
-        gw.metrics.requests.labels(request.url.path, str(exc.status)).inc()
-        if isinstance(exc, BadRequest):
+        if exc.status < 500 and exc.status not in (429,):  # load refusals count where they happen
             gw.metrics.rejected.labels(exc.reason).inc()
         return _error_response(exc)
+
+    @app.exception_handler(Exception)
+    async def _on_unexpected(request: Request, exc: Exception) -> JSONResponse:
+        """The last resort: a bug in the gateway still answers JSON with a reason (and the
+        traceback is logged), never a plain-text 500."""
+        log.error("unexpected error on %s: %r", request.url.path, exc, exc_info=exc)
+        return _error_response(GatewayError("internal_error", f"the gateway failed: {type(exc).__name__}",
+                                            status=500))
 
     @app.exception_handler(ClientGone)
     async def _on_client_gone(request: Request, exc: ClientGone) -> Response:
@@ -538,6 +629,7 @@ def serve(cfg: Any) -> None:
     app = build_app(settings)
     uvicorn.run(app, host=settings.serve.host, port=settings.serve.port, log_level=settings.serve.log_level,
                 access_log=False, timeout_graceful_shutdown=5,
+                http=with_head_timeout(settings.serve.header_timeout_s),
                 # Longer than clients' idle pools keep connections: a server-side close racing a
                 # client's reuse of the connection shows up as a reset at the client.
                 timeout_keep_alive=75)

@@ -6,6 +6,12 @@ request, half the gateway's whole latency budget. This client is asyncio streams
 upstream. It does only what the proxy needs: one request per connection at a time, bodies
 with Content-Length or chunked, streaming reads, and abort (closing the connection, which
 vLLM notices and turns into a request abort). Health, metrics and admin calls keep httpx.
+
+The rules that keep one client's answer from reaching another (each has a test in
+``tests/test_http1.py``): interim ``1xx`` responses are skipped, never taken for the answer;
+hop-by-hop headers (``expect``, ``connection``, ``te``, ``upgrade`` ...) are never forwarded;
+a connection goes back to the pool only after its response was read to the end, with nothing
+after it, and only if it is still clean (no unread bytes) when it is taken again.
 """
 
 from __future__ import annotations
@@ -27,10 +33,25 @@ class Http1Error(ConnectionError):
         self.connect = connect
 
 
-class _Parse:
-    """httptools callbacks, collecting one response."""
+#: Hop-by-hop request headers (RFC 9110 7.6.1) and ones this client sets itself; never sent on.
+#: ``expect: 100-continue`` in particular: the body goes out with the head, so the interim
+#: answer it asks for is useless, and a client that took it for the answer leaked the real one.
+HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-connection", "proxy-authenticate",
+                        "proxy-authorization", "te", "trailer", "transfer-encoding", "upgrade",
+                        "expect", "host", "content-length"})
 
-    __slots__ = ("headers", "headers_done", "body", "done", "keep_alive", "parser")
+
+def forwardable(headers: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """``headers`` (lower-case names) without hop-by-hop ones, including any the request's
+    ``connection`` header names."""
+    named = {t.strip().lower() for k, v in headers if k == "connection" for t in v.split(",")}
+    return [(k, v) for k, v in headers if k not in HOP_BY_HOP and k not in named]
+
+
+class _Parse:
+    """httptools callbacks, collecting one final response (interim 1xx ones are dropped)."""
+
+    __slots__ = ("headers", "headers_done", "body", "done", "keep_alive", "parser", "status", "trailing")
 
     def __init__(self) -> None:
         self.headers: list[tuple[bytes, bytes]] = []
@@ -38,23 +59,40 @@ class _Parse:
         self.body: deque[bytes] = deque()
         self.done = False
         self.keep_alive = False
+        self.status = 0
+        #: Bytes after the end of the response: the connection is not clean, never reuse it.
+        self.trailing = False
         self.parser: httptools.HttpResponseParser | None = None
 
+    def on_message_begin(self) -> None:
+        if self.done:
+            self.trailing = True
+
     def on_header(self, name: bytes, value: bytes) -> None:
-        self.headers.append((name, value))
+        if not self.done:
+            self.headers.append((name, value))
 
     def on_headers_complete(self) -> None:
+        if self.done or self.parser is None:
+            return
+        status = self.parser.get_status_code()
+        if 100 <= status < 200 and status != 101:
+            self.headers.clear()  # an interim answer (100 Continue, 103 Early Hints): skip it
+            return
+        self.status = status
         self.headers_done = True
         # Asked here: once feed_data has returned a complete message the parser has reset and
         # says False, which turned every pooled upstream call into a new connection.
-        self.keep_alive = self.parser is not None and self.parser.should_keep_alive()
-        self.parser = None  # needed only for that question; no parse <-> parser cycle after it
+        self.keep_alive = self.parser.should_keep_alive() and status != 101
+        self.parser = None  # needed only for those questions; no parse <-> parser cycle after it
 
     def on_body(self, body: bytes) -> None:
-        self.body.append(body)
+        if not self.done:
+            self.body.append(body)
 
     def on_message_complete(self) -> None:
-        self.done = True
+        if self.headers_done:
+            self.done = True
 
 
 class Http1Response:
@@ -65,7 +103,7 @@ class Http1Response:
     def __init__(self, pool: "Http1Pool", reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                  parse: _Parse, parser: httptools.HttpResponseParser) -> None:
         self._pool, self._reader, self._writer, self._parse, self._parser = pool, reader, writer, parse, parser
-        self.status = parser.get_status_code()
+        self.status = parse.status
         self.headers = [(k.decode("latin-1").lower(), v.decode("latin-1")) for k, v in parse.headers]
         self._closed = False
 
@@ -95,7 +133,7 @@ class Http1Response:
         if self._closed:
             return
         self._closed = True
-        if self._parse.keep_alive:
+        if self._parse.keep_alive and not self._parse.trailing:
             self._pool._release(self._reader, self._writer)
         else:
             self._writer.close()
@@ -134,7 +172,8 @@ class Http1Pool:
         now = time.monotonic()
         while self._idle:
             reader, writer, since = self._idle.pop()
-            if now - since < self.keepalive_expiry_s and not writer.is_closing() and not reader.at_eof():
+            if (now - since < self.keepalive_expiry_s and not writer.is_closing() and not reader.at_eof()
+                    and not _has_unread(reader)):
                 return reader, writer
             writer.close()
         return None
@@ -151,10 +190,11 @@ class Http1Pool:
             raise Http1Error(f"cannot connect to {self.host}:{self.port}: {exc}", connect=True) from None
 
     async def request(self, method: str, path: str, headers: list[tuple[str, str]], body: bytes) -> Http1Response:
-        """Send one request, return once the response head is in."""
+        """Send one request, return once the final response head is in. ``headers`` have
+        lower-case names; hop-by-hop ones are dropped here."""
         head = [f"{method} {path} HTTP/1.1\r\n".encode(), b"host: ", self._host_header, b"\r\n",
                 b"content-length: ", str(len(body)).encode(), b"\r\n"]
-        for k, v in headers:
+        for k, v in forwardable(headers):
             head.append(f"{k}: {v}\r\n".encode("latin-1"))
         head.append(b"\r\n")
         payload = b"".join(head) + body
@@ -170,9 +210,20 @@ class Http1Pool:
                     raise ConnectionResetError("connection closed before the response head")
                 parser.feed_data(data)
             return Http1Response(self, reader, writer, parse, parser)
+        except httptools.HttpParserUpgrade:
+            writer.close()
+            raise Http1Error(f"upstream {self.host}:{self.port} switched protocols (101); not supported",
+                             connect=False) from None
         except (OSError, httptools.HttpParserError) as exc:
             writer.close()
             raise Http1Error(f"upstream {self.host}:{self.port} failed: {exc!r}", connect=False) from None
         except BaseException:
             writer.close()
             raise
+
+
+def _has_unread(reader: asyncio.StreamReader) -> bool:
+    """Bytes the server sent while nobody asked (a stray or duplicated response): such a
+    connection would hand them to the next request as its answer. StreamReader has no public
+    way to ask; ``_buffer`` is its read buffer (absent: assume clean, ``at_eof`` still holds)."""
+    return bool(getattr(reader, "_buffer", b""))

@@ -17,45 +17,12 @@ from dataclasses import dataclass, field
 from batchpilot.envs.engine import Request
 from batchpilot.policies.knobs import Knobs
 from batchpilot.serving.admission import Admission, AdmissionConfig, Rejection
+from batchpilot.serving.errors import Refused
 from batchpilot.serving.prom import GatewayMetrics, bucket_name
 from batchpilot.serving.telemetry import Telemetry
 from batchpilot.serving.upstream import Upstream
 
 log = logging.getLogger(__name__)
-
-
-class GatewayError(Exception):
-    """A request the gateway answers itself; ``status``/``reason``/``retry_after`` go to the
-    client (mapped to HTTP in one place, ``gateway._error_response``)."""
-
-    status = 500
-
-    def __init__(self, reason: str, message: str, *, status: int | None = None, retry_after: int | None = None) -> None:
-        super().__init__(message)
-        self.reason = reason
-        self.message = message
-        if status is not None:
-            self.status = status
-        self.retry_after = retry_after
-
-
-class BadRequest(GatewayError):
-    status = 400
-
-
-class Refused(GatewayError):
-    """Load-related refusals: 429 (queue full, shed) or 503 (timeout, upstream down)."""
-
-    status = 503
-
-
-class ClientGone(Exception):
-    """The client disconnected; nothing is sent back. ``counted``: already counted as a
-    rejection (it left a queue), so not again as "client_gone"."""
-
-    def __init__(self, counted: bool = False) -> None:
-        super().__init__("client disconnected")
-        self.counted = counted
 
 
 #: HTTP status per admission rejection reason.

@@ -7,6 +7,7 @@ gateway.
 
 from __future__ import annotations
 
+import hmac
 import os
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -17,6 +18,16 @@ from batchpilot.serving.admission import AdmissionConfig
 ControlMode = Literal["policy", "pid", "static", "shadow"]
 CONTROL_MODES: tuple[str, ...] = ("policy", "pid", "static", "shadow")
 TOKENIZER_MODES: tuple[str, ...] = ("auto", "local", "upstream", "chars")
+
+
+def _read_secret(path: str | None, key: str) -> str | None:
+    """The stripped text of a secret file, or None without a path; a clear error otherwise."""
+    if not path:
+        return None
+    try:
+        return open(path, encoding="utf-8").read().strip() or None
+    except OSError as exc:
+        raise ValueError(f"{key}={path!r} cannot be read: {exc.strerror}") from None
 
 
 def _build(cls: type, node: Any, where: str) -> Any:
@@ -137,19 +148,44 @@ class ServeConfig:
     startup_timeout_s: float = 300.0
     auto_restart: bool = True
     health_interval_s: float = 0.5
+    #: One /health probe may take this long: a CPU engine busy generating starves the API
+    #: server's process, and a 1 s limit declared a live, busy upstream dead.
+    health_timeout_s: float = 5.0
+    #: A managed upstream whose process is alive is restarted only after this many failed
+    #: probes in a row spanning at least ``health_grace_s`` (a dead process: at once).
+    health_failures: int = 3
+    health_grace_s: float = 15.0
     request_timeout_s: float = 60.0
     retry_after_s: int = 1
+    #: Request bodies above this are refused with 413 (before they are read when declared).
+    max_body_bytes: int = 8 * 1024 * 1024
+    #: A request body must arrive within this (else 408); headers within ``header_timeout_s``
+    #: (else the connection is closed).
+    body_timeout_s: float = 30.0
+    header_timeout_s: float = 10.0
     priority_header: str = "x-priority"
     default_priority: int = 1
+    #: Header carrying a trusted key; only requests with one may ask for a priority above the
+    #: default (0 = core, never shed). Keys: ``$BATCHPILOT_TRUSTED_KEYS`` (comma-separated) or
+    #: ``trusted_keys_file`` (one per line).
+    trusted_key_header: str = "x-batchpilot-key"
+    trusted_keys_file: str | None = None
     #: How prompt length is counted: a local tokenizer, the upstream's /tokenize, or chars / 4.
     tokenizer: str = "auto"
-    admin_token: str | None = None
+    #: File holding the admin API's bearer token (``$BATCHPILOT_ADMIN_TOKEN`` wins). Never the
+    #: token itself: config values land in Hydra's config dump and on the command line.
+    admin_token_file: str | None = None
+    #: Folder for the managed engines' logs; None = a private temporary folder (mode 0700).
+    log_dir: str | None = None
     log_level: str = "info"
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     control: ControlConfig = field(default_factory=ControlConfig)
     breaker: BreakerConfig = field(default_factory=BreakerConfig)
     quality_guard: QualityGuardConfig = field(default_factory=QualityGuardConfig)
     warmup: WarmupConfig = field(default_factory=WarmupConfig)
+    #: Secrets, read in ``__post_init__`` from the environment or the files above; never config.
+    admin_token: str | None = field(default=None, repr=False)
+    trusted_keys: tuple[str, ...] = field(default=(), repr=False)
 
     def __post_init__(self) -> None:
         if not self.managed and not self.upstreams:
@@ -173,9 +209,30 @@ class ServeConfig:
         for u in self.upstreams:
             if not u.startswith(("http://", "https://")):
                 raise ValueError(f"serve.upstreams entry {u!r} must start with http:// or https://")
-        env_token = os.environ.get("BATCHPILOT_ADMIN_TOKEN")
-        if env_token:
-            self.admin_token = env_token
+        for name in ("health_timeout_s", "health_grace_s", "body_timeout_s", "header_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"serve.{name} must be > 0, got {getattr(self, name)}")
+        if self.health_failures < 1:
+            raise ValueError(f"serve.health_failures must be >= 1, got {self.health_failures}")
+        if self.max_body_bytes < 1024:
+            raise ValueError(f"serve.max_body_bytes must be >= 1024, got {self.max_body_bytes}")
+        if self.default_priority < 0:
+            raise ValueError(f"serve.default_priority must be >= 0, got {self.default_priority}")
+        self.priority_header = self.priority_header.lower()
+        self.trusted_key_header = self.trusted_key_header.lower()
+        self.admin_token = os.environ.get("BATCHPILOT_ADMIN_TOKEN") or _read_secret(self.admin_token_file,
+                                                                                     "serve.admin_token_file")
+        keys = os.environ.get("BATCHPILOT_TRUSTED_KEYS", "").split(",")
+        if self.trusted_keys_file:
+            keys += (_read_secret(self.trusted_keys_file, "serve.trusted_keys_file") or "").splitlines()
+        self.trusted_keys = tuple(k.strip() for k in keys if k.strip())
+
+    def is_trusted(self, key: str | None) -> bool:
+        """Whether ``key`` is one of the trusted keys (compared in constant time)."""
+        if not key:
+            return False
+        given = key.encode()
+        return any(hmac.compare_digest(given, k.encode()) for k in self.trusted_keys)
 
     @classmethod
     def from_cfg(cls, node: Any) -> "ServeConfig":
@@ -188,6 +245,11 @@ class ServeConfig:
         except ImportError:  # pragma: no cover - omegaconf is a dependency
             pass
         data = dict(node or {})
+        if "admin_token" in data or "trusted_keys" in data:
+            raise ValueError(
+                "serve.admin_token / serve.trusted_keys are not read from the config: config values land in "
+                "Hydra's config dump and on the command line. Export BATCHPILOT_ADMIN_TOKEN / "
+                "BATCHPILOT_TRUSTED_KEYS, or set serve.admin_token_file / serve.trusted_keys_file")
         sub = {
             "admission": lambda n: AdmissionConfig.from_cfg(n),
             "control": lambda n: _build(ControlConfig, n, "serve.control"),

@@ -4,6 +4,13 @@ A restart stops admissions on its lane, waits for in-flight requests to finish (
 request timeout), restarts the process, warms it up and reopens the lane; queued requests
 wait for it within their own timeouts (with one upstream that is the "queue during the
 restart" behaviour). A crashed managed upstream is restarted without draining.
+
+Health: a CPU engine busy generating can starve its own API server, so one slow or failed
+``/health`` is no proof of death (restarting on one killed a busy upstream with everything in
+flight). An upstream is called down when its process has exited or the connection is refused
+(at once), or after ``health_failures`` failed probes in a row spanning ``health_grace_s``.
+Every background task is kept and awaited on stop, so none outlives the gateway or loses its
+exception.
 """
 
 from __future__ import annotations
@@ -11,6 +18,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import dataclass
+from typing import Any, Coroutine
 
 import httpx
 
@@ -21,6 +30,14 @@ from batchpilot.serving.settings import ServeConfig
 log = logging.getLogger(__name__)
 
 
+@dataclass(slots=True)
+class _Probes:
+    """Failed health probes in a row for one lane."""
+
+    failures: int = 0
+    since: float = 0.0
+
+
 class Supervisor:
     """Owns the health loop and every restart; one restart at a time across all lanes."""
 
@@ -29,8 +46,24 @@ class Supervisor:
         self.lanes = lanes
         self.metrics = metrics
         self._restart_lock = asyncio.Lock()
-        self._task: asyncio.Task | None = None
+        self._tasks: set[asyncio.Task] = set()
+        self._probes = {ln.index: _Probes() for ln in lanes}
+        self._pending: set[int] = set()  # lanes with a restart asked for or under way
+        self.closing = False
         self.last_restart_s: float | None = None
+
+    def spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task:
+        """Run ``coro`` in the background, kept (not garbage-collected mid-run), its failure
+        logged, cancelled and awaited on stop."""
+        task = asyncio.create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._done)
+        return task
+
+    def _done(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("background task %s failed", task.get_name(), exc_info=task.exception())
 
     async def start_all(self) -> None:
         """Start (managed) or wait for (unmanaged) every upstream, then warm each up."""
@@ -39,15 +72,14 @@ class Supervisor:
             self.metrics.upstream_up.labels(ln.name).set(1)
             await self.warm_up(ln)
             ln.pump()
-        self._task = asyncio.create_task(self._health_loop(), name="batchpilot-health")
+        self.spawn(self._health_loop(), "batchpilot-health")
 
     async def stop_all(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except (asyncio.CancelledError, Exception):
-                pass
+        """Cancel the health loop and any restart under way, then stop every upstream for good."""
+        self.closing = True
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
         for ln in self.lanes:
             ln.fail_all_waiting("shutting_down", "the gateway is shutting down")
             await ln.upstream.stop()
@@ -57,52 +89,86 @@ class Supervisor:
         while True:
             await asyncio.sleep(self.cfg.health_interval_s)
             for ln in self.lanes:
-                if ln.upstream.restarting:
-                    continue
-                was = ln.upstream.healthy
-                ok = await ln.upstream.check_health(timeout_s=max(1.0, 4 * self.cfg.health_interval_s))
-                self.metrics.upstream_up.labels(ln.name).set(float(ok))
-                if ok and not was:
-                    log.info("upstream %s is healthy again", ln.name)
-                    ln.pump()
-                elif not ok and was:
-                    log.warning("upstream %s stopped answering /health", ln.name)
-                if not ok and ln.upstream.managed is not None and self.cfg.auto_restart:
-                    asyncio.create_task(self.restart(ln, cause="crash", drain=False))
+                if not ln.upstream.restarting:
+                    await self.probe(ln)
+
+    async def probe(self, ln: Lane) -> None:
+        """One health probe of ``ln``; marks it down, or restarts it, when the evidence says so."""
+        up, cfg, st = ln.upstream, self.cfg, self._probes[ln.index]
+        why = await up.probe(cfg.health_timeout_s)
+        now = time.monotonic()
+        if why is None:
+            if st.failures:
+                log.info("upstream %s answers /health again after %d failed probes", ln.name, st.failures)
+            st.failures = 0
+            if not up.healthy:
+                log.info("upstream %s is healthy", ln.name)
+                up.healthy = True
+                ln.pump()
+            self.metrics.upstream_up.labels(ln.name).set(1)
+            return
+        if st.failures == 0:
+            st.since = now
+        st.failures += 1
+        exited = up.managed is not None and not up.managed.alive()
+        down = exited or why.startswith("connection refused") or (
+            st.failures >= cfg.health_failures and now - st.since >= cfg.health_grace_s)
+        log.warning("upstream %s: health probe failed (%d in a row over %.1f s): %s%s", ln.name, st.failures,
+                    now - st.since, why, "; calling it down" if down and up.healthy else "")
+        if not down:
+            return
+        up.healthy = False
+        self.metrics.upstream_up.labels(ln.name).set(0)
+        if up.managed is not None and cfg.auto_restart and not self.closing:
+            self.spawn(self.restart(ln, cause="crash" if exited else "unresponsive", drain=False),
+                       f"batchpilot-restart-{ln.name}")
 
     async def restart(self, lane: Lane, *, cause: str, kv_dtype: str | None = None, drain: bool = True) -> bool:
         """Restart a managed lane's upstream; returns False when it is not managed or already
         restarting. Queued requests wait; in-flight ones finish first when ``drain``."""
-        if lane.upstream.managed is None or lane.upstream.restarting:
+        # Claimed before any await: the health loop and the quality path both asking for one
+        # (the check used to come before taking the lock) queued two restarts.
+        if lane.upstream.managed is None or self.closing or lane.index in self._pending:
             return False
-        async with self._restart_lock:
-            up = lane.upstream
-            up.restarting = True
-            t0 = time.monotonic()
-            try:
-                if drain:
-                    deadline = t0 + self.cfg.request_timeout_s
-                    while lane.admission.num_in_flight and time.monotonic() < deadline:
-                        await asyncio.sleep(0.05)
-                log.warning("restarting upstream %s (%s%s)", lane.name, cause,
-                            f", kv_cache_dtype={kv_dtype}" if kv_dtype else "")
-                self.metrics.upstream_up.labels(lane.name).set(0)
-                took = await up.restart(self.cfg.startup_timeout_s, kv_dtype=kv_dtype)
-                self.metrics.upstream_restarts.labels(lane.name, cause).inc()
-                if kv_dtype is not None:
-                    lane.set_knobs(lane.knobs.with_(kv_dtype=kv_dtype))
-                    lane.telemetry.on_dtype_switch(time.monotonic())
-                self.last_restart_s = took
-                log.info("upstream %s back after %.1f s", lane.name, took)
-                self.metrics.upstream_up.labels(lane.name).set(1)
-                await self.warm_up(lane)
-                return True
-            except Exception:
-                log.exception("restart of upstream %s failed; the health loop will try again", lane.name)
-                return False
-            finally:
-                up.restarting = False
-                lane.pump()
+        self._pending.add(lane.index)
+        try:
+            async with self._restart_lock:
+                if self.closing:
+                    return False
+                return await self._restart(lane, cause=cause, kv_dtype=kv_dtype, drain=drain)
+        finally:
+            self._pending.discard(lane.index)
+
+    async def _restart(self, lane: Lane, *, cause: str, kv_dtype: str | None, drain: bool) -> bool:
+        """One restart, under the lock."""
+        up = lane.upstream
+        up.restarting = True
+        t0 = time.monotonic()
+        try:
+            if drain:
+                deadline = t0 + self.cfg.request_timeout_s
+                while lane.admission.num_in_flight and time.monotonic() < deadline:
+                    await asyncio.sleep(0.05)
+            log.warning("restarting upstream %s (%s%s)", lane.name, cause,
+                        f", kv_cache_dtype={kv_dtype}" if kv_dtype else "")
+            self.metrics.upstream_up.labels(lane.name).set(0)
+            took = await up.restart(self.cfg.startup_timeout_s, kv_dtype=kv_dtype)
+            self.metrics.upstream_restarts.labels(lane.name, cause).inc()
+            if kv_dtype is not None:
+                lane.set_knobs(lane.knobs.with_(kv_dtype=kv_dtype))
+                lane.telemetry.on_dtype_switch(time.monotonic())
+            self.last_restart_s = took
+            log.info("upstream %s back after %.1f s", lane.name, took)
+            self._probes[lane.index] = _Probes()
+            self.metrics.upstream_up.labels(lane.name).set(1)
+            await self.warm_up(lane)
+            return True
+        except Exception:
+            log.exception("restart of upstream %s failed; the health loop will try again", lane.name)
+            return False
+        finally:
+            up.restarting = False
+            lane.pump()
 
     async def warm_up(self, lane: Lane) -> None:
         """Send the configured frequent prefixes so the prefix cache starts warm."""

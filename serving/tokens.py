@@ -3,11 +3,18 @@
 A local tokenizer (``tokenizer.json`` beside the model) costs microseconds; the upstream's
 ``/tokenize`` costs a round trip, so it is the fallback when no local tokenizer is known;
 ``chars`` (characters / 4) is a last resort that needs nothing.
+
+A prompt far over the model's length is refused before it is tokenized (a 1 MB prompt held the
+event loop for over a second): no token of the tokenizer is longer than its longest vocabulary
+entry, so ``characters / longest entry`` is a lower bound on the tokens. Long prompts under
+that bound are tokenized in a worker thread.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import math
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 
@@ -16,6 +23,12 @@ log = logging.getLogger(__name__)
 #: Template tokens a chat message adds around its content (role markers, newlines): an estimate
 #: used with a local tokenizer, which does not render the upstream's chat template.
 CHAT_TOKENS_PER_MESSAGE = 4
+#: Prompts with more characters than this are tokenized off the event loop.
+OFF_LOOP_CHARS = 16_384
+
+
+class PromptTooLong(ValueError):
+    """The prompt has more tokens than the model's length (known without tokenizing it all)."""
 
 
 def _texts(body: dict[str, Any], chat: bool) -> list[str] | list[int]:
@@ -55,19 +68,35 @@ class PromptCounter:
         if mode == "local" and self.tokenizer is None:
             raise ValueError("serve.tokenizer=local needs serve.model (a folder with tokenizer.json)")
         self.mode = "local" if self.tokenizer is not None else ("chars" if mode == "chars" else "upstream")
+        #: Characters of the longest vocabulary entry (an upper bound on one token's text).
+        self.max_token_chars = (max(len(t) for t in self.tokenizer.get_vocab()) if self.tokenizer is not None
+                                else (4 if self.mode == "chars" else None))
 
     async def count(
-        self, body: dict[str, Any], chat: bool, tokenize: Callable[[dict[str, Any]], Awaitable[int]]
+        self, body: dict[str, Any], chat: bool, tokenize: Callable[[dict[str, Any]], Awaitable[int]],
+        limit: int | None = None,
     ) -> int:
+        """Prompt tokens; raises ``PromptTooLong`` when they surely exceed ``limit``."""
+        texts = _texts(body, chat)
+        if texts and isinstance(texts[0], int):
+            return len(texts)
+        chars = [len(t) for t in texts]
+        if limit is not None and self.max_token_chars:
+            at_least = (sum(chars) if chat else max(chars, default=0)) / self.max_token_chars
+            if at_least > limit:
+                raise PromptTooLong(f"the prompt has at least {math.ceil(at_least)} tokens "
+                                    f"({sum(chars)} characters), more than the model's max_model_len={limit}")
         if self.mode == "upstream":
             req = {"model": body.get("model")}
             req["messages" if chat else "prompt"] = body["messages" if chat else "prompt"]
             return await tokenize(req)
-        texts = _texts(body, chat)
-        if texts and isinstance(texts[0], int):
-            return len(texts)
         if self.mode == "local":
-            enc = self.tokenizer.encode_batch(texts, add_special_tokens=False) if texts else []
+            if not texts:
+                enc = []
+            elif sum(chars) > OFF_LOOP_CHARS:
+                enc = await asyncio.to_thread(self.tokenizer.encode_batch, texts, add_special_tokens=False)
+            else:
+                enc = self.tokenizer.encode_batch(texts, add_special_tokens=False)
             lens = [len(e.ids) for e in enc]
         else:
             lens = [len(t) // 4 + 1 for t in texts]

@@ -15,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,7 +72,11 @@ class ManagedVLLM:
     """A ``vllm serve`` process the gateway owns. Runs in its own process group, so ``stop``
     also ends the engine-core child processes, but in the gateway's session: Linux gives each
     session its own scheduling group (autogroup), and with vLLM in a group of its own the
-    gateway waited up to 2.2 s for a CPU while a CPU engine generated (measured on 2 cores)."""
+    gateway waited up to 2.2 s for a CPU while a CPU engine generated (measured on 2 cores).
+
+    The group's leader is ``serving/reaper.py``, which ends the group when the gateway dies
+    (SIGKILL included). ``start``/``stop`` hold a lock, and ``close`` refuses later starts: a
+    restart still starting when the gateway stopped left an orphan ``vllm serve`` behind."""
 
     def __init__(
         self,
@@ -101,6 +106,8 @@ class ManagedVLLM:
         self.log_path = log_path
         self.proc: subprocess.Popen | None = None
         self.num_starts = 0
+        self._lock = threading.Lock()
+        self._closed = False
 
     @property
     def url(self) -> str:
@@ -127,29 +134,46 @@ class ManagedVLLM:
 
     def start(self) -> None:
         """Launch the process (returns at once; ``wait_ready`` waits for /health)."""
-        if self.proc is not None and self.proc.poll() is None:
-            return
+        with self._lock:
+            if self._closed:
+                raise UpstreamDown(f"vllm serve on port {self.port} is closed (the gateway is stopping)")
+            if self.proc is not None and self.proc.poll() is None:
+                return
+            self._launch()
+
+    def _launch(self) -> None:
         env = dict(os.environ)
         env["VLLM_CPU_KVCACHE_SPACE"] = str(self.kv_cache_space_gib)
         if self.cpu_cores is not None:
             env.setdefault("VLLM_CPU_OMP_THREADS_BIND", self.cpu_cores)
         small_machine_omp_defaults(env)
-        out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
+        out = _open_log(self.log_path) if self.log_path else subprocess.DEVNULL
+        reaper = [sys.executable, "-m", "batchpilot.serving.reaper", str(os.getpid()), "--"]
         try:
             self.proc = subprocess.Popen(
-                self.command(), env=env, stdout=out, stderr=subprocess.STDOUT, process_group=0
+                reaper + self.command(), env=env, stdout=out, stderr=subprocess.STDOUT, process_group=0
             )
         finally:
-            if out is not subprocess.DEVNULL:
-                out.close()
+            if self.log_path:
+                os.close(out)
         self.num_starts += 1
         log.info("started vllm serve pid=%d on %s (kv_cache_dtype=%s)", self.proc.pid, self.url, self.kv_dtype)
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
+    def close(self) -> None:
+        """Stop for good: a start still under way finishes first and is stopped; later ones fail."""
+        with self._lock:
+            self._closed = True
+        self.stop()
+
     def stop(self, grace_s: float = 10.0) -> None:
         """SIGTERM the process group, SIGKILL after ``grace_s``."""
+        with self._lock:
+            self._stop(grace_s)
+
+    def _stop(self, grace_s: float) -> None:
         p = self.proc
         if p is None:
             return
@@ -179,6 +203,12 @@ class ManagedVLLM:
                 pass
 
 
+def _open_log(path: Path) -> int:
+    """A file descriptor appending to ``path``, never through a symlink (a predictable /tmp
+    path opened through links let another user point the log anywhere)."""
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+
+
 class Upstream:
     """One vLLM server as the gateway reaches it: a pooled async HTTP client, its health, and
     (when managed) its process."""
@@ -206,15 +236,24 @@ class Upstream:
         await self.client.aclose()
 
     # --- probes ------------------------------------------------------------------------------
-    async def check_health(self, timeout_s: float = 2.0) -> bool:
-        """GET /health; updates ``healthy``."""
+    async def probe(self, timeout_s: float) -> str | None:
+        """GET /health: None when it answers 200, else why not (for the log). Leaves
+        ``healthy`` alone: one slow answer from a busy engine is not a dead one."""
+        if self.managed is not None and not self.managed.alive():
+            return f"the vllm serve process exited (code {self.managed.proc.returncode if self.managed.proc else None})"
         try:
             r = await self.client.get("/health", timeout=timeout_s)
-            ok = r.status_code == 200
-        except httpx.HTTPError:
-            ok = False
-        if self.managed is not None and not self.managed.alive():
-            ok = False
+        except httpx.TimeoutException:
+            return f"/health did not answer within {timeout_s:g} s"
+        except httpx.ConnectError as exc:
+            return f"connection refused ({exc})"
+        except httpx.HTTPError as exc:
+            return f"/health failed: {exc!r}"
+        return None if r.status_code == 200 else f"/health answered {r.status_code}"
+
+    async def check_health(self, timeout_s: float = 2.0) -> bool:
+        """GET /health; updates ``healthy``."""
+        ok = await self.probe(timeout_s) is None
         self.healthy = ok
         return ok
 
@@ -288,8 +327,9 @@ class Upstream:
         return time.monotonic() - t0
 
     async def stop(self) -> None:
+        """Stop a managed process for good (the gateway is stopping)."""
         if self.managed is not None:
-            await asyncio.to_thread(self.managed.stop)
+            await asyncio.to_thread(self.managed.close)
         self.healthy = False
 
 

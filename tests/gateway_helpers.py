@@ -21,6 +21,8 @@ from batchpilot.serving.upstream import free_port
 
 TOKEN = "test-token"
 AUTH = {"authorization": f"Bearer {TOKEN}"}
+TRUSTED_KEY = "trusted-test-key"
+TRUSTED = {"x-batchpilot-key": TRUSTED_KEY}
 
 
 @dataclass
@@ -68,9 +70,10 @@ def running_gateway(*overrides: str, timeout_s: float = 240.0) -> Iterator[Runni
     port = free_port()
     log_path = f"/tmp/batchpilot-gateway-{port}.log"
     cmd = [sys.executable, str(REPO_ROOT / "scripts" / "serve.py"), "serve.managed=true", f"serve.port={port}",
-           f"serve.admin_token={TOKEN}", "serve.kv_cache_space_gib=1", "hydra.run.dir=/tmp/batchpilot-hydra",
+           "serve.kv_cache_space_gib=1", "hydra.run.dir=/tmp/batchpilot-hydra",
            "hydra.output_subdir=null", "hydra/job_logging=none", "hydra/hydra_logging=none", *overrides]
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1")
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", BATCHPILOT_ADMIN_TOKEN=TOKEN,
+               BATCHPILOT_TRUSTED_KEYS=TRUSTED_KEY)
     with open(log_path, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT)
     gw = RunningGateway(f"http://127.0.0.1:{port}", proc, log_path)

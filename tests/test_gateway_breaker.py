@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 
-from gateway_helpers import RunningGateway, one_request, running_gateway
+from gateway_helpers import TRUSTED, RunningGateway, one_request, running_gateway
 
 pytestmark = [pytest.mark.live, pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -25,6 +25,11 @@ def gw() -> RunningGateway:
         yield g
 
 
+def _headers(prio: int) -> dict[str, str]:
+    """Core priority needs a trusted key (an untrusted client could opt out of shedding)."""
+    return {"x-priority": str(prio), **(TRUSTED if prio == 0 else {})}
+
+
 async def _mixed_load(url: str, seconds: float, rate: float) -> list[tuple[int, object]]:
     """Open-loop arrivals alternating core (x-priority: 0) and low-priority (1) requests."""
     out: list[asyncio.Task] = []
@@ -36,7 +41,7 @@ async def _mixed_load(url: str, seconds: float, rate: float) -> list[tuple[int, 
             prio = i % 2
             prios.append(prio)
             out.append(asyncio.create_task(one_request(c, url, {"prompt": f"breaker load {i}", "max_tokens": 8},
-                                                       headers={"x-priority": str(prio)}, timeout_s=180)))
+                                                       headers=_headers(prio), timeout_s=180)))
             i += 1
             await asyncio.sleep(max(0.0, t0 + i / rate - time.monotonic()))
         results = await asyncio.gather(*out)
@@ -59,5 +64,5 @@ def test_breaker_walks_to_restart_and_keeps_core_requests(gw: RunningGateway) ->
     assert gw.metric("batchpilot:requests_rejected_total", reason="shed_low_priority") == len(shed)
     # After the restart the upstream serves again.
     r = httpx.post(f"{gw.url}/v1/completions", json={"prompt": "after", "max_tokens": 2},
-                   headers={"x-priority": "0"}, timeout=120)
+                   headers=_headers(0), timeout=120)
     assert r.status_code == 200, r.text
