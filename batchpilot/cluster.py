@@ -20,7 +20,8 @@ INSTALL_HINT = "pip install -e '.[cluster]' (scripts/setup.sh installs it)"
 
 
 class ClusterUnavailable(RuntimeError):
-    """Ray is not installed (or not importable); the message names the fix."""
+    """Ray is not installed, or the cluster asked for cannot be joined; the message names the
+    fix."""
 
 
 def require_ray(what: str) -> ModuleType:
@@ -50,7 +51,10 @@ def ray_session(
             kwargs["address"] = address
         elif num_cpus is not None:
             kwargs["num_cpus"] = int(num_cpus)
-        ray.init(**kwargs)
+        try:
+            ray.init(**kwargs)
+        except ConnectionError as e:  # no cluster at that address: a settings problem
+            raise ClusterUnavailable(f"could not join the Ray cluster at {address!r}: {e}") from None
     try:
         yield dict(ray.cluster_resources())
     finally:

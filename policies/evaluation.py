@@ -36,6 +36,7 @@ import math
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -563,10 +564,14 @@ def run_on_ray(
 ) -> None:
     """Cells as Ray tasks (``launcher.cpus_per_cell`` CPUs each), handled as they finish; each
     workload's plan goes to the object store once."""
-    from batchpilot.cluster import ray_session
+    from batchpilot.cluster import ClusterUnavailable, ray_session
 
     ray = require_launcher(launcher)
-    with ray_session(ray, launcher.address, launcher.num_cpus, launcher.init) as resources:
+    with ExitStack() as stack:
+        try:
+            resources = stack.enter_context(ray_session(ray, launcher.address, launcher.num_cpus, launcher.init))
+        except ClusterUnavailable as e:  # e.g. no cluster at launcher.address
+            raise EvaluationError(str(e)) from None
         cpus = resources.get("CPU", 0.0)
         per = launcher.cpus_per_cell
         log(f"Ray cluster: {cpus:g} CPUs, {len(cells)} cells to start, {per:g} CPU per cell")

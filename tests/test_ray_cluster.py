@@ -123,6 +123,12 @@ def test_evaluate_without_ray_names_the_extra(monkeypatch: pytest.MonkeyPatch, t
         _evaluate(tmp_path, ["launcher=ray"])
 
 
+def test_evaluate_with_no_cluster_at_the_address_is_one_error(tmp_path: Path) -> None:
+    wait_no_ray_processes()  # nothing for launcher.address=auto to find
+    with pytest.raises(EvaluationError, match=r"could not join the Ray cluster at 'auto'"):
+        _evaluate(tmp_path, ["launcher=ray", "launcher.address=auto"])
+
+
 def _script(name: str, args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
     """Run ``scripts/<name>`` with ``import ray`` failing, as on a machine without the extra."""
     path = str(REPO_ROOT / "scripts" / name)
