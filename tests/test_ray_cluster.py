@@ -123,10 +123,16 @@ def test_evaluate_without_ray_names_the_extra(monkeypatch: pytest.MonkeyPatch, t
         _evaluate(tmp_path, ["launcher=ray"])
 
 
-def test_evaluate_with_no_cluster_at_the_address_is_one_error(tmp_path: Path) -> None:
-    wait_no_ray_processes()  # nothing for launcher.address=auto to find
+def test_no_cluster_at_the_address_is_one_error(tmp_path: Path) -> None:
+    wait_no_ray_processes()  # nothing for address=auto to find
     with pytest.raises(EvaluationError, match=r"could not join the Ray cluster at 'auto'"):
         _evaluate(tmp_path, ["launcher=ray", "launcher.address=auto"])
+    args = ["-m", "hydra/launcher=ray", "hydra.launcher.address=auto", *TINY, "seed=0,1"]
+    cmd = [sys.executable, str(REPO_ROOT / "scripts" / "train.py"), *args]
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1].startswith("train: error: could not join the Ray cluster at 'auto'")
+    assert "Traceback" not in proc.stderr
 
 
 def _script(name: str, args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:

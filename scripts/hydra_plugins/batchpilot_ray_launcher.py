@@ -8,7 +8,9 @@ needs no install step. The work is done in ``batchpilot.cluster.launch_sweep``. 
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from hydra.core.utils import JobReturn
@@ -40,10 +42,16 @@ class BatchpilotRayLauncher(Launcher):
         self.hydra_context, self.task_function, self.config = hydra_context, task_function, config
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
-        from batchpilot.cluster import launch_sweep
+        from batchpilot.cluster import ClusterUnavailable, launch_sweep
 
         assert self.hydra_context is not None and self.config is not None and self.task_function is not None
-        return launch_sweep(
-            self.hydra_context, self.config, self.task_function, job_overrides, initial_job_idx,
-            address=self.address, num_cpus=self.num_cpus, cpus_per_job=self.cpus_per_job, init=self.init,
-        )
+        try:
+            return launch_sweep(
+                self.hydra_context, self.config, self.task_function, job_overrides, initial_job_idx,
+                address=self.address, num_cpus=self.num_cpus, cpus_per_job=self.cpus_per_job, init=self.init,
+            )
+        except ClusterUnavailable as e:
+            # No Ray, or no cluster at the address: one line, as the scripts report config
+            # errors (Hydra would print a traceback for anything raised here).
+            print(f"{Path(sys.argv[0]).stem}: error: {e}", file=sys.stderr)
+            raise SystemExit(2) from None
