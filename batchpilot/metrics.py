@@ -18,8 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from batchpilot.envs.engine import FinishedRequest
-from batchpilot.serving.telemetry import SLO
+from batchpilot.core.engine import FinishedRequest
+from batchpilot.core.telemetry import SLO
 
 LATENCY_METRICS: tuple[str, ...] = ("ttft", "tpot", "itl", "e2el")
 LATENCY_STATS: tuple[str, ...] = ("mean", "median", "p99")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from omegaconf import DictConfig
 
-from batchpilot.envs.engine import Engine
+from batchpilot.core.engine import Engine
 
 
 def build_engine(cfg: DictConfig) -> Engine:

@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass
 
 from batchpilot.config import config_fields
-from batchpilot.serving.telemetry import SLO, Snapshot
+from batchpilot.core.telemetry import SLO, Snapshot
 
 
 @dataclass(frozen=True, slots=True)

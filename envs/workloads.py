@@ -28,7 +28,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from batchpilot.envs.engine import Request
+from batchpilot.core.engine import Request
 from batchpilot.envs.traces import (
     MOONCAKE_BLOCK_TOKENS,
     TRACE_FORMATS,

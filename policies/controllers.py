@@ -8,28 +8,17 @@ the shield turns proposals into knobs, so controllers never clamp for safety the
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol, runtime_checkable
+from typing import Any, Callable
 
 from batchpilot.config import config_fields
-from batchpilot.policies.knobs import BUCKETING_MODES, Knobs, Proposal
-from batchpilot.serving.telemetry import Snapshot
+from batchpilot.core.controller import Controller
+from batchpilot.core.knobs import BUCKETING_MODES, Knobs, Proposal
+from batchpilot.core.telemetry import Snapshot
 
 LATENCY_METRICS: tuple[str, ...] = ("ttft", "tpot", "e2el")
-
-
-@runtime_checkable
-class Controller(Protocol):
-    """Maps the last control interval to proposed knobs."""
-
-    name: str
-
-    def reset(self, knobs: Knobs) -> None:
-        """Forget history; ``knobs`` are the settings in force at the start."""
-
-    def decide(self, snapshot: Snapshot, knobs: Knobs) -> Proposal:
-        """Propose knobs for the next interval; ``knobs`` are those in force now."""
 
 
 def p99_ms(snap: Snapshot, metric: str) -> float:
@@ -65,19 +54,21 @@ def _check_common(kind: str, d: dict[str, Any]) -> None:
 # --- PID ---------------------------------------------------------------------------------
 @dataclass(slots=True)
 class PIDConfig:
-    """The guide's PID on the batch cap (``conf/policy/pid.yaml``)."""
+    """The guide's PID on the batch cap. These defaults are the ones ``conf/policy/pid.yaml``
+    spells out (a test keeps them equal), so a PID built without that file (the gateway's
+    fallback when it serves a policy) is the same PID the evaluation ran."""
 
     #: Latency whose P99 is controlled.
-    metric: str = "ttft"
+    metric: str = "tpot"
     #: SLO of that metric in ms (filled from the top config's SLO by ``build_controller``).
     slo_ms: float = 1000.0
     #: Aim for P99 = target_frac x SLO (headroom for noise).
     target_frac: float = 0.8
-    kp: float = 0.5
+    kp: float = 1.0
     ki: float = 0.05
     kd: float = 0.1
     #: EMA factor on the output (1 = no smoothing).
-    smoothing: float = 0.5
+    smoothing: float = 1.0
     #: Largest step per decision as a fraction of the current cap (the shield still limits it).
     max_step_frac: float = 0.25
     #: The integral is kept within +-integral_limit (anti-windup).
@@ -94,13 +85,13 @@ class PIDConfig:
     #: After a cut, no further cut for this long. The P99 comes from a sliding window of
     #: finished requests (telemetry's window_s), so a cut shows fully only once the window has
     #: turned over; cutting on the stale P99 meanwhile drives the cap far below what was needed.
-    settle_s: float = 0.0
+    settle_s: float = 10.0
     #: With more requests waiting than running, TTFT/E2E measure the queue, not the batch, and a
     #: smaller cap would only lengthen it: steer on TPOT (engine-side) until the backlog clears.
     queue_aware: bool = True
     #: TPOT SLO in ms for queue-aware steering (filled from the top config's SLO).
     tpot_slo_ms: float | None = 100.0
-    initial_batch_cap: int = 32
+    initial_batch_cap: int = 128
     min_batch: int = 1
     max_batch: int = 256
     bucketing: str = "weighted"
@@ -296,18 +287,21 @@ def _fields(cls: type, d: dict[str, Any], kind: str, drop: tuple[str, ...] = ("k
     return config_fields(cls, d, f"policy {kind}", drop=drop)
 
 
-def _bounded(d: dict[str, Any], max_num_seqs: int) -> dict[str, Any]:
-    d["max_batch"] = min(int(d.get("max_batch", max_num_seqs)), max_num_seqs)
-    d["initial_batch_cap"] = min(int(d.get("initial_batch_cap", 32)), d["max_batch"])
+def _bounded(cls: type, d: dict[str, Any], max_num_seqs: int) -> dict[str, Any]:
+    """``d`` with max_batch and initial_batch_cap (the dataclass defaults when unset) capped
+    at the engine's ``max_num_seqs``."""
+    defaults = {f.name: f.default for f in dataclasses.fields(cls)}
+    d["max_batch"] = min(int(d.get("max_batch", defaults["max_batch"])), max_num_seqs)
+    d["initial_batch_cap"] = min(int(d.get("initial_batch_cap", defaults["initial_batch_cap"])), d["max_batch"])
     return d
 
 
 def _build_pid(cfg: Any, max_num_seqs: int) -> Controller:
-    return PIDController(PIDConfig(**_bounded(_fields(PIDConfig, _node(cfg), "pid"), max_num_seqs)))
+    return PIDController(PIDConfig(**_bounded(PIDConfig, _fields(PIDConfig, _node(cfg), "pid"), max_num_seqs)))
 
 
 def _build_aimd(cfg: Any, max_num_seqs: int) -> Controller:
-    return AIMDController(AIMDConfig(**_bounded(_fields(AIMDConfig, _node(cfg), "aimd"), max_num_seqs)))
+    return AIMDController(AIMDConfig(**_bounded(AIMDConfig, _fields(AIMDConfig, _node(cfg), "aimd"), max_num_seqs)))
 
 
 def _build_static(cfg: Any, max_num_seqs: int) -> Controller:

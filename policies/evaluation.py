@@ -51,7 +51,7 @@ from batchpilot.envs.engines import build_engine
 from batchpilot.envs.workloads import build_workload
 from batchpilot.policies.controllers import CONTROLLER_BUILDERS, Controller, build_controller
 from batchpilot.policies.eval_report import ROW_KEYS, Timeline
-from batchpilot.policies.knobs import BUCKETING_MODES, Knobs
+from batchpilot.core.knobs import BUCKETING_MODES, Knobs
 
 BEST_STATIC = "best_static"
 

@@ -21,11 +21,11 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
-from batchpilot.policies.actions import ACTION_NVEC, BATCH_STEPS, KV_CHOICES
+from batchpilot.core.actions import ACTION_NVEC, BATCH_STEPS, KV_CHOICES
 from batchpilot.policies.artifact import Normalization, write_artifact
-from batchpilot.policies.knobs import BUCKETING_MODES
+from batchpilot.core.knobs import BUCKETING_MODES
 from batchpilot.policies.runtime import PolicyRuntime
-from batchpilot.serving.telemetry import FEATURE_NAMES, OBS_HIGH, OBS_LOW
+from batchpilot.core.telemetry import FEATURE_NAMES, OBS_HIGH, OBS_LOW
 
 if TYPE_CHECKING:  # pragma: no cover
     from stable_baselines3 import PPO

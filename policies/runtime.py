@@ -18,9 +18,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from batchpilot.policies.actions import ACTION_NVEC
+from batchpilot.core.actions import ACTION_NVEC
 from batchpilot.policies.artifact import Artifact, PolicyLoadError, read_artifact
-from batchpilot.serving.telemetry import FEATURE_NAMES, OBS_HIGH, OBS_LOW
+from batchpilot.core.telemetry import FEATURE_NAMES, OBS_HIGH, OBS_LOW
 
 __all__ = ["PolicyRuntime", "PolicyLoadError", "benchmark_runtime"]
 

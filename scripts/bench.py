@@ -14,7 +14,7 @@ from omegaconf import DictConfig
 from rich.console import Console
 from rich.table import Table
 
-from batchpilot.envs.engine import Request
+from batchpilot.core.engine import Request
 from batchpilot.envs.sim_engine import SimEngine
 
 

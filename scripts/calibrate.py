@@ -4,7 +4,7 @@
 and writes the fitted hardware profile (``conf/hardware/cpu_tiny.yaml``);
 ``report=true`` then replays the same workloads live (several runs) and on the simulator and
 prints a table of relative errors, ending with ONE JSON line (``fit=false`` skips the fit and
-uses the committed profile). See conf/calibrate.yaml and envs/calibration.py.
+uses the committed profile). See conf/calibrate.yaml and policies/calibration.py.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ for _key, _var, _default in (("omp_wait_policy", "OMP_WAIT_POLICY", "PASSIVE"),
 import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
-from batchpilot.envs.calibration import main as run  # noqa: E402
+from batchpilot.policies.calibration import main as run  # noqa: E402
 
 
 @hydra.main(config_path="../conf", config_name="calibrate", version_base="1.3")

@@ -37,7 +37,7 @@ def _training_config(cfg: DictConfig) -> tuple[dict[str, Any], str]:
 
 def export(cfg: DictConfig) -> Path:
     from batchpilot.policies.export import export_policy, load_sb3
-    from batchpilot.serving.telemetry import FEATURE_NAMES
+    from batchpilot.core.telemetry import FEATURE_NAMES
 
     train_cfg, source = _training_config(cfg)
     log.info("training config: %s", source)

@@ -15,7 +15,7 @@ from typing import Any, Literal, TypeVar
 from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from batchpilot.policies.knobs import BUCKETING_MODES
+from batchpilot.core.knobs import BUCKETING_MODES
 from batchpilot.serving.errors import BadRequest, GatewayError, json_object
 
 router = APIRouter(prefix="/admin")

@@ -84,7 +84,7 @@ async def _pairs(direct: str, gateway: str, model: str, b: GatewayBenchConfig, n
 def bench_gateway(cfg: Any) -> dict[str, Any]:
     """Start vLLM + gateway, measure, stop both; returns the figures (milliseconds)."""
     from batchpilot.config import REPO_ROOT
-    from batchpilot.envs.tiny_model import build_tiny_model
+    from batchpilot.core.tiny_model import build_tiny_model
     from batchpilot.serving.upstream import ManagedVLLM, free_port
 
     b = GatewayBenchConfig.from_cfg(cfg)

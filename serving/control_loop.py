@@ -30,16 +30,17 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from batchpilot.envs.engine import KV_DTYPES_8BIT, KV_DTYPES_16BIT, EngineCapabilities, MemoryModel
+from batchpilot.core.engine import KV_DTYPES_8BIT, KV_DTYPES_16BIT, EngineCapabilities, MemoryModel
+from batchpilot.core.vllm_cpu import cpu_kv8_unavailable_reason
 from batchpilot.metrics import parse_vllm_metrics
-from batchpilot.policies.actions import action_mask, action_to_proposal
+from batchpilot.core.actions import action_mask, action_to_proposal
 from batchpilot.policies.controllers import Controller, build_controller
-from batchpilot.policies.knobs import Knobs, Proposal
-from batchpilot.policies.shield import INTERVENTION_KINDS, Shield, ShieldConfig, ShieldInputs
-from batchpilot.serving.admission import depths_padded
+from batchpilot.core.knobs import Knobs, Proposal
+from batchpilot.core.shield import INTERVENTION_KINDS, Shield, ShieldConfig, ShieldInputs
+from batchpilot.core.admission import depths_padded
 from batchpilot.serving.lanes import Lane
 from batchpilot.serving.settings import CONTROL_MODES
-from batchpilot.serving.telemetry import Snapshot
+from batchpilot.core.telemetry import Snapshot
 from batchpilot.serving.upstream import UpstreamDown
 
 if TYPE_CHECKING:
@@ -51,25 +52,6 @@ log = logging.getLogger(__name__)
 CANARY_STATES = {"none": 0, "evaluating": 1, "promoted": 2, "rolled_back": 3}
 
 
-def kv8_unavailable_reason() -> str | None:
-    """Why this machine cannot run an 8-bit KV cache, or None. vLLM on CPU needs AVX-512 or
-    AMX for fp8 KV; a GPU build is assumed able."""
-    try:
-        import torch
-
-        if torch.cuda.is_available():
-            return None
-    except ImportError:  # pragma: no cover
-        pass
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return "cannot read /proc/cpuinfo to check for AVX-512/AMX"
-    if "avx512f" in flags or "amx_tile" in flags:
-        return None
-    return "8-bit KV cache on CPU needs AVX-512 or AMX, which this CPU lacks"
-
-
 def upstream_engine_model(lane: Lane, max_num_seqs: int, kv8_dtype: str, managed: bool) -> tuple[MemoryModel, EngineCapabilities]:
     """The shield's view of an upstream. The KV pool is the budget (vLLM pre-allocates it;
     weights live outside it), in units of one 16-bit block; an 8-bit block is half of one."""
@@ -79,7 +61,7 @@ def upstream_engine_model(lane: Lane, max_num_seqs: int, kv8_dtype: str, managed
     bytes_ = {d: 1.0 for d in KV_DTYPES_16BIT} | {d: 0.5 for d in KV_DTYPES_8BIT}
     mem = MemoryModel(budget_bytes=float(blocks), weights_bytes=0.0, activation_bytes=0.0, block_size=block_size,
                       kv_block_bytes=bytes_, num_kv_blocks_total=blocks)
-    why8 = kv8_unavailable_reason()
+    why8 = cpu_kv8_unavailable_reason()
     kv = {d: None for d in KV_DTYPES_16BIT} | {d: why8 for d in KV_DTYPES_8BIT}
     max_len = info.max_model_len if info and info.max_model_len else 2048
     caps = EngineCapabilities(kv_dtypes=kv, max_model_len=max_len, max_num_seqs=max_num_seqs,
@@ -343,7 +325,7 @@ class ControlLoop:
         logits = runtime.logits(obs)
         if not np.all(np.isfinite(logits)):
             raise ValueError("policy returned non-finite outputs (NaN/inf)")
-        kv_ok = {d: kv8_unavailable_reason() is None for d in KV_DTYPES_8BIT} | {d: True for d in KV_DTYPES_16BIT}
+        kv_ok = {d: cpu_kv8_unavailable_reason() is None for d in KV_DTYPES_8BIT} | {d: True for d in KV_DTYPES_16BIT}
         mask = action_mask(kv_ok, kv16_dtype="auto", kv8_dtype=self.cfg.kv8_dtype)
         action = runtime.act(obs, mask)
         return action_to_proposal(action, knobs, kv16_dtype="auto", kv8_dtype=self.cfg.kv8_dtype)

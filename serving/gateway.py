@@ -28,15 +28,15 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.requests import ClientDisconnect
 
-from batchpilot.envs.engine import Request as EngineRequest
-from batchpilot.policies.knobs import Knobs
+from batchpilot.core.engine import Request as EngineRequest
+from batchpilot.core.knobs import Knobs
 from batchpilot.serving.http1 import Http1Error, Http1Response
 from batchpilot.serving.http_server import with_head_timeout
 from batchpilot.serving.errors import BadRequest, ClientGone, GatewayError, Refused, json_object
 from batchpilot.serving.lanes import Lane
 from batchpilot.serving.prom import CONTENT_TYPE, GatewayMetrics, bucket_name
 from batchpilot.serving.settings import ServeConfig
-from batchpilot.serving.telemetry import SLO, Telemetry
+from batchpilot.core.telemetry import SLO, Telemetry
 from batchpilot.serving.tokens import PromptCounter, PromptTooLong
 from batchpilot.serving.upstream import ManagedVLLM, Upstream, UpstreamDown, cpu_core_groups, free_port
 
@@ -76,7 +76,7 @@ class AppSettings:
 
 
 def default_model_dir() -> str:
-    from batchpilot.envs.tiny_model import build_tiny_model
+    from batchpilot.core.tiny_model import build_tiny_model
 
     return str(build_tiny_model())
 
@@ -447,7 +447,10 @@ class _Timer:
 
     def chunk(self, data: bytes) -> None:
         if self.t_first is None:
+            # The first token reaches telemetry when it arrives, as in the env (the engine's
+            # first token): a growing queue shows before the slow requests finish.
             self.t_first = time.monotonic()
+            self.lane.telemetry.on_first_token(self.t_first, self.t_first - self.t0)
         self.n_chunks += data.count(b"data: ")
         if b'"usage"' in data:
             self.usage_tokens = _completion_tokens(data)
@@ -467,6 +470,7 @@ class _Timer:
             up = now - self.t_send
             ttft = (self.t_send - self.t0) + up / max(n, 1)
             tpot = up / max(n, 1)
+            self.lane.telemetry.on_first_token(now, ttft)
         else:
             n = self.usage_tokens or max(self.n_chunks - 2, 1)
             first = self.t_first or now

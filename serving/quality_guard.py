@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
-from batchpilot.envs.engine import KV_DTYPES_8BIT
+from batchpilot.core.engine import KV_DTYPES_8BIT
 from batchpilot.serving.prom import GatewayMetrics
 from batchpilot.serving.settings import QualityGuardConfig
 

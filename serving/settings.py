@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from batchpilot.config import config_fields
-from batchpilot.serving.admission import AdmissionConfig
+from batchpilot.core.admission import AdmissionConfig
 
 ControlMode = Literal["policy", "pid", "static", "shadow"]
 CONTROL_MODES: tuple[str, ...] = ("policy", "pid", "static", "shadow")

@@ -23,7 +23,7 @@ from typing import Any
 
 import httpx
 
-from batchpilot.envs.vllm_engine import small_machine_omp_defaults
+from batchpilot.core.vllm_cpu import small_machine_omp_defaults
 from batchpilot.serving.http1 import Http1Pool
 
 log = logging.getLogger(__name__)

@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from batchpilot.config import load_config
-from batchpilot.envs.calibration import (
+from batchpilot.policies.calibration import (
     Fit,
     IterationSample,
     MetricComparison,
@@ -21,7 +21,7 @@ from batchpilot.envs.calibration import (
     residuals,
     summary_json,
 )
-from batchpilot.envs.engine import Request
+from batchpilot.core.engine import Request
 from batchpilot.envs.sim_engine import SimEngine, SimEngineConfig
 from batchpilot.envs.specs import HardwareSpec, ModelSpec
 
@@ -86,7 +86,7 @@ def test_tiny_grid_calibration_writes_a_profile_the_simulator_loads(tmp_path: Pa
     pytest.importorskip("vllm")
     from rich.console import Console
 
-    from batchpilot.envs.calibration import run_fit
+    from batchpilot.policies.calibration import run_fit
 
     out = tmp_path / "cpu_test.yaml"
     cfg = load_config(

@@ -19,8 +19,8 @@ from batchpilot.policies.controllers import (
     initial_knobs,
     register_controller,
 )
-from batchpilot.policies.knobs import Knobs, Proposal
-from batchpilot.serving.telemetry import Snapshot
+from batchpilot.core.knobs import Knobs, Proposal
+from batchpilot.core.telemetry import Snapshot
 
 POLICY_DIR = Path(__file__).resolve().parent.parent / "conf" / "policy"
 
@@ -38,7 +38,9 @@ def snap(ttft_p99_ms: float = 100.0, queue: int = 10, mean_prompt_len: float = 5
 
 
 def pid(**over) -> PIDController:
-    return PIDController(PIDConfig(**{"slo_ms": 1000.0, "target_frac": 0.8, **over}))
+    """The guide's textbook PID on TTFT (the shipped defaults steer on TPOT)."""
+    return PIDController(PIDConfig(**{"metric": "ttft", "kp": 0.5, "smoothing": 0.5, "settle_s": 0.0,
+                                      "initial_batch_cap": 32, "slo_ms": 1000.0, "target_frac": 0.8, **over}))
 
 
 def test_pid_raises_cap_when_far_under_target_with_queue():
@@ -199,3 +201,21 @@ def test_factory_rejects_unknown_and_accepts_registered_kinds():
 
     register_controller("test_fixed", lambda cfg, n: Fixed())
     assert build_controller({"kind": "test_fixed"}, 256).decide(snap(), Knobs(1)).batch_cap == 7
+
+
+@pytest.mark.parametrize("kind, cls", [("pid", PIDConfig), ("aimd", AIMDConfig)])
+def test_controller_defaults_are_the_shipped_config(kind: str, cls: type) -> None:
+    """One set of defaults: a controller built from its dataclass alone (the gateway's fallback
+    PID) is the one ``conf/policy/<kind>.yaml`` describes (they disagreed: TTFT vs TPOT, kp 0.5
+    vs 1.0, cap 32 vs 128)."""
+    import dataclasses
+
+    from omegaconf import OmegaConf
+
+    from batchpilot.config import REPO_ROOT
+
+    node = OmegaConf.to_container(OmegaConf.load(REPO_ROOT / "conf" / "policy" / f"{kind}.yaml"))
+    defaults = {f.name: f.default for f in dataclasses.fields(cls)}
+    for key, value in node.items():
+        if key != "kind":
+            assert defaults[key] == value, (key, defaults[key], value)

@@ -13,10 +13,10 @@ from gymnasium.utils.env_checker import check_env
 import batchpilot.envs  # noqa: F401  (registers the id)
 from batchpilot.config import load_config
 from batchpilot.envs import ENV_ID
-from batchpilot.envs.engine import KV_DTYPES_8BIT
+from batchpilot.core.engine import KV_DTYPES_8BIT
 from batchpilot.envs.serving_env import ServingEnv
 from batchpilot.policies.controllers import build_controller
-from batchpilot.policies.knobs import BUCKETING_MODES
+from batchpilot.core.knobs import BUCKETING_MODES
 
 SHORT = ["env.episode_s=20", "workload.duration_s=20"]
 

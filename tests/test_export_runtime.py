@@ -13,10 +13,10 @@ import gymnasium as gym
 import numpy as np
 import pytest
 
-from batchpilot.policies.actions import ACTION_NVEC
+from batchpilot.core.actions import ACTION_NVEC
 from batchpilot.policies.artifact import FORMAT_VERSION, MANIFEST_FILE, WEIGHTS_FILE, config_sha256
 from batchpilot.policies.runtime import PolicyLoadError, PolicyRuntime, benchmark_runtime
-from batchpilot.serving.telemetry import FEATURE_NAMES
+from batchpilot.core.telemetry import FEATURE_NAMES
 
 sb3 = pytest.importorskip("stable_baselines3")
 sb3c = pytest.importorskip("sb3_contrib")

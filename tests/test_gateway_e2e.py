@@ -247,3 +247,30 @@ def test_policy_modes_with_the_shipped_policy(gw: RunningGateway) -> None:
         assert gw.metric("batchpilot:canary_state") == 1
     finally:
         post("/admin/mode", {"mode": "pid"})
+
+
+def test_ttft_in_metrics_matches_what_clients_measure(gw: RunningGateway) -> None:
+    """Production TTFT used to read 0 (only the env recorded first tokens): the gateway's TTFT
+    percentiles (``/metrics`` and the control snapshot) must match what streaming clients
+    measure, within 10 % (and 3 ms: the client's clock also holds the loopback hops)."""
+    from batchpilot.core.telemetry import _p50_p99
+
+    time.sleep(10.5)  # the telemetry window (10 s) holds only the requests below
+    measured = []
+    with httpx.Client(timeout=60) as c:
+        for i in range(40):
+            body = {"prompt": f"time to first token {i}", "max_tokens": 8, "stream": True}
+            t0 = time.monotonic()
+            with c.stream("POST", f"{gw.url}/v1/completions", json=body) as r:
+                it = r.iter_raw()
+                first = next(it)
+                measured.append((time.monotonic() - t0) * 1e3)
+                assert first.startswith(b"data: ")
+                for _ in it:
+                    pass
+    time.sleep(1.2)  # two control ticks (interval 0.5 s) take the snapshot
+    p50, p99 = _p50_p99(measured)
+    lane = next(iter(gw.status()["control"]["lanes"].values()))
+    gauge = gw.metric("batchpilot:ttft_p99_ms")
+    for name, got, want in (("gauge p99", gauge, p99), ("snapshot p99", lane["ttft_p99_ms"], p99)):
+        assert got > 0 and abs(got - want) <= max(0.10 * want, 3.0), (name, got, want, p50)

@@ -84,7 +84,7 @@ def test_kv_dtype_switch_restarts_managed_upstream_drained(gw: RunningGateway) -
     """An operator KV dtype switch (the path a policy's switch takes too): the managed upstream
     restarts with the new dtype while requests queue (or time out with 503 + Retry-After);
     afterwards it serves with 8-bit KV."""
-    from batchpilot.serving.control_loop import kv8_unavailable_reason
+    from batchpilot.core.vllm_cpu import cpu_kv8_unavailable_reason as kv8_unavailable_reason
 
     if kv8_unavailable_reason() is not None:
         pytest.skip(kv8_unavailable_reason())

@@ -23,7 +23,7 @@ pytestmark = [pytest.mark.live, pytest.mark.slow, pytest.mark.timeout(900)]
 @contextlib.contextmanager
 def reference_server() -> Iterator[str]:
     """A 16-bit ``vllm serve`` of the gateway's own tiny Llama (served as ``tiny-llama`` too)."""
-    from batchpilot.envs.tiny_model import build_tiny_model
+    from batchpilot.core.tiny_model import build_tiny_model
     from batchpilot.serving.upstream import ManagedVLLM, free_port
 
     model = build_tiny_model()
@@ -49,7 +49,7 @@ def _lane(gw: RunningGateway) -> dict:
 
 
 def test_output_diffs_above_threshold_fall_back_to_16bit() -> None:
-    from batchpilot.serving.control_loop import kv8_unavailable_reason
+    from batchpilot.core.vllm_cpu import cpu_kv8_unavailable_reason as kv8_unavailable_reason
 
     if kv8_unavailable_reason() is not None:
         pytest.skip(kv8_unavailable_reason())

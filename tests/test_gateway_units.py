@@ -226,11 +226,11 @@ async def test_client_gone_as_its_slot_is_granted_is_not_served() -> None:
     request ahead finishes) must not go on to the upstream: the slot is handed back and the
     request counts as "cancelled". (``asyncio.wait_for`` on Python 3.11 swallowed that
     cancellation, and the gone client was served in full.)"""
-    from batchpilot.envs.engine import Request
-    from batchpilot.policies.knobs import Knobs
-    from batchpilot.serving.admission import AdmissionConfig
+    from batchpilot.core.engine import Request
+    from batchpilot.core.knobs import Knobs
+    from batchpilot.core.admission import AdmissionConfig
     from batchpilot.serving.lanes import Lane
-    from batchpilot.serving.telemetry import SLO, Telemetry
+    from batchpilot.core.telemetry import SLO, Telemetry
     from batchpilot.serving.upstream import Upstream
 
     metrics = GatewayMetrics()

@@ -10,9 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from batchpilot.envs.engine import FinishedRequest
+from batchpilot.core.engine import FinishedRequest
 from batchpilot.metrics import SUMMARY_KEYS, VLLM_METRIC_NAMES, parse_vllm_metrics, summarize
-from batchpilot.serving.telemetry import SLO
+from batchpilot.core.telemetry import SLO
 
 
 def fr(i: int, arrival: float, first: float, finish: float, prompt: int, output: int, itl=None):

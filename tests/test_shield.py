@@ -10,10 +10,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from batchpilot.envs.engine import EngineCapabilities, MemoryModel
-from batchpilot.policies.knobs import BUCKETING_MODES, Knobs, Proposal
-from batchpilot.policies.shield import Shield, ShieldConfig, ShieldInputs
-from batchpilot.serving.telemetry import SLO
+from batchpilot.core.engine import EngineCapabilities, MemoryModel
+from batchpilot.core.knobs import BUCKETING_MODES, Knobs, Proposal
+from batchpilot.core.shield import Shield, ShieldConfig, ShieldInputs
+from batchpilot.core.telemetry import SLO
 
 # Memory: weights 400 + activations 80 of a 1000 budget; ceiling 800 leaves 320 for KV.
 # 1024-token context = 64 blocks of 16; auto 4/request (max 80), fp8 2/request (max 160).
@@ -344,7 +344,7 @@ def test_10000_random_and_adversarial_steps():
 
 
 def test_snapshot_inputs_are_converted():
-    from batchpilot.serving.telemetry import Snapshot
+    from batchpilot.core.telemetry import Snapshot
 
     snap = Snapshot(
         time=0.0, interval_s=1.0, arrival_rate=1.0, mean_prompt_len=2048.0, queue_depth=(5, 3, 0),

@@ -9,7 +9,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from batchpilot.config import CONF_DIR, load_config
-from batchpilot.envs.engine import DtypeUnavailable, Request, RequestRejected, StepResult, merge_into
+from batchpilot.core.engine import DtypeUnavailable, Request, RequestRejected, StepResult, merge_into
 from batchpilot.envs.sim_engine import SimEngine, SimEngineConfig
 from batchpilot.envs.specs import HardwareSpec, ModelSpec
 

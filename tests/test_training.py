@@ -17,10 +17,10 @@ from batchpilot.config import REPO_ROOT
 from batchpilot.policies.artifact import PolicyLoadError
 from batchpilot.policies.callbacks import selection_key, slo_deficit
 from batchpilot.policies.controllers import build_controller
-from batchpilot.policies.knobs import BUCKETING_MODES, Knobs, Proposal
+from batchpilot.core.knobs import BUCKETING_MODES, Knobs, Proposal
 from batchpilot.policies.ppo_controller import PRETRAINED_DIR, PPOController
 from batchpilot.policies.runtime import PolicyRuntime
-from batchpilot.serving.telemetry import Snapshot
+from batchpilot.core.telemetry import Snapshot
 
 pytest.importorskip("sb3_contrib")
 

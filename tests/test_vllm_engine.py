@@ -10,8 +10,9 @@ import pytest
 pytest.importorskip("vllm")
 
 from batchpilot.config import load_config  # noqa: E402
-from batchpilot.envs.engine import DtypeUnavailable, Request, RequestRejected  # noqa: E402
-from batchpilot.envs.vllm_engine import VLLMEngine, cpu_simd_flags, warm_up  # noqa: E402
+from batchpilot.core.engine import DtypeUnavailable, Request, RequestRejected  # noqa: E402
+from batchpilot.core.vllm_cpu import cpu_simd_flags  # noqa: E402
+from batchpilot.envs.vllm_engine import VLLMEngine, warm_up  # noqa: E402
 
 pytestmark = [pytest.mark.live, pytest.mark.slow]
 

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from omegaconf import OmegaConf
 
 from batchpilot.config import CONF_DIR
-from batchpilot.envs.engine import Request
+from batchpilot.core.engine import Request
 from batchpilot.envs.workloads import (
     ConstantRate,
     DiurnalRate,

@@ -15,7 +15,7 @@ import math
 
 import numpy as np
 
-from batchpilot.policies.knobs import BUCKETING_MODES, Knobs, Proposal
+from batchpilot.core.knobs import BUCKETING_MODES, Knobs, Proposal
 
 BATCH_STEPS: tuple[float, ...] = (-0.30, -0.15, 0.0, 0.15, 0.30)
 KV_CHOICES: tuple[str, ...] = ("keep", "16bit", "8bit")

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol, Sequence
 
 from batchpilot.config import config_fields
-from batchpilot.policies.knobs import BUCKETING_MODES, Knobs
+from batchpilot.core.knobs import BUCKETING_MODES, Knobs
 
 #: Why a request left admission without running. A short slug, machine-readable.
 REJECT_REASONS: tuple[str, ...] = ("queue_full", "timeout", "shed_low_priority", "cancelled")

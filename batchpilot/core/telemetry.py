@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from batchpilot.policies.knobs import BUCKETING_MODES, Knobs
+from batchpilot.core.knobs import BUCKETING_MODES, Knobs
 
 
 @dataclass(slots=True)
@@ -273,7 +273,7 @@ def observation_from_snapshot(
     q = list(snap.queue_depth) + [0] * max(0, 3 - len(snap.queue_depth))
     log_q = np.log1p(1024.0)
     onehot = [float(snap.knobs.bucketing == m) for m in BUCKETING_MODES]
-    from batchpilot.envs.engine import KV_DTYPES_8BIT  # local: keeps this module light
+    from batchpilot.core.engine import KV_DTYPES_8BIT  # local: keeps this module light
 
     vec = [
         snap.arrival_rate / rate_scale,

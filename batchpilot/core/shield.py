@@ -47,9 +47,9 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from batchpilot.envs.engine import KV_DTYPES_16BIT, EngineCapabilities, MemoryModel
-from batchpilot.policies.knobs import BUCKETING_MODES, Knobs, Proposal
-from batchpilot.serving.telemetry import SLO, Snapshot
+from batchpilot.core.engine import KV_DTYPES_16BIT, EngineCapabilities, MemoryModel
+from batchpilot.core.knobs import BUCKETING_MODES, Knobs, Proposal
+from batchpilot.core.telemetry import SLO, Snapshot
 
 log = logging.getLogger(__name__)
 

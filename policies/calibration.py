@@ -39,7 +39,7 @@ from typing import Any, Callable, Iterable, Literal, Sequence
 
 import numpy as np
 
-from batchpilot.envs.engine import Engine, Request
+from batchpilot.core.engine import Engine, Request
 from batchpilot.envs.specs import HardwareSpec, ModelSpec
 from batchpilot.envs.step_time import StepTimeModel
 

