@@ -55,6 +55,7 @@ from batchpilot.envs.engines import build_engine
 from batchpilot.envs.reward import RewardConfig, reward_terms
 from batchpilot.envs.workloads import RequestStream, build_workload
 from batchpilot.metrics import summarize
+from batchpilot.core.control import guard
 from batchpilot.core.actions import ACTION_NVEC, action_mask, action_to_proposal
 from batchpilot.core.knobs import Knobs, Proposal
 from batchpilot.core.shield import Shield, ShieldConfig
@@ -158,7 +159,7 @@ class ServingEnv(gym.Env):
     def step_proposal(self, proposal: Proposal):
         """One control interval with a controller's proposal (PID, AIMD, static use this;
         ``step`` translates a policy action into a proposal first)."""
-        decision = self.shield.apply(proposal, self.knobs, self._shield_inputs(), self.engine.now)
+        decision = guard(proposal, self._last_snapshot, self.knobs, self.shield, self.engine.now).decision
         if decision.interventions:
             self.telemetry.on_shield_intervention(len(decision.interventions))
         error = None
@@ -348,9 +349,6 @@ class ServingEnv(gym.Env):
         left = adm.num_waiting + adm.num_in_flight
         for _ in range(left):
             self._on_rejected("unfinished")
-
-    def _shield_inputs(self) -> Snapshot:
-        return self._last_snapshot
 
     def _snapshot_peek(self) -> Snapshot:
         st = self.engine.stats()

@@ -145,6 +145,8 @@ class PolicyRuntime:
         values are never chosen. Bad observations raise ``ValueError`` (fall back to PID)."""
         x = self._check_obs(obs)
         logits = self._logits(self._normalize(x))
+        if not np.isfinite(logits).all():
+            raise ValueError("the policy returned non-finite outputs (NaN/inf); its weights are broken")
         batch = None if x.ndim == 1 else x.shape[0]
         padded = np.empty(logits.shape[:-1] + (self.n_logits + 1,), dtype=logits.dtype)
         padded[..., :-1] = logits

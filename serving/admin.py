@@ -125,7 +125,8 @@ async def set_mode(request: Request) -> dict[str, Any]:
     body = await _body(request, ModeBody)
     ctl = request.app.state.gateway.control
     ctl.set_mode(body.mode)
-    return {"mode": ctl.mode, "acting": ctl.acting(), "fallback_reason": ctl.fallback_reason}
+    pm = ctl.policies
+    return {"mode": pm.mode, "acting": pm.acting(), "fallback_reason": pm.fallback_reason}
 
 
 @router.post("/freeze", dependencies=[Depends(_require_token)])

@@ -2,17 +2,11 @@
 
     Telemetry (own request timings + upstream /metrics) -> controller -> Shield -> knobs -> Admission
 
-Controllers: ``policy`` (the exported PPO policy through ``PolicyRuntime``), ``pid``,
-``static``, and ``shadow`` (PID acts; the policy's choice is computed, logged and compared).
-A policy that fails to load, raises, or yields non-finite outputs is replaced by PID, and the
-gateway says so (log, ``batchpilot:policy_fallbacks``, ``/admin/status``).
-
-Canary (the guide's grey release): a newly loaded policy drives a share of traffic (that share
-of upstreams; with one upstream that share of control intervals) while the incumbent drives
-the rest; after ``canary_min_intervals`` canary decisions it is promoted, unless its mean
-goodput fell more than ``canary_max_drop`` below the incumbent's, in which case it is rolled
-back. With time-sliced canaries the comparison is approximate (knobs carry over between
-intervals), which is why the window is long.
+The decision itself is the core's one control step (``batchpilot.core.control``), the one the
+environment and the evaluation take. Which controller acts (the policy, its canary, PID,
+static; shadow) is ``PolicyManager``'s call; restarts are the supervisor's. What stays here:
+reading the interval (telemetry + the upstream's counters) and carrying the decision out on
+the lane (knobs, breaker levels 2 and 3, KV dtype switches, the quality guard's fallback).
 
 KV dtype: a switch the shield lets through restarts a managed upstream (drained first, one at a
 time, by the supervisor); for an unmanaged upstream it is only recommended (log + metric).
@@ -30,27 +24,24 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from batchpilot.core.control import control_step
+from batchpilot.core.controller import Controller
 from batchpilot.core.engine import KV_DTYPES_8BIT, KV_DTYPES_16BIT, EngineCapabilities, MemoryModel
 from batchpilot.core.vllm_cpu import cpu_kv8_unavailable_reason
 from batchpilot.metrics import parse_vllm_metrics
-from batchpilot.core.actions import action_mask, action_to_proposal
-from batchpilot.policies.controllers import Controller, build_controller
+from batchpilot.policies.controllers import build_controller
 from batchpilot.core.knobs import Knobs, Proposal
-from batchpilot.core.shield import INTERVENTION_KINDS, Shield, ShieldConfig, ShieldInputs
+from batchpilot.core.shield import INTERVENTION_KINDS, Shield, ShieldConfig
 from batchpilot.core.admission import depths_padded
 from batchpilot.serving.lanes import Lane
-from batchpilot.serving.settings import CONTROL_MODES
+from batchpilot.serving.policy_manager import PolicyManager
 from batchpilot.core.telemetry import Snapshot
 from batchpilot.serving.upstream import UpstreamDown
 
 if TYPE_CHECKING:
-    from batchpilot.policies.runtime import PolicyRuntime
     from batchpilot.serving.gateway import Gateway
 
 log = logging.getLogger(__name__)
-
-CANARY_STATES = {"none": 0, "evaluating": 1, "promoted": 2, "rolled_back": 3}
-
 
 def upstream_engine_model(lane: Lane, max_num_seqs: int, kv8_dtype: str, managed: bool) -> tuple[MemoryModel, EngineCapabilities]:
     """The shield's view of an upstream. The KV pool is the budget (vLLM pre-allocates it;
@@ -105,29 +96,17 @@ class LaneControl:
     last_acting: str | None = None
 
 
-@dataclass
-class Canary:
-    """A candidate policy on trial against the incumbent (the guide's grey release)."""
+class Hold:
+    """Frozen knobs: proposes nothing, so the shield keeps what is in force (its breaker still
+    protects)."""
 
-    runtime: "PolicyRuntime"
-    path: str
-    share: float
-    cand_goodput: list[float] = field(default_factory=list)
-    base_goodput: list[float] = field(default_factory=list)
+    name = "frozen"
 
-    def record(self, who: str, goodput: float, *, min_intervals: int,
-               max_drop: float) -> tuple[bool, str] | None:
-        """Add one interval's goodput for ``who`` ("canary" or the incumbent). Once the canary
-        has ``min_intervals`` of them (and the incumbent at least one): (promote?, why) —
-        rolled back when its mean goodput is more than ``max_drop`` below the incumbent's."""
-        (self.cand_goodput if who == "canary" else self.base_goodput).append(goodput)
-        if len(self.cand_goodput) < min_intervals or not self.base_goodput:
-            return None
-        cand, base = float(np.mean(self.cand_goodput)), float(np.mean(self.base_goodput))
-        if cand < (1.0 - max_drop) * base:
-            return False, (f"canary goodput {cand:.2f}/s < {1 - max_drop:.0%} of incumbent "
-                           f"{base:.2f}/s: rolled back")
-        return True, f"canary goodput {cand:.2f}/s vs incumbent {base:.2f}/s: promoted"
+    def reset(self, knobs: Knobs) -> None:
+        pass
+
+    def decide(self, snapshot: Snapshot, knobs: Knobs) -> Proposal:
+        return Proposal()
 
 
 class ControlLoop:
@@ -137,15 +116,8 @@ class ControlLoop:
         self.gw = gw
         cfg = self.cfg = gw.cfg
         s = gw.settings
-        self.mode = cfg.control.mode
         self.frozen = False
-        self.fallback_reason: str | None = None
-        self.runtime: PolicyRuntime | None = None
-        self.policy_path: str | None = None
-        self.canary: Canary | None = None
-        self.canary_state = "none"
         self.num_ticks = 0
-        self.shadow_agree: list[bool] = []
         self.events: list[str] = []  # recent notable events, newest last (admin status)
         slo_ms = {"ttft": s.slo.ttft_ms, "tpot": s.slo.tpot_ms, "e2el": s.slo.e2el_ms}
         pid_node = dict(s.policy) if s.policy.get("kind") == "pid" else {"kind": "pid"}
@@ -162,10 +134,10 @@ class ControlLoop:
                 pid=build_controller(pid_node, cfg.max_num_seqs, slo_ms),
                 static=static,
             )
-        if self.mode in ("policy", "shadow"):
-            self.load_policy(cfg.control.policy_dir)
+        caps = self.lane_ctl[gw.lanes[0].index].shield.capabilities
+        self.policies = PolicyManager(cfg.control, gw.metrics, max_num_seqs=cfg.max_num_seqs,
+                                      kv_runnable={d: caps.can_run(d) for d in caps.kv_dtypes}, note=self._note)
         self._task: asyncio.Task | None = None
-        self._publish_mode()
 
     # --- lifecycle -----------------------------------------------------------------------
     async def start(self) -> None:
@@ -198,63 +170,12 @@ class ControlLoop:
         log.warning("%s", msg)
         self.events = (self.events + [f"{time.strftime('%H:%M:%S')} {msg}"])[-50:]
 
-    def _resolve_policy_dir(self, path: str | None) -> str:
-        if path:
-            return path
-        from batchpilot.config import REPO_ROOT
-
-        return str(REPO_ROOT / "policies" / "pretrained")
-
-    def load_policy(self, path: str | None) -> bool:
-        """Load the policy the controller modes use; on failure fall back to PID and say why."""
-        from batchpilot.policies.runtime import PolicyLoadError, PolicyRuntime
-
-        p = self._resolve_policy_dir(path)
-        try:
-            rt = PolicyRuntime.from_dir(p)
-        except (PolicyLoadError, OSError, ValueError) as exc:
-            self.runtime = None
-            self._fallback("load_failed", f"policy at {p!r} failed to load: {exc}")
-            return False
-        self._use_policy(rt, p)
-        return True
-
-    def _use_policy(self, runtime: "PolicyRuntime", path: str) -> None:
-        self.runtime = runtime
-        self.policy_path = path
-        self.fallback_reason = None
-        self._publish_mode()
-        log.info("policy loaded from %r", path)
-
+    # Admin calls on the policy go to the manager.
     def reload_policy(self, path: str | None, canary_share: float | None = None) -> dict[str, Any]:
-        """Admin: load a policy now, or start a canary with it (``canary_share`` > 0). A policy
-        that fails to load raises ``ValueError`` and changes nothing: the running one stays."""
-        from batchpilot.policies.runtime import PolicyLoadError, PolicyRuntime
-
-        p = self._resolve_policy_dir(path or self.policy_path)
-        share = self.cfg.control.canary_share if canary_share is None else canary_share
-        try:
-            rt = PolicyRuntime.from_dir(p)
-        except (PolicyLoadError, OSError, ValueError) as exc:
-            self._note(f"policy at {p!r} failed to load; the running controller is kept: {exc}")
-            raise ValueError(f"policy at {p!r} failed to load (the running controller is kept): {exc}") from None
-        if share > 0 and self.runtime is not None:
-            self.canary = Canary(rt, p, share)
-            self.canary_state = "evaluating"
-            self._note(f"canary started: {p!r} on {share:.0%} of traffic")
-            self._publish_mode()
-            return {"ok": True, "canary": True, "path": p}
-        self._use_policy(rt, p)
-        return {"ok": True, "canary": False, "path": p, "fallback_reason": self.fallback_reason}
+        return self.policies.reload_policy(path, canary_share)
 
     def set_mode(self, mode: str) -> None:
-        if mode not in CONTROL_MODES:
-            raise ValueError(f"mode {mode!r}; one of {CONTROL_MODES}")
-        self.mode = mode
-        if mode in ("policy", "shadow") and self.runtime is None:
-            self.load_policy(self.cfg.control.policy_dir)
-        self._note(f"control mode set to {mode}")
-        self._publish_mode()
+        self.policies.set_mode(mode)
 
     def freeze(self, frozen: bool, knobs: dict[str, Any] | None = None) -> None:
         """Hold the knobs (the breaker still protects). ``knobs`` sets them first, within the
@@ -298,91 +219,35 @@ class ControlLoop:
         self._note(f"operator KV dtype switch to {dtype}: {out}")
         return {"dtype": dtype, "upstreams": out}
 
-    def _fallback(self, reason: str, message: str) -> None:
-        self.fallback_reason = f"{reason}: {message}"
-        self.gw.metrics.policy_fallbacks.labels(reason).inc()
-        self._note(f"policy fallback to PID ({message})")
-        self._publish_mode()
-
-    def acting(self) -> str:
-        if self.mode in ("pid", "shadow"):
-            return "pid"
-        if self.mode == "static":
-            return "static"
-        return "pid" if self.runtime is None else "policy"
-
-    def _publish_mode(self) -> None:
-        m = self.gw.metrics
-        act = self.acting()
-        for mode in CONTROL_MODES:
-            for a in ("policy", "pid", "static"):
-                m.controller.labels(mode, a).set(float(mode == self.mode and a == act))
-        m.canary.set(CANARY_STATES[self.canary_state])
-
     # --- one decision ----------------------------------------------------------------------
-    def _policy_proposal(self, runtime: "PolicyRuntime", obs: np.ndarray, knobs: Knobs) -> Proposal:
-        """Raises ValueError for non-finite outputs (the caller falls back)."""
-        logits = runtime.logits(obs)
-        if not np.all(np.isfinite(logits)):
-            raise ValueError("policy returned non-finite outputs (NaN/inf)")
-        kv_ok = {d: cpu_kv8_unavailable_reason() is None for d in KV_DTYPES_8BIT} | {d: True for d in KV_DTYPES_16BIT}
-        mask = action_mask(kv_ok, kv16_dtype="auto", kv8_dtype=self.cfg.kv8_dtype)
-        action = runtime.act(obs, mask)
-        return action_to_proposal(action, knobs, kv16_dtype="auto", kv8_dtype=self.cfg.kv8_dtype)
-
-    def decide(self, lane: Lane, snap: Snapshot, obs: np.ndarray) -> tuple[Proposal, str]:
+    def _controller(self, lane: Lane) -> tuple[Controller, str]:
+        """Who acts on ``lane`` this interval."""
         ctl = self.lane_ctl[lane.index]
-        pid_p = ctl.pid.decide(snap, lane.knobs)  # PID always runs: it is the fallback, keep it warm
-        if self.mode == "static":
-            return ctl.static.decide(snap, lane.knobs), "static"
-        if self.mode == "pid" or self.runtime is None:
-            return pid_p, "pid"
-        runtime, who = self.runtime, "policy"
-        if self.canary is not None and self._canary_drives(lane):
-            runtime, who = self.canary.runtime, "canary"
+        if self.frozen:
+            return Hold(), "frozen"
+        if self.policies.mode == "static":
+            return ctl.static, "static"
+        chosen = self.policies.policy_for(lane.index, len(self.gw.lanes), self.num_ticks)
+        return chosen if chosen is not None else (ctl.pid, "pid")
+
+    def decide(self, lane: Lane, snap: Snapshot, now: float) -> tuple[Any, str]:
+        """The core control step with the acting controller; a policy that fails gives way to
+        PID in the same interval. PID decides every interval (kept warm as the fallback)."""
+        ctl = self.lane_ctl[lane.index]
+        controller, who = self._controller(lane)
         try:
-            pol_p = self._policy_proposal(runtime, obs, lane.knobs)
-        except Exception as exc:
-            if who == "canary":
-                self._end_canary(promote=False, why=f"canary policy failed: {exc}")
-                return pid_p, "pid"
-            self.runtime = None
-            self._fallback("bad_output", f"policy failed at decision time: {exc}")
-            return pid_p, "pid"
-        if self.mode == "shadow":
-            cur = lane.knobs.batch_cap
-            sign = lambda x: (x > cur) - (x < cur)  # noqa: E731
-            self.shadow_agree = (self.shadow_agree + [sign(pol_p.batch_cap or cur) == sign(pid_p.batch_cap or cur)])[-100:]
-            self.gw.metrics.shadow_agreement.set(sum(self.shadow_agree) / len(self.shadow_agree))
-            log.debug("shadow: policy %s vs pid %s", pol_p, pid_p)
-            return pid_p, "pid"
-        return pol_p, who
-
-    def _canary_drives(self, lane: Lane) -> bool:
-        c = self.canary
-        n = len(self.gw.lanes)
-        if n > 1:
-            return lane.index < max(1, math.ceil(c.share * n))
-        period = max(1, round(1.0 / max(c.share, 1e-6)))
-        return self.num_ticks % period == 0
-
-    def _canary_record(self, who: str, goodput: float) -> None:
-        c = self.canary
-        if c is None:
-            return
-        verdict = c.record(who, goodput, min_intervals=self.cfg.control.canary_min_intervals,
-                           max_drop=self.cfg.control.canary_max_drop)
-        if verdict is not None:
-            self._end_canary(*verdict)
-
-    def _end_canary(self, promote: bool, why: str) -> None:
-        c = self.canary
-        self.canary = None
-        if promote and c is not None:
-            self.runtime, self.policy_path = c.runtime, c.path
-        self.canary_state = "promoted" if promote else "rolled_back"
-        self._note(why)
-        self._publish_mode()
+            step = control_step(controller, snap, lane.knobs, ctl.shield, now)
+        except ValueError as exc:
+            if who not in ("policy", "canary"):
+                raise
+            self.policies.failed(who, exc)
+            controller, who = ctl.pid, "pid"
+            step = control_step(controller, snap, lane.knobs, ctl.shield, now)
+        if controller is not ctl.pid and who != "frozen":
+            ctl.pid.decide(snap, lane.knobs)
+        if who == "pid":
+            self.policies.shadow(snap, lane.knobs, step.proposal)
+        return step, who
 
     async def _scrape(self, lane: Lane) -> dict[str, float]:
         try:
@@ -390,8 +255,8 @@ class ControlLoop:
         except (UpstreamDown, ValueError):
             return {}
 
-    async def tick(self, lane: Lane) -> None:
-        """One decision for one upstream."""
+    async def tick(self, lane: Lane, now: float | None = None) -> None:
+        """One decision for one upstream (``now``: the monotonic time, given by tests)."""
         t0 = time.perf_counter()
         self.num_ticks += 1
         ctl = self.lane_ctl[lane.index]
@@ -404,7 +269,7 @@ class ControlLoop:
             ctl.last_counters = m
         lane.telemetry.on_preemptions(int(d_pre))
         hit = d_h / d_q if d_q > 0 else 0.0
-        now = time.monotonic()
+        now = time.monotonic() if now is None else now
         snap = lane.telemetry.snapshot(
             now,
             queue_depth=depths_padded(lane.admission.queue_depths),
@@ -414,16 +279,10 @@ class ControlLoop:
             knobs=lane.knobs,
             prefix_cache_hit_rate=hit,
         )
-        obs = lane.telemetry.observation(snap)
-        if self.frozen:
-            proposal, who = Proposal(), "frozen"
-        else:
-            proposal, who = self.decide(lane, snap, obs)
-        info = lane.upstream.info
-        inputs = ShieldInputs.from_snapshot(snap, num_kv_blocks_total=info.num_kv_blocks if info else None)
-        dec = ctl.shield.apply(proposal, lane.knobs, inputs, now)
+        step, who = self.decide(lane, snap, now)
+        proposal, dec = step.proposal, step.decision
         if ctl.last_acting is not None:
-            self._canary_record(ctl.last_acting, snap.request_goodput)
+            self.policies.record(ctl.last_acting, snap.request_goodput)
         self._apply(lane, ctl, dec, who)
         ctl.last_acting = who
         mt = self.gw.metrics
@@ -492,14 +351,8 @@ class ControlLoop:
 
     def status(self) -> dict[str, Any]:
         return {
-            "mode": self.mode,
-            "acting": self.acting(),
+            **self.policies.status(),
             "frozen": self.frozen,
-            "policy_path": self.policy_path,
-            "fallback_reason": self.fallback_reason,
-            "canary": {"state": self.canary_state,
-                       "path": self.canary.path if self.canary else None,
-                       "share": self.canary.share if self.canary else None},
             "lanes": {ln.name: {**self.lane_ctl[ln.index].last_decision, "knobs_in_force": ln.knobs.as_dict(),
                                 "queue_depths": list(ln.admission.queue_depths),
                                 "in_flight": ln.admission.num_in_flight,

@@ -51,11 +51,10 @@ def test_token_agreement() -> None:
     [(8.9, False), (9.1, True), (12.0, True)],  # incumbent 10/s; rollback below 90 % of it
 )
 def test_canary_rolls_back_on_a_goodput_drop_over_10_percent(canary_goodput: float, promoted: bool) -> None:
-    from batchpilot.config import REPO_ROOT
-    from batchpilot.policies.runtime import PolicyRuntime
-    from batchpilot.serving.control_loop import Canary
+    from batchpilot.policies.ppo_controller import PPOController
+    from batchpilot.serving.policy_manager import Canary
 
-    c = Canary(PolicyRuntime.from_dir(REPO_ROOT / "policies" / "pretrained"), "shipped", share=0.1)
+    c = Canary(PPOController.from_dir(None), "shipped", share=0.1)
     verdicts = []
     for _ in range(3):  # the incumbent drives most intervals
         verdicts.append(c.record("incumbent", 10.0, min_intervals=3, max_drop=0.10))
