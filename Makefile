@@ -1,5 +1,5 @@
 # Two commands: `make train` (set up + the main job) and `make test` (set up + the tests).
-.PHONY: setup train test bench evaluate serve
+.PHONY: setup train test test-fast lint bench evaluate serve
 
 setup: .venv/.setup-done
 .venv/.setup-done: pyproject.toml scripts/setup.sh
@@ -9,8 +9,15 @@ setup: .venv/.setup-done
 train: setup
 	.venv/bin/python scripts/train.py
 
-test: setup
+test: setup lint
 	.venv/bin/python -m pytest -q tests
+
+# Unit and property tests only: no vLLM, no Ray, no training runs (under a minute).
+test-fast: setup
+	.venv/bin/python -m pytest -q -m "not live and not slow" tests
+
+lint: setup
+	.venv/bin/ruff check batchpilot envs policies serving scripts tests
 
 bench: setup
 	.venv/bin/python scripts/bench.py target=sim

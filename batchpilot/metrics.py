@@ -98,7 +98,7 @@ def summarize(
     multi = output > 1
     itl_vals: list[np.ndarray] = []
     itl_counts: list[np.ndarray] = []
-    for i, r in enumerate(finished):
+    for r in finished:
         if r.itl is not None:
             itl_vals.append(np.asarray(r.itl, dtype=np.float64))
             itl_counts.append(np.ones(len(r.itl), np.int64))

@@ -42,7 +42,6 @@ or ``ServingEnv(cfg=composed_hydra_config)``.
 
 from __future__ import annotations
 
-import math
 from typing import Any, Sequence
 
 import gymnasium as gym
@@ -50,17 +49,17 @@ import numpy as np
 from omegaconf import DictConfig
 
 from batchpilot.config import load_config
+from batchpilot.core.actions import ACTION_NVEC, action_mask, action_to_proposal
+from batchpilot.core.admission import Admission, AdmissionConfig
+from batchpilot.core.control import guard
 from batchpilot.core.engine import KV_DTYPES_8BIT, Engine, EngineError, RequestRejected, StepResult
+from batchpilot.core.knobs import Knobs, Proposal
+from batchpilot.core.shield import Shield, ShieldConfig
+from batchpilot.core.telemetry import FEATURE_NAMES, OBS_HIGH, OBS_LOW, SLO, Snapshot, Telemetry
 from batchpilot.envs.engines import build_engine
 from batchpilot.envs.reward import RewardConfig, reward_terms
 from batchpilot.envs.workloads import RequestStream, build_workload
 from batchpilot.metrics import summarize
-from batchpilot.core.control import guard
-from batchpilot.core.actions import ACTION_NVEC, action_mask, action_to_proposal
-from batchpilot.core.knobs import Knobs, Proposal
-from batchpilot.core.shield import Shield, ShieldConfig
-from batchpilot.core.admission import Admission, AdmissionConfig
-from batchpilot.core.telemetry import FEATURE_NAMES, OBS_HIGH, OBS_LOW, SLO, Snapshot, Telemetry
 
 
 def _shift_stream(stream: RequestStream, t0: float) -> RequestStream:

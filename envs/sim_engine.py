@@ -43,7 +43,6 @@ from batchpilot.core.engine import (
     Request,
     RequestRejected,
     StepResult,
-    merge_into,
 )
 from batchpilot.envs.specs import HardwareSpec, ModelSpec
 from batchpilot.envs.step_time import StepTimeModel
@@ -517,7 +516,7 @@ class SimEngine(Engine):
         ptok = 0
         pairs = 0.0
         pctx = 0
-        for seq, c, prior in prefills:
+        for _seq, c, prior in prefills:
             ptok += c
             pairs += c * (prior + (c + 1) / 2)
             pctx += prior + c

@@ -4,7 +4,7 @@ these, so every number that shapes simulated timing or memory lives in ``conf/``
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any, Mapping
 
 from batchpilot.config import config_fields

@@ -33,14 +33,13 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal, Mapping
 
 import numpy as np
 
 from batchpilot.core.engine import (
-    KV_DTYPES_ALL,
     KV_DTYPES_16BIT,
+    KV_DTYPES_ALL,
     DtypeUnavailable,
     Engine,
     EngineCapabilities,
@@ -567,7 +566,6 @@ def _cpu_fp8_problem(head_size: int) -> str | None:
     """vLLM's CPU attention (``_get_attn_isa`` in ``cpu_attn.py``) runs an fp8 KV cache only
     on x86 with AVX-512 or AMX, and only for head sizes divisible by 32."""
     import torch
-
     from vllm.platforms import CpuArchEnum, current_platform
 
     if head_size % 32 != 0:

@@ -47,11 +47,11 @@ from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from batchpilot.config import CONF_DIR
+from batchpilot.core.knobs import BUCKETING_MODES, Knobs
 from batchpilot.envs.engines import build_engine
 from batchpilot.envs.workloads import build_workload
 from batchpilot.policies.controllers import CONTROLLER_BUILDERS, Controller, build_controller
 from batchpilot.policies.eval_report import ROW_KEYS, Timeline
-from batchpilot.core.knobs import BUCKETING_MODES, Knobs
 
 BEST_STATIC = "best_static"
 
@@ -594,7 +594,7 @@ def run_on_ray(
             except ray.exceptions.RayTaskError as e:  # the cell's own error, not Ray's wrapper
                 for ref in running:
                     ray.cancel(ref)
-                raise e.cause if isinstance(e.cause, Exception) else e
+                raise (e.cause if isinstance(e.cause, Exception) else e) from None
             submit(on_done(cell, result))
 
 

@@ -22,10 +22,10 @@ from typing import TYPE_CHECKING, Any, Sequence
 import numpy as np
 
 from batchpilot.core.actions import ACTION_NVEC, BATCH_STEPS, KV_CHOICES
-from batchpilot.policies.artifact import Normalization, write_artifact
 from batchpilot.core.knobs import BUCKETING_MODES
-from batchpilot.policies.runtime import PolicyRuntime
 from batchpilot.core.telemetry import FEATURE_NAMES, OBS_HIGH, OBS_LOW
+from batchpilot.policies.artifact import Normalization, write_artifact
+from batchpilot.policies.runtime import PolicyRuntime
 
 if TYPE_CHECKING:  # pragma: no cover
     from stable_baselines3 import PPO

@@ -17,10 +17,10 @@ from typing import Any, Mapping
 import numpy as np
 
 from batchpilot.core.actions import action_mask, action_to_proposal
-from batchpilot.policies.artifact import PolicyLoadError
 from batchpilot.core.knobs import Knobs, Proposal
-from batchpilot.policies.runtime import PolicyRuntime
 from batchpilot.core.telemetry import SLO, Snapshot, observation_from_snapshot
+from batchpilot.policies.artifact import PolicyLoadError
+from batchpilot.policies.runtime import PolicyRuntime
 
 #: The shipped default policy (what ``policy=ppo`` means when no path is given).
 PRETRAINED_DIR = Path(__file__).resolve().parent / "pretrained"

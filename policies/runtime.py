@@ -19,8 +19,8 @@ from typing import Any, Sequence
 import numpy as np
 
 from batchpilot.core.actions import ACTION_NVEC
-from batchpilot.policies.artifact import Artifact, PolicyLoadError, read_artifact
 from batchpilot.core.telemetry import FEATURE_NAMES, OBS_HIGH, OBS_LOW
+from batchpilot.policies.artifact import Artifact, PolicyLoadError, read_artifact
 
 __all__ = ["PolicyRuntime", "PolicyLoadError", "benchmark_runtime"]
 

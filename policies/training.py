@@ -27,11 +27,11 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable
 
-import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
+from batchpilot.config import CONF_DIR, config_fields
 from batchpilot.envs.serving_env import ServingEnv
 from batchpilot.policies.callbacks import (
     COMPARE_METRICS,
@@ -45,7 +45,6 @@ from batchpilot.policies.callbacks import (
     mean_over_workloads,
     slo_deficit,
 )
-from batchpilot.config import CONF_DIR, config_fields
 
 
 # --- configuration -------------------------------------------------------------------------

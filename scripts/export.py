@@ -36,8 +36,8 @@ def _training_config(cfg: DictConfig) -> tuple[dict[str, Any], str]:
 
 
 def export(cfg: DictConfig) -> Path:
-    from batchpilot.policies.export import export_policy, load_sb3
     from batchpilot.core.telemetry import FEATURE_NAMES
+    from batchpilot.policies.export import export_policy, load_sb3
 
     train_cfg, source = _training_config(cfg)
     log.info("training config: %s", source)

@@ -26,9 +26,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
+import numpy as np
 
 from batchpilot.config import config_fields
-import numpy as np
 
 
 @dataclass(slots=True)

@@ -16,26 +16,22 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
+from batchpilot.core.admission import depths_padded
 from batchpilot.core.control import control_step
 from batchpilot.core.controller import Controller
 from batchpilot.core.engine import KV_DTYPES_8BIT, KV_DTYPES_16BIT, EngineCapabilities, MemoryModel
+from batchpilot.core.knobs import Knobs, Proposal
+from batchpilot.core.shield import INTERVENTION_KINDS, Shield, ShieldConfig
+from batchpilot.core.telemetry import Snapshot
 from batchpilot.core.vllm_cpu import cpu_kv8_unavailable_reason
 from batchpilot.metrics import parse_vllm_metrics
 from batchpilot.policies.controllers import build_controller
-from batchpilot.core.knobs import Knobs, Proposal
-from batchpilot.core.shield import INTERVENTION_KINDS, Shield, ShieldConfig
-from batchpilot.core.admission import depths_padded
 from batchpilot.serving.lanes import Lane
 from batchpilot.serving.policy_manager import PolicyManager
-from batchpilot.core.telemetry import Snapshot
 from batchpilot.serving.upstream import UpstreamDown
 
 if TYPE_CHECKING:

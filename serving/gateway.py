@@ -30,13 +30,13 @@ from starlette.requests import ClientDisconnect
 
 from batchpilot.core.engine import Request as EngineRequest
 from batchpilot.core.knobs import Knobs
+from batchpilot.core.telemetry import SLO, Telemetry
+from batchpilot.serving.errors import BadRequest, ClientGone, GatewayError, Refused, json_object
 from batchpilot.serving.http1 import Http1Error, Http1Response
 from batchpilot.serving.http_server import with_head_timeout
-from batchpilot.serving.errors import BadRequest, ClientGone, GatewayError, Refused, json_object
 from batchpilot.serving.lanes import Lane
 from batchpilot.serving.prom import CONTENT_TYPE, GatewayMetrics, bucket_name
 from batchpilot.serving.settings import ServeConfig
-from batchpilot.core.telemetry import SLO, Telemetry
 from batchpilot.serving.tokens import PromptCounter, PromptTooLong
 from batchpilot.serving.upstream import ManagedVLLM, Upstream, UpstreamDown, cpu_core_groups, free_port
 

@@ -14,12 +14,12 @@ import random
 import time
 from dataclasses import dataclass, field
 
+from batchpilot.core.admission import Admission, AdmissionConfig, Rejection
 from batchpilot.core.engine import Request
 from batchpilot.core.knobs import Knobs
-from batchpilot.core.admission import Admission, AdmissionConfig, Rejection
+from batchpilot.core.telemetry import Telemetry
 from batchpilot.serving.errors import Refused
 from batchpilot.serving.prom import GatewayMetrics, bucket_name
-from batchpilot.core.telemetry import Telemetry
 from batchpilot.serving.upstream import Upstream
 
 log = logging.getLogger(__name__)
@@ -84,8 +84,8 @@ class Lane:
     def _publish_knobs(self) -> None:
         m, n = self.metrics, self.name
         m.batch_cap.labels(n).set(self.knobs.batch_cap)
-        from batchpilot.core.knobs import BUCKETING_MODES
         from batchpilot.core.engine import KV_DTYPES_8BIT
+        from batchpilot.core.knobs import BUCKETING_MODES
 
         for mode in BUCKETING_MODES:
             m.bucketing.labels(n, mode).set(float(mode == self.knobs.bucketing))

@@ -25,7 +25,7 @@ import numpy as np
 
 from batchpilot.core.knobs import Knobs, Proposal
 from batchpilot.core.telemetry import Snapshot
-from batchpilot.policies.ppo_controller import PPOController, PolicyLoadError
+from batchpilot.policies.ppo_controller import PolicyLoadError, PPOController
 from batchpilot.serving.prom import GatewayMetrics
 from batchpilot.serving.settings import CONTROL_MODES, ControlConfig
 

@@ -342,7 +342,7 @@ def _cache_config(metrics_text: str) -> tuple[int | None, int | None, str | None
             )
             labels = {k: v.strip('"') for k, v in labels.items()}
 
-            def num(key: str) -> int | None:
+            def num(key: str, labels: dict[str, str] = labels) -> int | None:
                 v = labels.get(key)
                 return int(float(v)) if v not in (None, "", "None") else None
 

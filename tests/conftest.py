@@ -13,7 +13,7 @@ from batchpilot.core.vllm_cpu import small_machine_omp_defaults  # noqa: E402 (n
 
 small_machine_omp_defaults(os.environ)
 
-import pytest
+import pytest  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -9,9 +9,9 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
+from batchpilot.core.admission import Admission, AdmissionConfig, depths_padded
 from batchpilot.core.engine import Request
 from batchpilot.core.knobs import BUCKETING_MODES, Knobs
-from batchpilot.core.admission import Admission, AdmissionConfig, depths_padded
 
 _ids = itertools.count()
 

@@ -12,6 +12,9 @@ import pytest
 import yaml
 
 from batchpilot.config import load_config
+from batchpilot.core.engine import Request
+from batchpilot.envs.sim_engine import SimEngine, SimEngineConfig
+from batchpilot.envs.specs import HardwareSpec, ModelSpec
 from batchpilot.policies.calibration import (
     Fit,
     IterationSample,
@@ -21,9 +24,6 @@ from batchpilot.policies.calibration import (
     residuals,
     summary_json,
 )
-from batchpilot.core.engine import Request
-from batchpilot.envs.sim_engine import SimEngine, SimEngineConfig
-from batchpilot.envs.specs import HardwareSpec, ModelSpec
 
 TINY = ModelSpec.from_cfg(load_config(["model=tiny_llama"]).model)
 BASE = HardwareSpec(name="test_cpu", peak_tflops=0.5, hbm_tb_s=0.05, memory_gb=2.0)

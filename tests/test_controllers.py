@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
+from batchpilot.core.knobs import Knobs, Proposal
+from batchpilot.core.telemetry import Snapshot
 from batchpilot.policies.controllers import (
     AIMDConfig,
     AIMDController,
@@ -19,8 +21,6 @@ from batchpilot.policies.controllers import (
     initial_knobs,
     register_controller,
 )
-from batchpilot.core.knobs import Knobs, Proposal
-from batchpilot.core.telemetry import Snapshot
 
 POLICY_DIR = Path(__file__).resolve().parent.parent / "conf" / "policy"
 

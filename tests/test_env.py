@@ -12,11 +12,11 @@ from gymnasium.utils.env_checker import check_env
 
 import batchpilot.envs  # noqa: F401  (registers the id)
 from batchpilot.config import load_config
-from batchpilot.envs import ENV_ID
 from batchpilot.core.engine import KV_DTYPES_8BIT
+from batchpilot.core.knobs import BUCKETING_MODES
+from batchpilot.envs import ENV_ID
 from batchpilot.envs.serving_env import ServingEnv
 from batchpilot.policies.controllers import build_controller
-from batchpilot.core.knobs import BUCKETING_MODES
 
 SHORT = ["env.episode_s=20", "workload.duration_s=20"]
 
@@ -102,6 +102,7 @@ def test_8bit_refused_where_it_gains_nothing():
     assert env.shield.num_interventions["dtype_not_worth"] > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("adversarial", [False, True])
 def test_10k_steps_never_break_the_shield(adversarial: bool):
     """Random and adversarial (always max up / always flip dtype) actions, 10,000 steps."""

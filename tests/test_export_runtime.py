@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 
 from batchpilot.core.actions import ACTION_NVEC
+from batchpilot.core.telemetry import FEATURE_NAMES
 from batchpilot.policies.artifact import FORMAT_VERSION, MANIFEST_FILE, WEIGHTS_FILE, config_sha256
 from batchpilot.policies.runtime import PolicyLoadError, PolicyRuntime, benchmark_runtime
-from batchpilot.core.telemetry import FEATURE_NAMES
 
 sb3 = pytest.importorskip("stable_baselines3")
 sb3c = pytest.importorskip("sb3_contrib")
@@ -24,7 +24,7 @@ from sb3_contrib import MaskablePPO  # noqa: E402
 from stable_baselines3 import PPO  # noqa: E402
 from stable_baselines3.common.vec_env import DummyVecEnv, VecNormalize  # noqa: E402
 
-from batchpilot.policies.export import torch_logits, parity_mismatches  # noqa: E402
+from batchpilot.policies.export import parity_mismatches, torch_logits  # noqa: E402
 
 N_FEAT = len(FEATURE_NAMES)
 SHIELD = {"max_step_frac": 0.3, "memory_ceiling": 0.8, "min_dwell_s": 60.0}
@@ -278,7 +278,8 @@ def test_nan_and_misshapen_weights_refused(maskable, tmp_path: Path) -> None:
         blob = save(tensors)
         (p / WEIGHTS_FILE).write_bytes(blob)  # re-hashed: only the content check can catch it
         sha = hashlib.sha256(blob).hexdigest()
-        _edit_manifest(p, lambda m: m["weights"].update(sha256=sha, bytes=len(blob)))
+        n = len(blob)
+        _edit_manifest(p, lambda m, sha=sha, n=n: m["weights"].update(sha256=sha, bytes=n))
         with pytest.raises(PolicyLoadError, match=msg):
             PolicyRuntime.from_dir(p)
 

@@ -9,7 +9,6 @@ import time
 
 import httpx
 import pytest
-
 from gateway_helpers import TRUSTED, RunningGateway, one_request, running_gateway
 
 pytestmark = [pytest.mark.live, pytest.mark.slow, pytest.mark.timeout(900)]

@@ -10,7 +10,6 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
-
 from gateway_helpers import AUTH, RunningGateway, burst, running_gateway
 
 pytestmark = [pytest.mark.live, pytest.mark.slow, pytest.mark.timeout(900)]

@@ -12,7 +12,6 @@ from collections import Counter
 
 import httpx
 import pytest
-
 from gateway_helpers import RunningGateway, one_request, running_gateway, wait_ready
 
 pytestmark = [pytest.mark.live, pytest.mark.slow, pytest.mark.timeout(900)]

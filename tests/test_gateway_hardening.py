@@ -16,7 +16,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-
 from gateway_helpers import AUTH, TRUSTED, RunningGateway, running_gateway
 
 pytestmark = [pytest.mark.live, pytest.mark.slow, pytest.mark.timeout(900)]

@@ -9,7 +9,6 @@ from collections import Counter
 
 import httpx
 import pytest
-
 from gateway_helpers import TRUSTED, RunningGateway, burst, running_gateway
 
 pytestmark = [pytest.mark.live, pytest.mark.slow, pytest.mark.timeout(900)]

@@ -14,7 +14,6 @@ from typing import Iterator
 
 import httpx
 import pytest
-
 from gateway_helpers import RunningGateway, running_gateway, wait_ready
 
 pytestmark = [pytest.mark.live, pytest.mark.slow, pytest.mark.timeout(900)]

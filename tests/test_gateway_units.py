@@ -107,7 +107,7 @@ def anyio_backend() -> str:
 async def _read_request(reader: asyncio.StreamReader) -> None:
     """Read one HTTP request (head and Content-Length body) in a fake upstream."""
     head = await reader.readuntil(b"\r\n\r\n")
-    n = int(next(l.split(b":")[1] for l in head.split(b"\r\n") if l.lower().startswith(b"content-length")))
+    n = int(next(ln.split(b":")[1] for ln in head.split(b"\r\n") if ln.lower().startswith(b"content-length")))
     await reader.readexactly(n)
 
 
@@ -225,11 +225,11 @@ async def test_client_gone_as_its_slot_is_granted_is_not_served() -> None:
     request ahead finishes) must not go on to the upstream: the slot is handed back and the
     request counts as "cancelled". (``asyncio.wait_for`` on Python 3.11 swallowed that
     cancellation, and the gone client was served in full.)"""
+    from batchpilot.core.admission import AdmissionConfig
     from batchpilot.core.engine import Request
     from batchpilot.core.knobs import Knobs
-    from batchpilot.core.admission import AdmissionConfig
-    from batchpilot.serving.lanes import Lane
     from batchpilot.core.telemetry import SLO, Telemetry
+    from batchpilot.serving.lanes import Lane
     from batchpilot.serving.upstream import Upstream
 
     metrics = GatewayMetrics()

@@ -23,8 +23,8 @@ from gymnasium.utils.env_checker import check_env  # noqa: E402
 
 import batchpilot.envs  # noqa: E402,F401  (registers the id)
 from batchpilot.config import load_config  # noqa: E402
-from batchpilot.envs import ENV_ID  # noqa: E402
 from batchpilot.core.engine import Request, RequestRejected  # noqa: E402
+from batchpilot.envs import ENV_ID  # noqa: E402
 from batchpilot.envs.serving_env import ServingEnv  # noqa: E402
 from batchpilot.envs.vllm_engine import VLLMEngine  # noqa: E402
 from batchpilot.envs.workloads import RequestStream  # noqa: E402

@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from batchpilot.core.engine import FinishedRequest
-from batchpilot.metrics import SUMMARY_KEYS, VLLM_METRIC_NAMES, parse_vllm_metrics, summarize
 from batchpilot.core.telemetry import SLO
+from batchpilot.metrics import SUMMARY_KEYS, VLLM_METRIC_NAMES, parse_vllm_metrics, summarize
 
 
 def fr(i: int, arrival: float, first: float, finish: float, prompt: int, output: int, itl=None):

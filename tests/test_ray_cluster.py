@@ -51,6 +51,8 @@ TINY = [
     "logger=none",
 ]
 
+pytestmark = pytest.mark.slow  # a local Ray cluster per test: seconds each
+
 
 def ray_processes() -> list[psutil.Process]:
     out = []

@@ -13,7 +13,6 @@ from batchpilot.core.engine import DtypeUnavailable, Request, RequestRejected, S
 from batchpilot.envs.sim_engine import SimEngine, SimEngineConfig
 from batchpilot.envs.specs import HardwareSpec, ModelSpec
 
-
 # ---- factories (as vLLM's tests/v1/core/utils.py) -------------------------------------------
 
 def _hw(name: str = "h100") -> HardwareSpec:

@@ -9,13 +9,13 @@ import asyncio
 
 import pytest
 
-from batchpilot.core.knobs import Knobs
 from batchpilot.core.admission import AdmissionConfig
+from batchpilot.core.knobs import Knobs
+from batchpilot.core.telemetry import SLO, Telemetry
 from batchpilot.serving.lanes import Lane
 from batchpilot.serving.prom import GatewayMetrics
 from batchpilot.serving.settings import ServeConfig
 from batchpilot.serving.supervisor import Supervisor
-from batchpilot.core.telemetry import SLO, Telemetry
 
 pytestmark = pytest.mark.anyio
 

@@ -14,13 +14,13 @@ import numpy as np
 import pytest
 
 from batchpilot.config import REPO_ROOT
+from batchpilot.core.knobs import BUCKETING_MODES, Knobs, Proposal
+from batchpilot.core.telemetry import Snapshot
 from batchpilot.policies.artifact import PolicyLoadError
 from batchpilot.policies.callbacks import selection_key, slo_deficit
 from batchpilot.policies.controllers import build_controller
-from batchpilot.core.knobs import BUCKETING_MODES, Knobs, Proposal
 from batchpilot.policies.ppo_controller import PRETRAINED_DIR, PPOController
 from batchpilot.policies.runtime import PolicyRuntime
-from batchpilot.core.telemetry import Snapshot
 
 pytest.importorskip("sb3_contrib")
 

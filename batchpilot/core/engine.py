@@ -225,7 +225,7 @@ class Engine(abc.ABC):
         Requests in flight are kept (re-queued or drained, per config); none is lost. Raises
         ``DtypeUnavailable`` before touching anything when the dtype cannot run here."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 (optional: engines without resources keep it)
         """Release resources (processes, memory)."""
 
 
