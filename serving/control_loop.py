@@ -39,17 +39,30 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-def upstream_engine_model(lane: Lane, max_num_seqs: int, kv8_dtype: str, managed: bool) -> tuple[MemoryModel, EngineCapabilities]:
-    """The shield's view of an upstream. The KV pool is the budget (vLLM pre-allocates it;
-    weights live outside it), in units of one 16-bit block; an 8-bit block is half of one."""
+def upstream_engine_model(lane: Lane, max_num_seqs: int, kv8_dtype: str, managed: bool,
+                          declared_kv_dtypes: list[str] | None = None) -> tuple[MemoryModel, EngineCapabilities]:
+    """The shield's view of an upstream, from what the upstream itself says (``/v1/models``,
+    ``vllm:cache_config_info``) and how the gateway launched it; never from the gateway's own
+    host unless the engine runs there (managed). The KV pool is the budget (vLLM pre-allocates
+    it; weights live outside it), in units of one 16-bit block; an 8-bit block is half of one.
+
+    KV dtypes: a managed engine can run what this machine's vLLM can; an unmanaged one what its
+    operator declared (``serve.upstream_kv_dtypes``), else only the dtype it runs."""
     info = lane.upstream.info
     blocks = (info.num_kv_blocks if info and info.num_kv_blocks else 16384)
     block_size = (info.block_size if info and info.block_size else 16)
     bytes_ = {d: 1.0 for d in KV_DTYPES_16BIT} | {d: 0.5 for d in KV_DTYPES_8BIT}
     mem = MemoryModel(budget_bytes=float(blocks), weights_bytes=0.0, activation_bytes=0.0, block_size=block_size,
                       kv_block_bytes=bytes_, num_kv_blocks_total=blocks)
-    why8 = cpu_kv8_unavailable_reason()
-    kv = {d: None for d in KV_DTYPES_16BIT} | {d: why8 for d in KV_DTYPES_8BIT}
+    if managed:
+        why8 = cpu_kv8_unavailable_reason()
+        kv = {d: None for d in KV_DTYPES_16BIT} | {d: why8 for d in KV_DTYPES_8BIT}
+    else:
+        running = lane.knobs.kv_dtype
+        ok = set(declared_kv_dtypes or ()) | {running} | ({"auto"} if running in KV_DTYPES_16BIT else set())
+        why = (f"{lane.name} is not managed by the gateway and its operator did not declare it can run this "
+               "KV dtype (serve.upstream_kv_dtypes)")
+        kv = {d: (None if d in ok else why) for d in (*KV_DTYPES_16BIT, *KV_DTYPES_8BIT)}
     max_len = info.max_model_len if info and info.max_model_len else 2048
     caps = EngineCapabilities(kv_dtypes=kv, max_model_len=max_len, max_num_seqs=max_num_seqs,
                               max_num_batched_tokens=max(max_len, 2048), block_size=block_size)
@@ -122,7 +135,8 @@ class ControlLoop:
         self.lane_ctl: dict[int, LaneControl] = {}
         now = time.monotonic()
         for ln in gw.lanes:
-            mem, caps = upstream_engine_model(ln, cfg.max_num_seqs, cfg.kv8_dtype, ln.upstream.managed is not None)
+            mem, caps = upstream_engine_model(ln, cfg.max_num_seqs, cfg.kv8_dtype, ln.upstream.managed is not None,
+                                              cfg.upstream_kv_dtypes)
             static = build_controller({"kind": "static", "batch_cap": ln.knobs.batch_cap,
                                        "bucketing": ln.knobs.bucketing, "kv_dtype": ln.knobs.kv_dtype}, cfg.max_num_seqs)
             self.lane_ctl[ln.index] = LaneControl(

@@ -144,6 +144,9 @@ class ServeConfig:
     kv_cache_space_gib: int = 1
     kv_dtype: str = "auto"
     kv8_dtype: str = "fp8"
+    #: KV dtypes the operator of unmanaged upstreams says they can be switched to (the gateway
+    #: only recommends a switch there); None = only the dtype each upstream runs.
+    upstream_kv_dtypes: list[str] | None = None
     extra_vllm_args: list[str] = field(default_factory=lambda: ["--enforce-eager"])
     startup_timeout_s: float = 300.0
     auto_restart: bool = True
@@ -260,7 +263,7 @@ class ServeConfig:
         for key, make in sub.items():
             if key in data:
                 data[key] = make(data[key])
-        for key in ("upstreams", "extra_vllm_args"):
+        for key in ("upstreams", "extra_vllm_args", "upstream_kv_dtypes"):
             if key in data and data[key] is not None:
                 data[key] = [str(x) for x in data[key]]
         return _build(cls, data, "serve")

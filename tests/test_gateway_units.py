@@ -248,3 +248,27 @@ async def test_client_gone_as_its_slot_is_granted_is_not_served() -> None:
     assert lane.admission.num_in_flight == 0 and lane.admission.num_waiting == 0
     assert metrics.rejected.labels("cancelled")._value.get() == 1
     await lane.upstream.aclose()
+
+
+def test_capabilities_come_from_the_upstream_not_the_gateways_host() -> None:
+    """An unmanaged upstream runs elsewhere: what the gateway's CPU can do says nothing about
+    it. Its KV dtypes are the one it runs plus what its operator declares; its KV budget and
+    block size are what its /metrics said."""
+    from batchpilot.core.admission import AdmissionConfig
+    from batchpilot.core.knobs import Knobs
+    from batchpilot.core.telemetry import SLO, Telemetry
+    from batchpilot.core.vllm_cpu import cpu_kv8_unavailable_reason
+    from batchpilot.serving.control_loop import upstream_engine_model
+    from batchpilot.serving.lanes import Lane
+    from batchpilot.serving.upstream import EngineInfo, Upstream
+
+    lane = Lane.build(0, Upstream("http://10.0.0.9:8000"), AdmissionConfig(), Knobs(batch_cap=8), Telemetry(SLO()),
+                      GatewayMetrics(), 1)
+    lane.upstream.info = EngineInfo(model="m", max_model_len=4096, num_kv_blocks=777, block_size=32, kv_dtype="auto")
+    mem, caps = upstream_engine_model(lane, 128, "fp8", managed=False)
+    assert caps.can_run("auto") and not caps.can_run("fp8") and "serve.upstream_kv_dtypes" in caps.why_not("fp8")
+    assert mem.num_kv_blocks_total == 777 and caps.block_size == 32 and caps.max_model_len == 4096
+    _, declared = upstream_engine_model(lane, 128, "fp8", managed=False, declared_kv_dtypes=["fp8"])
+    assert declared.can_run("fp8")
+    _, managed = upstream_engine_model(lane, 128, "fp8", managed=True)
+    assert managed.can_run("fp8") == (cpu_kv8_unavailable_reason() is None)

@@ -32,14 +32,16 @@ def cpu_simd_flags() -> list[str]:
 
 
 def cpu_kv8_unavailable_reason() -> str | None:
-    """Why vLLM on this machine's CPU cannot run an 8-bit KV cache, or None: its CPU attention
-    needs AVX-512 or AMX for fp8 KV. (A CUDA build is assumed able; ask before importing
-    torch only when it is already loaded, so the gateway stays light.)"""
-    import sys
+    """Why vLLM on this machine cannot run an 8-bit KV cache, or None: on CPUs its attention
+    needs AVX-512 or AMX for fp8 KV; a CUDA machine is assumed able. Asked once per engine
+    start (it may import torch), for engines running on this machine only."""
+    try:
+        import torch
 
-    torch = sys.modules.get("torch")
-    if torch is not None and torch.cuda.is_available():
-        return None
+        if torch.cuda.is_available():
+            return None
+    except ImportError:  # pragma: no cover - torch comes with vLLM
+        pass
     flags = cpu_simd_flags()
     if "avx512f" in flags or "amx_tile" in flags:
         return None
