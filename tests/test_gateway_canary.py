@@ -32,7 +32,8 @@ def fixed_policy(out: Path, batch_action: int) -> Path:
     layers = [*art.layers[:-1], (np.zeros_like(w), head_b)]
     return write_artifact(out, features=list(art.features), normalization=art.normalization, action=m["action"],
                           activation=art.activation, layers=layers, shield=m["shield"], slo=m["slo"],
-                          train_config={"note": f"test: always batch action {batch_action}"})
+                          # The trained policy's config (observation scales included), so it loads as one.
+                          train_config={**m["training"]["config"], "note": f"test: always batch action {batch_action}"})
 
 
 @pytest.fixture(scope="module")
