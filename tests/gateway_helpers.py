@@ -78,10 +78,12 @@ def running_gateway(*overrides: str, timeout_s: float = 240.0) -> Iterator[Runni
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT)
     gw = RunningGateway(f"http://127.0.0.1:{port}", proc, log_path)
     pids: list[int] = []
+    body_ok = False
     try:
         wait_ready(gw.url, timeout_s, proc)
         pids = gw.upstream_pids()
         yield gw
+        body_ok = True
     finally:
         with contextlib.suppress(Exception):
             pids = gw.upstream_pids() or pids
@@ -94,6 +96,12 @@ def running_gateway(*overrides: str, timeout_s: float = 240.0) -> Iterator[Runni
         for pid in pids:  # the vLLM process group, if the gateway did not stop it
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(pid, signal.SIGKILL)
+    # The gateway never answers 500: a bug still answers JSON, but its traceback is logged.
+    if body_ok:
+        with open(log_path, errors="replace") as f:
+            text = f.read()
+        for marker in ("unexpected error on", "Exception in ASGI application"):
+            assert marker not in text, f"the gateway failed internally ({marker!r}); see {log_path}"
 
 
 @dataclass
