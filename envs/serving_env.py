@@ -308,11 +308,11 @@ class ServingEnv(gym.Env):
 
     def _account(self, res: StepResult) -> None:
         tel, adm = self.telemetry, self.admission
-        for _, arrival, first in res.first_tokens:
-            tel.on_first_token(first, first - arrival)
+        for rid, arrival, first in res.first_tokens:
+            tel.on_first_token(rid, first, first - arrival)
         tel.on_output_tokens(res.num_output_tokens)
         for fr in res.finished:
-            tel.on_finished(fr.finish_time, fr.ttft, fr.tpot, fr.e2el)
+            tel.on_finished(fr.request_id, fr.finish_time, fr.ttft, fr.tpot, fr.e2el)
             adm.on_finished(fr.request_id)
             self._finished.append(fr)
         if res.preempted:

@@ -72,6 +72,11 @@ class _FixedUpstream:
         self._ready.set()
         loop.run_forever()
         server.close()
+        pending = asyncio.all_tasks(loop)  # the connection handlers: end them before the loop
+        for task in pending:
+            task.cancel()
+        loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+        loop.close()
 
 
 async def _timed(call: Callable[[], Awaitable[bytes]], n: int) -> list[float]:

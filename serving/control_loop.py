@@ -39,6 +39,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+
 def upstream_engine_model(lane: Lane, max_num_seqs: int, kv8_dtype: str, managed: bool,
                           declared_kv_dtypes: list[str] | None = None) -> tuple[MemoryModel, EngineCapabilities]:
     """The shield's view of an upstream, from what the upstream itself says (``/v1/models``,

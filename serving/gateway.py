@@ -450,7 +450,7 @@ class _Timer:
             # The first token reaches telemetry when it arrives, as in the env (the engine's
             # first token): a growing queue shows before the slow requests finish.
             self.t_first = time.monotonic()
-            self.lane.telemetry.on_first_token(self.t_first, self.t_first - self.t0)
+            self.lane.telemetry.on_first_token(self.req.request_id, self.t_first, self.t_first - self.t0)
         self.n_chunks += data.count(b"data: ")
         if b'"usage"' in data:
             self.usage_tokens = _completion_tokens(data)
@@ -462,6 +462,7 @@ class _Timer:
         now = time.monotonic()
         self.lane.release(self.req.request_id)
         if not ok:
+            self.lane.telemetry.on_abandoned(self.req.request_id)
             return
         if content is not None:
             n = _completion_tokens(content) or self.req.output_len
@@ -470,7 +471,6 @@ class _Timer:
             up = now - self.t_send
             ttft = (self.t_send - self.t0) + up / max(n, 1)
             tpot = up / max(n, 1)
-            self.lane.telemetry.on_first_token(now, ttft)
         else:
             n = self.usage_tokens or max(self.n_chunks - 2, 1)
             first = self.t_first or now
@@ -479,7 +479,7 @@ class _Timer:
         e2el = now - self.t0
         tel = self.lane.telemetry
         tel.on_output_tokens(n)
-        tel.on_finished(now, ttft, tpot, e2el)
+        tel.on_finished(self.req.request_id, now, ttft, tpot, e2el)
         m = self.gw.metrics
         b = bucket_name(self.bucket)
         m.ttft.labels(b).observe(ttft)

@@ -20,6 +20,7 @@ import pytest
 from batchpilot.config import load_config
 from batchpilot.core.admission import depths_padded
 from batchpilot.core.control import control_step
+from batchpilot.core.knobs import Knobs
 from batchpilot.core.shield import Shield, ShieldConfig
 from batchpilot.core.telemetry import SLO, Telemetry
 from batchpilot.policies.controllers import build_controller
@@ -44,9 +45,13 @@ def recorded_trace(seed: int = 7, intervals: int = 40) -> list[dict]:
         arrivals = sorted((t0 + float(rng.uniform(0, INTERVAL_S)), int(rng.integers(16, 1800))) for _ in range(n))
         ttft = (0.05 + 1.5 * max(load - 1.0, 0.0)) * rng.lognormal(0.0, 0.4, n)
         tpot = (0.02 + 0.06 * load) * rng.lognormal(0.0, 0.2, n)
-        first = sorted((t + min(f, 0.9), float(f)) for (t, _), f in zip(arrivals, ttft))
-        done = [(t0 + float(rng.uniform(0, INTERVAL_S)), float(f), float(p), float(f + 64 * p))
-                for f, p in zip(ttft, tpot)]
+        ids = [f"r{i}-{k}" for k in range(n)]
+        # Streaming requests report their first token as it comes; every third one does not
+        # (non-streaming: its TTFT is recorded when it finishes).
+        first = sorted((t + min(f, 0.9), rid, float(f)) for rid, (t, _), f in zip(ids, arrivals, ttft)
+                       if int(rid.rsplit("-", 1)[1]) % 3)
+        done = [(t0 + float(rng.uniform(0, INTERVAL_S)), rid, float(f), float(p), float(f + 64 * p))
+                for rid, f, p in zip(ids, ttft, tpot)]
         preempted += int(rng.poisson(3 * max(load - 1.2, 0.0)))
         out.append({
             "end": t0 + INTERVAL_S, "arrivals": arrivals, "first_tokens": first, "finished": sorted(done),
@@ -68,11 +73,11 @@ def _metrics_text(iv: dict) -> str:
 def _feed(tel: Telemetry, iv: dict) -> None:
     for t, n in iv["arrivals"]:
         tel.on_arrival(t, n)
-    for t, f in iv["first_tokens"]:
-        tel.on_first_token(t, f)
+    for t, rid, f in iv["first_tokens"]:
+        tel.on_first_token(rid, t, f)
     tel.on_output_tokens(iv["output_tokens"])
-    for t, f, p, e in iv["finished"]:
-        tel.on_finished(t, f, p, e)
+    for t, rid, f, p, e in iv["finished"]:
+        tel.on_finished(rid, t, f, p, e)
 
 
 def _gateway(mode: str, policy: dict) -> tuple[Gateway, ControlLoop]:
@@ -163,3 +168,21 @@ def test_the_gateway_policy_sees_the_training_scales() -> None:
     gw, loop = _gateway("policy", {"kind": "pid"})
     pol = loop.policies.policy
     assert pol is not None and pol.max_model_len == 8192 and gw.cfg.max_model_len == 2048
+
+
+def test_one_call_per_finished_request_records_its_first_token_once() -> None:
+    """``on_finished`` records the TTFT of a request whose first token was not reported (the
+    gateway's non-streaming requests; production TTFT read 0 when only the env reported first
+    tokens), and does not count a reported one twice."""
+    tel = Telemetry(SLO(ttft_ms=1000.0, tpot_ms=100.0), window_s=10.0)
+    tel.reset(0.0)
+    tel.on_first_token("streamed", 1.0, 0.2)
+    tel.on_finished("streamed", 2.0, 0.2, 0.01, 1.2)
+    tel.on_finished("not-streamed", 2.5, 0.4, 0.01, 1.4)
+    tel.on_first_token("abandoned", 2.6, 0.3)
+    tel.on_abandoned("abandoned")
+    snap = tel.snapshot(3.0, queue_depth=(0, 0, 0), num_running=0, num_waiting_engine=0, kv_cache_usage=0.0,
+                        knobs=Knobs(8))
+    assert sorted(x for _, x in tel._ttft_window) == [0.2, 0.3, 0.4]  # each request's TTFT once
+    assert snap.ttft_p50_ms == pytest.approx(300.0) and snap.request_throughput == pytest.approx(2 / 3.0)
+    assert not tel._first_seen

@@ -140,6 +140,8 @@ class Telemetry:
     _window: deque = field(default_factory=deque)
     _arrival_window: deque = field(default_factory=deque)
     _ttft_window: deque = field(default_factory=deque)
+    #: Requests whose first token is recorded and that have not finished yet.
+    _first_seen: set = field(default_factory=set)
     _last_time: float = 0.0
     _last_dtype_switch: float = 0.0
 
@@ -149,6 +151,7 @@ class Telemetry:
         self._window.clear()
         self._arrival_window.clear()
         self._ttft_window.clear()
+        self._first_seen.clear()
         self._last_time = now
         self._last_dtype_switch = now
 
@@ -157,16 +160,28 @@ class Telemetry:
         self._arrivals += 1
         self._arrival_window.append((t, prompt_len))
 
-    def on_first_token(self, t: float, ttft_s: float) -> None:
+    def on_first_token(self, request_id: str, t: float, ttft_s: float) -> None:
         """TTFT counts when the first token comes out, not when the request ends, so a
-        growing queue shows in the signal before the slow requests finish."""
+        growing queue shows in the signal before the slow requests finish. Optional: a request
+        whose first token was not reported is counted by ``on_finished``."""
         self._ttft_window.append((t, ttft_s))
+        self._first_seen.add(request_id)
+
+    def on_abandoned(self, request_id: str) -> None:
+        """A request that will not finish (failed, client gone): forget its first token."""
+        self._first_seen.discard(request_id)
 
     def on_output_tokens(self, n: int) -> None:
         self._out_tokens += n
 
-    def on_finished(self, t: float, ttft_s: float, tpot_s: float, e2el_s: float) -> bool:
-        """Record a finished request; returns whether it met the SLO."""
+    def on_finished(self, request_id: str, t: float, ttft_s: float, tpot_s: float, e2el_s: float) -> bool:
+        """Record a finished request, its first token too unless ``on_first_token`` did as
+        it came out (so no caller can record one half and forget the other); returns whether
+        it met the SLO."""
+        if request_id in self._first_seen:
+            self._first_seen.discard(request_id)
+        else:
+            self._ttft_window.append((t, ttft_s))
         met = self.slo.met(ttft_s, tpot_s, e2el_s)
         self._finished += 1
         self._good += int(met)
