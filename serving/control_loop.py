@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from batchpilot.core.admission import depths_padded
@@ -25,7 +25,7 @@ from batchpilot.core.control import control_step
 from batchpilot.core.controller import Controller
 from batchpilot.core.engine import KV_DTYPES_8BIT, KV_DTYPES_16BIT, EngineCapabilities, MemoryModel
 from batchpilot.core.knobs import Knobs, Proposal
-from batchpilot.core.shield import INTERVENTION_KINDS, Shield, ShieldConfig
+from batchpilot.core.shield import INTERVENTION_KINDS, Decision, Shield, ShieldConfig
 from batchpilot.core.telemetry import Snapshot
 from batchpilot.core.vllm_cpu import cpu_kv8_unavailable_reason
 from batchpilot.metrics import parse_vllm_metrics
@@ -99,6 +99,8 @@ class LaneControl:
     pid: Controller
     static: Controller
     last_counters: dict[str, float] = field(default_factory=dict)
+    #: Intervals in a row without the upstream's counters (failed /metrics scrape or down).
+    stale_intervals: int = 0
     breaker_restart_done: bool = False
     last_decision: dict[str, Any] = field(default_factory=dict)
     #: Who set the knobs the last interval ran under: a snapshot measures the interval that
@@ -272,6 +274,7 @@ class ControlLoop:
         self.num_ticks += 1
         ctl = self.lane_ctl[lane.index]
         m = await self._scrape(lane) if lane.upstream.healthy else {}
+        ctl.stale_intervals = 0 if m else ctl.stale_intervals + 1
         last = ctl.last_counters
         d_pre = max(0.0, m.get("num_preemptions", 0.0) - last.get("num_preemptions", m.get("num_preemptions", 0.0)))
         d_q = m.get("prefix_cache_queries", 0.0) - last.get("prefix_cache_queries", 0.0)
@@ -281,17 +284,18 @@ class ControlLoop:
         lane.telemetry.on_preemptions(int(d_pre))
         hit = d_h / d_q if d_q > 0 else 0.0
         now = time.monotonic() if now is None else now
+        seen = m or last  # without this interval's counters, the last ones seen (never a 0 KV use)
         snap = lane.telemetry.snapshot(
             now,
             queue_depth=depths_padded(lane.admission.queue_depths),
-            num_running=int(m.get("num_running", lane.admission.num_in_flight)),
-            num_waiting_engine=int(m.get("num_waiting", 0)),
-            kv_cache_usage=float(m.get("kv_cache_usage", 0.0)),
+            num_running=int(seen.get("num_running", lane.admission.num_in_flight)),
+            num_waiting_engine=int(seen.get("num_waiting", 0)),
+            kv_cache_usage=float(seen.get("kv_cache_usage", 0.0)),
             knobs=lane.knobs,
             prefix_cache_hit_rate=hit,
         )
         step, who = self.decide(lane, snap, now)
-        proposal, dec = step.proposal, step.decision
+        proposal, dec = step.proposal, self._fail_safe(lane, ctl, step.decision)
         if ctl.last_acting is not None:
             self.policies.record(ctl.last_acting, snap.request_goodput)
         self._apply(lane, ctl, dec, who)
@@ -306,6 +310,30 @@ class ControlLoop:
                              "interventions": dec.interventions, "breaker_level": dec.breaker_level,
                              "goodput": snap.request_goodput, "ttft_p99_ms": snap.ttft_p99_ms}
         mt.control_tick.observe(time.perf_counter() - t0)
+
+    def _fail_safe(self, lane: Lane, ctl: LaneControl, dec: Decision) -> Decision:
+        """Telemetry loss fails safe: an interval without the upstream's counters never raises
+        the cap (a failed scrape read as 0 % KV use let it grow 197 -> 373); after
+        ``stale_limit`` of them the cap heads for ``safe_batch_cap`` within the step limit."""
+        n = ctl.stale_intervals
+        if n == 0:
+            return dec
+        cur = lane.knobs.batch_cap
+        cap = min(dec.knobs.batch_cap, cur)
+        why = f"no /metrics from {lane.name} for {n} interval(s): the cap does not grow"
+        limit = self.cfg.control.stale_limit
+        if n >= limit:
+            safe = self.cfg.control.safe_batch_cap
+            cap = min(cap, max(safe, cur - ctl.shield.max_step(cur)))
+            why = f"no /metrics from {lane.name} for {n} intervals: heading for the safe cap {safe}"
+            if n == limit:
+                self.gw.metrics.alerts.inc()
+                self._note(f"telemetry from {lane.name} lost for {n} intervals: holding it at or below the safe "
+                           f"cap {safe} until /metrics answers again")
+        if cap == dec.knobs.batch_cap:
+            return dec
+        return replace(dec, knobs=dec.knobs.with_(batch_cap=cap),
+                       interventions={**dec.interventions, "stale_telemetry": why})
 
     def _apply(self, lane: Lane, ctl: LaneControl, dec: Any, who: str) -> None:
         mt = self.gw.metrics
@@ -367,6 +395,7 @@ class ControlLoop:
             "lanes": {ln.name: {**self.lane_ctl[ln.index].last_decision, "knobs_in_force": ln.knobs.as_dict(),
                                 "queue_depths": list(ln.admission.queue_depths),
                                 "in_flight": ln.admission.num_in_flight,
+                                "stale_telemetry_intervals": self.lane_ctl[ln.index].stale_intervals,
                                 "healthy": ln.upstream.healthy, "restarting": ln.upstream.restarting}
                       for ln in self.gw.lanes},
             "events": self.events[-20:],

@@ -60,6 +60,10 @@ class ControlConfig:
     canary_min_intervals: int = 30
     #: Roll back when the canary's goodput is below ``(1 - canary_max_drop)`` x the incumbent's.
     canary_max_drop: float = 0.10
+    #: Intervals without the upstream's /metrics never raise the cap; after this many in a row
+    #: the cap heads for ``safe_batch_cap`` (within the step limit) and an alert is raised.
+    stale_limit: int = 3
+    safe_batch_cap: int = 16
 
     def __post_init__(self) -> None:
         if self.mode not in CONTROL_MODES:
@@ -72,6 +76,9 @@ class ControlConfig:
             raise ValueError(f"serve.control.canary_max_drop must be in (0, 1), got {self.canary_max_drop}")
         if self.initial_batch_cap < 1:
             raise ValueError(f"serve.control.initial_batch_cap must be >= 1, got {self.initial_batch_cap}")
+        if self.stale_limit < 1 or self.safe_batch_cap < 1:
+            raise ValueError("serve.control.stale_limit and serve.control.safe_batch_cap must be >= 1, got "
+                             f"{self.stale_limit}, {self.safe_batch_cap}")
 
 
 @dataclass(slots=True)

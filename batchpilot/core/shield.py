@@ -68,6 +68,7 @@ INTERVENTION_KINDS: tuple[str, ...] = (
     "breaker_shrink",
     "breaker_hold",
     "breaker_shed",
+    "stale_telemetry",  # the gateway's: an interval without the engine's counters
 )
 
 
