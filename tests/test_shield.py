@@ -360,3 +360,19 @@ def test_snapshot_inputs_are_converted():
     assert d.knobs.batch_cap == 28 and d.breaker_level == 1
     assert s.predict_fraction(d.knobs) == pytest.approx(d.predicted_memory_fraction)
     assert d.shed_below_priority is None
+
+
+@pytest.mark.parametrize("start, lo, hi", [(200, 1, 64), (2, 8, 256)])
+def test_a_cap_outside_the_range_is_walked_in_within_the_step_limit(start: int, lo: int, hi: int) -> None:
+    """The 30 % step used to be skipped when the cap in force was outside [min, max] (an
+    operator's or a config's): it was clamped in one jump. Now it walks in, a step at a time."""
+    s = shield(ROOMY, min_batch=lo, max_batch=hi)
+    cap, seen = start, [start]
+    for i in range(40):
+        d = s.apply(Proposal(batch_cap=(lo + hi) // 2), Knobs(cap), CALM, float(i))
+        assert abs(d.knobs.batch_cap - cap) <= s.max_step(cap), (cap, d.knobs.batch_cap)
+        cap = d.knobs.batch_cap
+        seen.append(cap)
+        if lo <= cap <= hi:
+            break
+    assert lo <= cap <= hi and len(seen) > 2, seen  # got there, in more than one decision

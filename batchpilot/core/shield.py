@@ -4,7 +4,10 @@ Every controller (PPO, PID, AIMD, static) goes through it, in training and in pr
 no policy can take the service outside these limits:
 
 * **step**: the batch cap moves at most ``max_step_frac`` (30 %) of its current value per
-  decision, and at least ``min_step`` (1) so tiny caps can still move;
+  decision, and at least ``min_step`` (1) so tiny caps can still move. At caps 1-3, 30 % rounds
+  down to 0, so there the minimum step is the step: 1 -> 2 is +100 %, 2 -> 3 +50 %, 3 -> 4
+  +33 %; from 4 up the 30 % holds. A cap outside the range (an operator's or a config's) is
+  walked into it at that pace too, never clamped in one jump;
 * **range**: ``min_batch <= batch_cap <= max_batch`` (``max_batch`` at most the engine's
   ``max_num_seqs``); bucketing one of ``BUCKETING_MODES``; KV dtype one the engine can run;
 * **memory**: the predicted memory at the new setting stays at or below ``memory_ceiling``
@@ -362,7 +365,8 @@ class Shield:
             why["batch_range"] = f"batch_cap {target} outside [{lo_b}, {hi_b}]"
             target = min(max(target, lo_b), hi_b)
         step = self.max_step(cur)
-        if abs(target - cur) > step and lo_b <= cur <= hi_b:
+        in_range = lo_b <= cur <= hi_b
+        if abs(target - cur) > step:
             clipped = min(max(target, cur - step), cur + step)
             why["step_limit"] = f"batch_cap {target} is more than {step} from {cur}; set {clipped}"
             target = clipped
@@ -374,8 +378,9 @@ class Shield:
 
         # 5. Memory ceiling: never above the feasible cap, but never more than a step down.
         feasible = self.max_feasible_batch(dtype)
-        if target > feasible:
-            floor_ = max(lo_b, cur - step) if lo_b <= cur <= hi_b else lo_b
+        # (Above max_batch, "feasible" is only the range's end: check the prediction itself.)
+        if target > feasible and self.predicted_fraction(target, dtype) > cfg.memory_ceiling:
+            floor_ = max(lo_b, cur - step)
             new = max(feasible, floor_)
             if new < target:
                 why["memory_ceiling"] = (
@@ -388,7 +393,10 @@ class Shield:
                     f"memory ceiling {cfg.memory_ceiling:.0%} unreachable even at min_batch={lo_b} "
                     f"with kv_dtype={dtype}"
                 )
-        target = min(max(target, lo_b), hi_b)
+        if in_range:
+            target = min(max(target, lo_b), hi_b)
+        else:  # walking into the range: towards it, one step at a time
+            target = min(target, cur) if cur > hi_b else max(target, cur)
 
         # 6. Bucketing.
         bucketing = current.bucketing if current.bucketing in BUCKETING_MODES else BUCKETING_MODES[0]
