@@ -74,10 +74,14 @@ class KnobsBody(_Body):
 class FreezeBody(_Body):
     frozen: bool = True
     knobs: KnobsBody | None = None
+    #: Set the knobs at once, past the shield's step limit (logged, counted, in status).
+    force: bool = False
 
 
 class KvDtypeBody(_Body):
     dtype: str = Field(min_length=1, max_length=32, pattern=r"^[a-z0-9_]+$")
+    #: Switch past the shield's gate and the quality guard (logged, counted, in status).
+    force: bool = False
 
 
 B = TypeVar("B", bound=_Body)
@@ -131,12 +135,13 @@ async def set_mode(request: Request) -> dict[str, Any]:
 
 @router.post("/freeze", dependencies=[Depends(_require_token)])
 async def freeze(request: Request) -> dict[str, Any]:
-    """Body: ``{"frozen": bool, "knobs": {"batch_cap": n, "bucketing": mode} (optional)}``.
-    Checked whole first: a refused call neither freezes nor changes a knob."""
+    """Body: ``{"frozen": bool, "knobs": {"batch_cap": n, "bucketing": mode} (optional),
+    "force": bool}``. Knobs are a target walked to within the shield's limits; ``force`` sets
+    them at once. Checked whole first: a refused call neither freezes nor changes a knob."""
     body = await _body(request, FreezeBody)
     knobs = body.knobs.model_dump(exclude_none=True) if body.knobs else None
     try:
-        request.app.state.gateway.control.freeze(body.frozen, knobs)
+        request.app.state.gateway.control.freeze(body.frozen, knobs, force=body.force)
     except ValueError as exc:
         raise BadRequest("invalid_field", str(exc)) from None
     return {"frozen": body.frozen}
@@ -144,12 +149,13 @@ async def freeze(request: Request) -> dict[str, Any]:
 
 @router.post("/kv_dtype", dependencies=[Depends(_require_token)])
 async def set_kv_dtype(request: Request) -> dict[str, Any]:
-    """Body: ``{"dtype": "auto" | "fp8" | ...}``. An operator's KV dtype switch: managed
-    upstreams restart one at a time (drained first, queued requests wait); unmanaged ones only
-    get it recommended. Bypasses the shield's dwell time, not the runnable-dtype check."""
+    """Body: ``{"dtype": "auto" | "fp8" | ..., "force": bool}``. An operator's KV dtype switch:
+    managed upstreams restart one at a time (drained first, queued requests wait); unmanaged
+    ones only get it recommended. It passes the shield's gate (dwell, memory, gain) and the
+    quality guard unless ``force``; a dtype the engine cannot run is refused always."""
     body = await _body(request, KvDtypeBody)
     try:
-        return request.app.state.gateway.control.force_kv_dtype(body.dtype)
+        return request.app.state.gateway.control.force_kv_dtype(body.dtype, force=body.force)
     except ValueError as exc:
         raise BadRequest("invalid_field", str(exc)) from None
 

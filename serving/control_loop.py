@@ -25,7 +25,7 @@ from batchpilot.core.control import control_step
 from batchpilot.core.controller import Controller
 from batchpilot.core.engine import KV_DTYPES_8BIT, KV_DTYPES_16BIT, EngineCapabilities, MemoryModel
 from batchpilot.core.knobs import Knobs, Proposal
-from batchpilot.core.shield import INTERVENTION_KINDS, Decision, Shield, ShieldConfig
+from batchpilot.core.shield import INTERVENTION_KINDS, Decision, Shield, ShieldConfig, ShieldInputs
 from batchpilot.core.telemetry import Snapshot
 from batchpilot.core.vllm_cpu import cpu_kv8_unavailable_reason
 from batchpilot.metrics import parse_vllm_metrics
@@ -101,6 +101,7 @@ class LaneControl:
     last_counters: dict[str, float] = field(default_factory=dict)
     #: Intervals in a row without the upstream's counters (failed /metrics scrape or down).
     stale_intervals: int = 0
+    last_snapshot: Snapshot | None = None
     breaker_restart_done: bool = False
     last_decision: dict[str, Any] = field(default_factory=dict)
     #: Who set the knobs the last interval ran under: a snapshot measures the interval that
@@ -109,16 +110,19 @@ class LaneControl:
 
 
 class Hold:
-    """Frozen knobs: proposes nothing, so the shield keeps what is in force (its breaker still
-    protects)."""
+    """Frozen knobs: proposes the operator's target (nothing without one), so the shield walks
+    the knobs there and then keeps them (its breaker still protects)."""
 
     name = "frozen"
+
+    def __init__(self, target: dict[str, Any] | None = None) -> None:
+        self.target = target or {}
 
     def reset(self, knobs: Knobs) -> None:
         pass
 
     def decide(self, snapshot: Snapshot, knobs: Knobs) -> Proposal:
-        return Proposal()
+        return Proposal(batch_cap=self.target.get("batch_cap"), bucketing=self.target.get("bucketing"))
 
 
 class ControlLoop:
@@ -129,6 +133,8 @@ class ControlLoop:
         cfg = self.cfg = gw.cfg
         s = gw.settings
         self.frozen = False
+        self.target: dict[str, Any] = {}  # the operator's knob target while frozen
+        self.overrides: list[str] = []  # forced operator actions, newest last (status)
         self.num_ticks = 0
         self.events: list[str] = []  # recent notable events, newest last (admin status)
         slo_ms = {"ttft": s.slo.ttft_ms, "tpot": s.slo.tpot_ms, "e2el": s.slo.e2el_ms}
@@ -190,27 +196,61 @@ class ControlLoop:
     def set_mode(self, mode: str) -> None:
         self.policies.set_mode(mode)
 
-    def freeze(self, frozen: bool, knobs: dict[str, Any] | None = None) -> None:
-        """Hold the knobs (the breaker still protects). ``knobs`` sets them first, within the
-        shield's range (not its step limit: an operator's explicit choice). A batch cap out of
-        range raises ``ValueError`` before anything changes; it is never silently clamped."""
+    def freeze(self, frozen: bool, knobs: dict[str, Any] | None = None, *, force: bool = False) -> None:
+        """Hold the knobs (the breaker still protects). ``knobs`` are a target the frozen loop
+        walks towards through the shield (30 % steps, memory ceiling) like any proposal; with
+        ``force`` they are set at once, logged, counted (``batchpilot:admin_overrides``) and
+        shown in status. Checked whole first: a batch cap out of range, or knobs that a running
+        controller would overwrite at once (not frozen, not forced), raise ``ValueError``
+        before anything changes; nothing is silently clamped."""
         knobs = {key: knobs[key] for key in ("batch_cap", "bucketing") if key in knobs} if knobs else {}
         cap = knobs.get("batch_cap")
         if cap is not None:
             top = min(self.lane_ctl[ln.index].shield.max_batch for ln in self.gw.lanes)
             if not 1 <= cap <= top:
                 raise ValueError(f"batch_cap must be in [1, {top}] (the shield's max_batch), got {cap}")
+        if knobs and not frozen and not force:
+            raise ValueError("knobs with frozen=false would be overwritten by the controller at once: "
+                             "freeze them (frozen=true) or set them once with force=true")
         self.frozen = frozen
-        for ln in self.gw.lanes if knobs else ():
-            ln.set_knobs(ln.knobs.with_(**knobs))
-        self._note(f"knobs {'frozen' if frozen else 'released'}" + (f" at {knobs}" if knobs else ""))
+        self.target = {} if force or not frozen else knobs
+        if force and knobs:
+            for ln in self.gw.lanes:
+                ln.set_knobs(ln.knobs.with_(**knobs))
+            self._override("freeze", f"knobs set at once to {knobs}, past the shield's step limit")
+        self._note(f"knobs {'frozen' if frozen else 'released'}"
+                   + (f", walking towards {knobs}" if self.target else ""))
 
-    def force_kv_dtype(self, dtype: str) -> dict[str, Any]:
-        """Admin: switch every upstream's KV dtype (restart managed ones, one at a time)."""
+    def _override(self, kind: str, what: str) -> None:
+        self.gw.metrics.admin_overrides.labels(kind).inc()
+        self.overrides = (self.overrides + [f"{time.strftime('%H:%M:%S')} {kind}: {what}"])[-20:]
+        self._note(f"operator override (force): {what}")
+
+    def force_kv_dtype(self, dtype: str, *, force: bool = False) -> dict[str, Any]:
+        """Admin: switch every upstream's KV dtype (restart managed ones, one at a time). It
+        goes through the shield's gate (dwell time, memory, predicted gain) and the quality
+        guard's 8-bit block, each refusal a ``ValueError`` with the reasons, unless ``force``
+        (logged, counted, shown in status). A dtype the engine cannot run is refused always."""
         caps = self.lane_ctl[self.gw.lanes[0].index].shield.capabilities
         why = caps.why_not(dtype)
         if why is not None:
             raise ValueError(f"kv dtype {dtype!r} cannot run here: {why}")
+        now = time.monotonic()
+        if not force:
+            guard = self.gw.quality
+            if dtype in KV_DTYPES_8BIT and guard is not None and guard.blocks_8bit:
+                raise ValueError(f"the quality guard blocks 8-bit KV (output-diff rate {guard.diff_rate:.1%}); "
+                                 "reset it or use force=true")
+            refused = {}
+            for ln in self.gw.lanes:
+                ctl = self.lane_ctl[ln.index]
+                if ln.knobs.kv_dtype != dtype:
+                    inputs = ctl.last_snapshot if ctl.last_snapshot is not None else ShieldInputs()
+                    reasons = ctl.shield.check_dtype(dtype, ln.knobs, inputs, now)
+                    if reasons:
+                        refused[ln.name] = "; ".join(reasons.values())
+            if refused:
+                raise ValueError(f"the shield refuses kv dtype {dtype!r}: {refused} (force=true overrides)")
         out: dict[str, str] = {}
         managed = []
         for ln in self.gw.lanes:
@@ -222,6 +262,8 @@ class ControlLoop:
             else:
                 self.gw.metrics.kv_recommendation.labels(ln.name, dtype).set(1)
                 out[ln.name] = "recommended (not managed)"
+        for ln in self.gw.lanes:  # the dwell counts from the operator's switch too
+            self.lane_ctl[ln.index].shield.last_dtype_switch = now
         if managed:
             async def one_by_one() -> None:
                 for ln in managed:  # the supervisor's lock also serialises them
@@ -229,15 +271,17 @@ class ControlLoop:
                     self.lane_ctl[ln.index].shield.last_dtype_switch = time.monotonic()
 
             self.gw.supervisor.spawn(one_by_one(), "batchpilot-admin-kv-dtype")
+        if force:
+            self._override("kv_dtype", f"KV dtype switch to {dtype} past the shield: {out}")
         self._note(f"operator KV dtype switch to {dtype}: {out}")
-        return {"dtype": dtype, "upstreams": out}
+        return {"dtype": dtype, "upstreams": out, "forced": force}
 
     # --- one decision ----------------------------------------------------------------------
     def _controller(self, lane: Lane) -> tuple[Controller, str]:
         """Who acts on ``lane`` this interval."""
         ctl = self.lane_ctl[lane.index]
         if self.frozen:
-            return Hold(), "frozen"
+            return Hold(self.target), "frozen"
         if self.policies.mode == "static":
             return ctl.static, "static"
         chosen = self.policies.policy_for(lane.index, len(self.gw.lanes), self.num_ticks)
@@ -294,6 +338,7 @@ class ControlLoop:
             knobs=lane.knobs,
             prefix_cache_hit_rate=hit,
         )
+        ctl.last_snapshot = snap
         step, who = self.decide(lane, snap, now)
         proposal, dec = step.proposal, self._fail_safe(lane, ctl, step.decision)
         if ctl.last_acting is not None:
@@ -392,6 +437,8 @@ class ControlLoop:
         return {
             **self.policies.status(),
             "frozen": self.frozen,
+            "target": dict(self.target),
+            "overrides": self.overrides[-20:],
             "lanes": {ln.name: {**self.lane_ctl[ln.index].last_decision, "knobs_in_force": ln.knobs.as_dict(),
                                 "queue_depths": list(ln.admission.queue_depths),
                                 "in_flight": ln.admission.num_in_flight,

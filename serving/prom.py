@@ -88,6 +88,9 @@ class GatewayMetrics:
         self.controller = Gauge(
             "batchpilot:controller_active", "1 for the controller acting now.", ["mode", "acting"], registry=r
         )
+        self.admin_overrides = Counter(
+            "batchpilot:admin_overrides", "Operator actions forced past the shield (force: true), by kind.", ["kind"],
+            registry=r)
         self.policy_fallbacks = Counter(
             "batchpilot:policy_fallbacks", "Times the policy was replaced by PID, by reason.", ["reason"], registry=r
         )

@@ -59,3 +59,77 @@ def test_stale_telemetry_never_raises_the_cap_and_falls_back_to_the_safe_cap() -
     assert all("stale_telemetry" in k for k in kinds[2:8]) and not any("stale_telemetry" in k for k in kinds[8:])
     assert caps[-1] > caps[-2]  # counters back: growth resumes
     assert loop.status()["lanes"]["vllm0"]["stale_telemetry_intervals"] == 0
+
+
+def _ticks(loop, lane, n: int, start: float = 2000.0) -> list[int]:
+    text = _metrics_text(recorded_trace()[0])
+
+    async def metrics(timeout_s: float = 2.0) -> str:
+        return text
+
+    lane.upstream.metrics_text = metrics
+    caps = []
+    for i in range(n):
+        asyncio.run(loop.tick(lane, now=start + i))
+        caps.append(lane.knobs.batch_cap)
+    return caps
+
+
+def test_an_operator_freeze_walks_to_its_target_inside_the_limits() -> None:
+    """Admin ``freeze`` with knobs used to set the cap in one jump (8 -> 256) with no memory
+    check; now the knobs are a target the shield walks to, 30 % a step."""
+    gw, loop = _gateway("pid", {"kind": "pid"})
+    lane = gw.lanes[0]
+    ctl = loop.lane_ctl[lane.index]
+    start = lane.knobs.batch_cap
+    loop.freeze(True, {"batch_cap": 2, "bucketing": "weighted"})
+    assert lane.knobs.batch_cap == start  # nothing jumped
+    caps = _ticks(loop, lane, 20)
+    seq = [start, *caps]
+    assert all(a - b <= ctl.shield.max_step(a) for a, b in zip(seq, seq[1:])), seq
+    assert caps[-1] == 2 and len(set(caps)) > 3 and lane.knobs.bucketing == "weighted"
+    assert gw.metrics.admin_overrides.labels("freeze")._value.get() == 0
+    assert loop.status()["target"] == {"batch_cap": 2, "bucketing": "weighted"}
+
+
+def test_a_forced_freeze_jumps_and_is_logged_counted_and_shown() -> None:
+    gw, loop = _gateway("pid", {"kind": "pid"})
+    lane = gw.lanes[0]
+    loop.freeze(True, {"batch_cap": 2}, force=True)
+    assert lane.knobs.batch_cap == 2
+    assert gw.metrics.admin_overrides.labels("freeze")._value.get() == 1
+    assert any("freeze" in o for o in loop.status()["overrides"])
+    assert any("operator override (force)" in e for e in loop.events)
+
+
+def test_refused_operator_calls_change_nothing() -> None:
+    import pytest
+
+    gw, loop = _gateway("pid", {"kind": "pid"})
+    lane = gw.lanes[0]
+    before = lane.knobs
+    with pytest.raises(ValueError, match="overwritten by the controller"):
+        loop.freeze(False, {"batch_cap": 8})  # not frozen, not forced: a controller would undo it
+    with pytest.raises(ValueError, match=r"batch_cap must be in \[1, "):
+        loop.freeze(True, {"batch_cap": 100_000}, force=True)
+    assert lane.knobs == before and not loop.frozen
+
+
+def test_an_operator_kv_switch_goes_through_the_shield_unless_forced() -> None:
+    """The admin KV switch skipped the dwell time, the memory and gain checks and the quality
+    guard; now only ``force`` does, and says so."""
+    import pytest
+
+    gw, loop = _gateway("pid", {"kind": "pid"})
+    lane = gw.lanes[0]
+    ctl = loop.lane_ctl[lane.index]
+    ctl.shield.capabilities.kv_dtypes["fp8"] = None  # as if its operator declared fp8
+    with pytest.raises(ValueError, match=r"shield refuses.*after the last one"):
+        loop.force_kv_dtype("fp8")  # the shield's dwell time runs from start-up
+    assert gw.metrics.admin_overrides.labels("kv_dtype")._value.get() == 0
+    out = loop.force_kv_dtype("fp8", force=True)
+    assert out["forced"] and out["upstreams"] == {"vllm0": "recommended (not managed)"}
+    assert gw.metrics.admin_overrides.labels("kv_dtype")._value.get() == 1
+    ctl.shield.capabilities.kv_dtypes["fp8"] = "no fp8 on this engine"
+    with pytest.raises(ValueError, match="cannot run here"):
+        loop.force_kv_dtype("fp8", force=True)  # force never makes an impossible dtype possible

@@ -101,7 +101,7 @@ def test_a_canary_that_drops_goodput_is_rolled_back(gw: RunningGateway, tmp_path
     r = httpx.post(f"{gw.url}/admin/mode", json={"mode": "policy"}, headers=AUTH, timeout=30)
     assert r.status_code == 200 and r.json()["acting"] == "policy", r.text
     # Both upstreams start level (PID may have trimmed a cap during the routing test).
-    r = httpx.post(f"{gw.url}/admin/freeze", json={"frozen": False, "knobs": {"batch_cap": 8}}, headers=AUTH,
+    r = httpx.post(f"{gw.url}/admin/freeze", json={"frozen": False, "knobs": {"batch_cap": 8}, "force": True}, headers=AUTH,
                    timeout=30)
     assert r.status_code == 200, r.text
     assert {ln["knobs_in_force"]["batch_cap"] for ln in gw.status()["control"]["lanes"].values()} == {8}

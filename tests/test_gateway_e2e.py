@@ -128,7 +128,7 @@ def test_disconnects_free_slots(gw: RunningGateway) -> None:
     """Clients that go away while queued leave the queue, and ones that go away mid-request
     free their slot: afterwards nothing is queued or in flight, and every request is counted
     once as finished, cancelled (queued) or client_gone (in flight)."""
-    r = httpx.post(f"{gw.url}/admin/freeze", json={"frozen": True, "knobs": {"batch_cap": 1}}, headers=AUTH)
+    r = httpx.post(f"{gw.url}/admin/freeze", json={"frozen": True, "knobs": {"batch_cap": 1}, "force": True}, headers=AUTH)
     assert r.status_code == 200
 
     def counts() -> tuple[float, float, float]:
@@ -181,7 +181,7 @@ def test_disconnects_free_slots(gw: RunningGateway) -> None:
         # the stream (200 at its start) + the 5 small ones, each counted once
         assert sum(delta) == 1 + n_queued, delta
     finally:
-        httpx.post(f"{gw.url}/admin/freeze", json={"frozen": False, "knobs": {"batch_cap": 64}}, headers=AUTH)
+        httpx.post(f"{gw.url}/admin/freeze", json={"frozen": False, "knobs": {"batch_cap": 64}, "force": True}, headers=AUTH)
     r = httpx.post(f"{gw.url}/v1/completions", json={"prompt": "after", "max_tokens": 2}, timeout=60)
     assert r.status_code == 200
 
@@ -256,7 +256,7 @@ def test_ttft_in_metrics_matches_what_clients_measure(gw: RunningGateway) -> Non
     clock holds and the gateway's cannot) stay small beside it."""
     from batchpilot.core.telemetry import _p50_p99
 
-    r = httpx.post(f"{gw.url}/admin/freeze", json={"frozen": True, "knobs": {"batch_cap": 2}}, headers=AUTH)
+    r = httpx.post(f"{gw.url}/admin/freeze", json={"frozen": True, "knobs": {"batch_cap": 2}, "force": True}, headers=AUTH)
     assert r.status_code == 200
     time.sleep(10.5)  # the telemetry window (10 s) holds only the requests below
 
@@ -284,7 +284,7 @@ def test_ttft_in_metrics_matches_what_clients_measure(gw: RunningGateway) -> Non
         lane = next(iter(gw.status()["control"]["lanes"].values()))
         gauge = gw.metric("batchpilot:ttft_p99_ms")
     finally:
-        httpx.post(f"{gw.url}/admin/freeze", json={"frozen": False, "knobs": {"batch_cap": 64}}, headers=AUTH)
+        httpx.post(f"{gw.url}/admin/freeze", json={"frozen": False, "knobs": {"batch_cap": 64}, "force": True}, headers=AUTH)
     p50, p99 = _p50_p99(measured)
     print(f"TTFT client p50 {p50:.1f} p99 {p99:.1f} ms; gateway gauge p99 {gauge:.1f}, snapshot p99 "
           f"{lane['ttft_p99_ms']:.1f} ms")

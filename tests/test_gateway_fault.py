@@ -89,12 +89,14 @@ def test_kv_dtype_switch_restarts_managed_upstream_drained(gw: RunningGateway) -
 
     wait_ready(gw.url, 240)
     why = cpu_kv8_unavailable_reason()
-    r = httpx.post(f"{gw.url}/admin/kv_dtype", json={"dtype": "fp8"}, headers=AUTH, timeout=30)
+    # An operator override: the shield alone would refuse it (dwell time since start-up).
+    r = httpx.post(f"{gw.url}/admin/kv_dtype", json={"dtype": "fp8", "force": True}, headers=AUTH, timeout=30)
     if why is not None:  # this CPU cannot: the switch is refused with the reason, nothing restarts
         assert r.status_code == 400 and "AVX-512 or AMX" in r.json()["error"]["message"], r.text
         assert gw.metric("batchpilot:upstream_restarts_total", cause="admin") == 0
         return
     assert r.status_code == 200 and r.json()["upstreams"] == {"vllm0": "restarting"}, r.text
+    assert gw.metric("batchpilot:admin_overrides_total", kind="kv_dtype") == 1
 
     async def during() -> list:
         async with httpx.AsyncClient() as c:

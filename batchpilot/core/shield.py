@@ -424,6 +424,15 @@ class Shield:
             dtype_switched=switched,
         )
 
+    def check_dtype(self, want: str, current: Knobs, inputs: ShieldInputs | Snapshot, now: float) -> dict[str, str]:
+        """Why a switch to ``want`` would be refused now (empty: it would pass), without
+        deciding anything: for an operator's request, which goes through the same gate."""
+        if isinstance(inputs, Snapshot):
+            inputs = ShieldInputs.from_snapshot(inputs, num_kv_blocks_total=self.memory.num_kv_blocks_total)
+        why: dict[str, str] = {}
+        self._dtype_gate(want, current, inputs, now, why)
+        return why
+
     def _dtype_gate(
         self, want: Any, current: Knobs, inputs: ShieldInputs, now: float, why: dict[str, str]
     ) -> str:
