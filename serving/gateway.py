@@ -235,7 +235,24 @@ async def _parse_body(raw: bytes, chat: bool) -> dict[str, Any]:
             raise BadRequest("invalid_field", f"'{key}' must be at least 1, got {n}")
     if "stream" in body and not isinstance(body["stream"], bool):
         raise BadRequest("invalid_field", f"'stream' must be true or false, got {body['stream']!r}")
+    for key in ("n", "best_of"):
+        n = body.get(key)
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+            raise BadRequest("invalid_field", f"'{key}' must be an integer >= 1, got {n!r}")
     return body
+
+
+def num_sequences(body: dict[str, Any], chat: bool) -> int:
+    """Sequences one request runs in the engine: ``max(n, best_of)`` per prompt, times the
+    prompts of a batch (a list of strings). Admission counts these against the batch cap: a
+    request with ``n=8`` took one slot and ran eight."""
+    per_prompt = max(int(body.get("n") or 1), int(body.get("best_of") or 1))
+    prompts = 1
+    if not chat:
+        p = body["prompt"]
+        if isinstance(p, list) and p and all(isinstance(x, str) for x in p):
+            prompts = len(p)
+    return per_prompt * prompts
 
 
 def _priority(request: Request, cfg: ServeConfig) -> int:
@@ -322,7 +339,11 @@ async def _proxy(request: Request, path: str, chat: bool) -> Response:
         raise BadRequest("max_tokens_too_large",
                          f"max_tokens={max_tokens} exceeds the model's max_model_len={max_len}")
     rid = f"gw-{uuid.uuid4().hex}"
-    req = EngineRequest(rid, t_arrival, prompt_len, int(max_tokens or 16), priority)
+    seqs = num_sequences(body, chat)
+    if seqs > cfg.max_num_seqs:
+        raise BadRequest("too_many_sequences", f"the request runs {seqs} sequences (n/best_of x prompts); the "
+                         f"engine runs at most max_num_seqs={cfg.max_num_seqs} at once")
+    req = EngineRequest(rid, t_arrival, prompt_len, int(max_tokens or 16), priority, num_seqs=seqs)
     bucket = lane.admission.bucket_of(prompt_len)
     guard = _DisconnectGuard(request)
     admitted: list[bool] = [False]

@@ -299,3 +299,34 @@ def test_from_cfg_accepts_env_spellings():
     assert cfg.boundaries == (2048,) and cfg.weights == (0.7, 0.3) and cfg.adapt_boundaries
     with pytest.raises(ValueError, match="both"):
         AdmissionConfig.from_cfg({"bucket_boundaries": [1], "boundaries": [1], "weights": [1, 1]})
+
+
+def test_sequences_not_requests_count_against_the_cap() -> None:
+    """``n > 1``, ``best_of`` and prompt batches run several sequences but took one slot: the
+    cap now bounds sequences. A request with more than the cap still runs, alone."""
+    from batchpilot.core.engine import Request
+
+    a = Admission(AdmissionConfig(), Knobs(batch_cap=4))
+    a.submit(Request("n3", 0.0, 10, 10, num_seqs=3), 0.0)
+    a.submit(Request("n2", 0.1, 10, 10, num_seqs=2), 0.1)
+    a.submit(Request("big", 0.2, 10, 10, num_seqs=6), 0.2)
+    assert [r.request_id for r in a.admit(1.0)] == ["n3"]  # 3 + 2 > 4: n2 waits
+    assert a.num_seqs_in_flight == 3
+    a.on_finished("n3")
+    assert [r.request_id for r in a.admit(2.0)] == ["n2"]  # 2 + 6 > 4: big waits
+    a.on_finished("n2")
+    assert [r.request_id for r in a.admit(3.0)] == ["big"]  # alone it may exceed the cap
+    a.on_finished("big")
+    assert a.num_seqs_in_flight == 0 and a.num_in_flight == 0
+    a.check_counts()
+
+
+def test_the_gateway_counts_sequences_per_request() -> None:
+    from batchpilot.serving.gateway import num_sequences
+
+    assert num_sequences({"prompt": "x"}, chat=False) == 1
+    assert num_sequences({"prompt": "x", "n": 3}, chat=False) == 3
+    assert num_sequences({"prompt": "x", "n": 2, "best_of": 5}, chat=False) == 5
+    assert num_sequences({"prompt": ["a", "b", "c"], "n": 2}, chat=False) == 6
+    assert num_sequences({"prompt": [1, 2, 3]}, chat=False) == 1  # token ids: one prompt
+    assert num_sequences({"messages": [{"role": "user", "content": "hi"}], "n": 4}, chat=True) == 4

@@ -83,6 +83,8 @@ def test_upstream_errors_pass_through(gw: RunningGateway) -> None:
         (json.dumps({"prompt": "x", "max_tokens": 10**9}).encode(), "max_tokens_too_large"),
         (json.dumps({"prompt": "ab " * 3000, "max_tokens": 2}).encode(), "prompt_too_long"),
         (json.dumps({"prompt": {"a": 1}}).encode(), "invalid_field"),
+        (json.dumps({"prompt": "x", "n": 0}).encode(), "invalid_field"),
+        (json.dumps({"prompt": ["a", "b"], "n": 200}).encode(), "too_many_sequences"),  # 400 > max_num_seqs
     ],
 )
 def test_bad_input_gets_clear_4xx(gw: RunningGateway, raw: bytes, reason: str) -> None:

@@ -191,7 +191,9 @@ class Admission:
         self._boundaries: list[float] = list(cfg.boundaries)
         self._buckets = [_Bucket() for _ in range(cfg.num_buckets)]
         self._waiting: dict[str, _Entry] = {}
-        self._in_flight: dict[str, bool] = {}  # request_id -> is_long
+        self._in_flight: dict[str, tuple[bool, int]] = {}  # request_id -> (is_long, sequences)
+        #: Sequences in flight: what the batch cap bounds (a request with n=4 runs four).
+        self.num_seqs_in_flight = 0
         self._expiry: list[tuple[float, int, _Entry]] = []  # (arrival, seq, entry), lazy
         self._seq = 0
         self._pass = [0.0] * cfg.num_buckets  # stride scheduling, weighted mode
@@ -304,17 +306,21 @@ class Admission:
         """Pop as many waiting requests as the caps allow, in bucketing order; the caller hands
         them to the engine. (Call ``expire`` first if stale requests must not run.)"""
         out: list[Any] = []
-        while len(self._in_flight) < self.batch_cap and self._waiting:
+        while self.num_seqs_in_flight < self.batch_cap and self._waiting:
             allow_long = self.num_long_in_flight < self.cfg.max_num_long
             e = self._choose(allow_long)
             if e is None:
                 break  # only long prompts wait and the long cap is full
+            seqs = max(1, int(getattr(e.request, "num_seqs", 1)))
+            if self._in_flight and self.num_seqs_in_flight + seqs > self.batch_cap:
+                break  # it waits for room (alone it may exceed the cap, or it could never run)
             self._buckets[e.bucket].pop(e)
             self._vtime = self._pass[e.bucket]
             self._pass[e.bucket] += self._stride[e.bucket]
             e.alive = False
             del self._waiting[e.request.request_id]
-            self._in_flight[e.request.request_id] = e.is_long
+            self._in_flight[e.request.request_id] = (e.is_long, seqs)
+            self.num_seqs_in_flight += seqs
             self.num_long_in_flight += e.is_long
             self.num_admitted += 1
             out.append(e.request)
@@ -323,7 +329,8 @@ class Admission:
     def on_finished(self, request_id: str) -> None:
         """Free the slot of a request that left the engine (finished, failed, cancelled or
         disconnected). Raises KeyError for an id that is not in flight (a bug)."""
-        is_long = self._in_flight.pop(request_id)
+        is_long, seqs = self._in_flight.pop(request_id)
+        self.num_seqs_in_flight -= seqs
         self.num_long_in_flight -= is_long
         self.num_finished += 1
 

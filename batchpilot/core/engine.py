@@ -53,6 +53,9 @@ class Request:
     #: Ids of shared prompt-prefix blocks (Mooncake ``hash_ids``), each ``prefix_block_tokens`` long.
     prefix_hashes: tuple[int, ...] = ()
     prefix_block_tokens: int = 512
+    #: Sequences it runs at once (``n``/``best_of`` x prompts of one HTTP request); admission
+    #: counts these against the batch cap, not requests.
+    num_seqs: int = 1
 
 
 @dataclass(slots=True)
