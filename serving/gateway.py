@@ -369,7 +369,8 @@ async def _forward(gw: Gateway, lane: Lane, req: EngineRequest, bucket: int, bod
     admitted[0] = True
     stream = bool(body.get("stream"))
     timer = _Timer(gw, lane, req, bucket, t_arrival, stream)
-    sampled = gw.quality.maybe_sample(lane, body, path.endswith("chat/completions")) if gw.quality else None
+    sampled = (gw.quality.maybe_sample(lane, body, path.endswith("chat/completions"), req.prompt_len)
+               if gw.quality else None)
     try:
         resp, content = await _send_until(lane, path, headers, raw, stream, deadline)
         t_recv = time.monotonic()

@@ -15,13 +15,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import time
+import uuid
 from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import httpx
 
-from batchpilot.core.engine import KV_DTYPES_8BIT
+from batchpilot.core.engine import KV_DTYPES_8BIT, Request
+from batchpilot.serving.errors import GatewayError
 from batchpilot.serving.prom import GatewayMetrics
 from batchpilot.serving.settings import QualityGuardConfig
 
@@ -29,6 +32,9 @@ if TYPE_CHECKING:
     from batchpilot.serving.lanes import Lane
 
 log = logging.getLogger(__name__)
+
+#: Admission priority of a replay: below any client's, so it is shed first.
+REPLAY_PRIORITY = 1_000
 
 
 def token_agreement(a: list[int] | str, b: list[int] | str) -> float:
@@ -45,6 +51,7 @@ class Sample:
     lane: "Lane"
     body: dict[str, Any]
     path: str
+    prompt_len: int = 1
 
 
 class QualityGuard:
@@ -84,7 +91,7 @@ class QualityGuard:
         self.blocks_8bit = False
         self.metrics.output_diff_rate.set(0.0)
 
-    def maybe_sample(self, lane: "Lane", body: dict[str, Any], chat: bool) -> Sample | None:
+    def maybe_sample(self, lane: "Lane", body: dict[str, Any], chat: bool, prompt_len: int = 1) -> Sample | None:
         """A replay job for this request, or None (guard off, 16-bit lane, not drawn)."""
         c = self.cfg
         if not c.enabled or self._ref is None or lane.knobs.kv_dtype not in KV_DTYPES_8BIT:
@@ -96,7 +103,7 @@ class QualityGuard:
         if not chat and not isinstance(b.get("prompt"), str):
             return None  # batches / token ids: skip, one prompt per sample keeps it simple
         b.update(max_tokens=c.max_tokens, temperature=0.0, stream=False, return_token_ids=True)
-        return Sample(lane, b, "/v1/chat/completions" if chat else "/v1/completions")
+        return Sample(lane, b, "/v1/chat/completions" if chat else "/v1/completions", prompt_len)
 
     def submit(self, sample: Sample) -> None:
         t = asyncio.create_task(self._replay(sample))
@@ -112,12 +119,25 @@ class QualityGuard:
         return token_agreement(_output(ra.json()), _output(rb.json()))
 
     async def _replay(self, s: Sample) -> None:
+        """Replay on the upstream and the reference. The upstream's copy takes a slot in the
+        lane's admission like any request (the least important priority, so the breaker sheds
+        it first): replays bypassing admission could push the batch past the cap."""
         async with self._sem:
+            req = Request(f"qg-{uuid.uuid4().hex}", time.monotonic(), s.prompt_len, self.cfg.max_tokens,
+                          priority=REPLAY_PRIORITY)
+            try:
+                await s.lane.acquire(req, time.monotonic() + 30.0)
+            except GatewayError as exc:
+                self.metrics.quality_samples.labels("skipped").inc()
+                log.debug("quality replay skipped: %s", exc.reason)
+                return
             try:
                 self.record(await self.compare(s.lane.upstream.client, self._ref, s.path, s.body))
             except (httpx.HTTPError, KeyError, ValueError) as exc:
                 self.metrics.quality_samples.labels("error").inc()
                 log.debug("quality replay failed: %r", exc)
+            finally:
+                s.lane.release(req.request_id)
 
     async def aclose(self) -> None:
         for t in list(self._tasks):

@@ -176,11 +176,16 @@ class Supervisor:
         if not prompts or lane.upstream.info is None:
             return
         body = {"model": lane.upstream.info.model, "max_tokens": self.cfg.warmup.max_tokens}
+        # The lane admits nothing while it warms up (not open yet, or restarting), so warm-up
+        # runs alone; at most batch_cap prompts at once keep it inside the cap too.
+        room = asyncio.Semaphore(max(1, lane.knobs.batch_cap))
+
+        async def one(prompt: str) -> None:
+            async with room:
+                await lane.upstream.client.post("/v1/completions", json={**body, "prompt": prompt}, timeout=30.0)
+
         try:
-            await asyncio.gather(*(
-                lane.upstream.client.post("/v1/completions", json={**body, "prompt": p}, timeout=30.0)
-                for p in prompts
-            ))
+            await asyncio.gather(*(one(p) for p in prompts))
             log.info("warmed %s with %d prompts", lane.name, len(prompts))
         except httpx.HTTPError as exc:
             log.warning("warm-up of %s failed: %r", lane.name, exc)

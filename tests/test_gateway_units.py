@@ -272,3 +272,43 @@ def test_capabilities_come_from_the_upstream_not_the_gateways_host() -> None:
     assert declared.can_run("fp8")
     _, managed = upstream_engine_model(lane, 128, "fp8", managed=True)
     assert managed.can_run("fp8") == (cpu_kv8_unavailable_reason() is None)
+
+
+@pytest.mark.anyio
+async def test_quality_replays_take_an_admission_slot() -> None:
+    """A replay's upstream copy used to bypass admission (the batch could pass the cap); it now
+    holds a slot while it runs, at the lowest priority, and is skipped when none is free."""
+    from batchpilot.core.admission import AdmissionConfig
+    from batchpilot.core.engine import Request
+    from batchpilot.core.knobs import Knobs
+    from batchpilot.core.telemetry import SLO, Telemetry
+    from batchpilot.serving.lanes import Lane
+    from batchpilot.serving.quality_guard import Sample
+    from batchpilot.serving.upstream import Upstream
+
+    metrics = GatewayMetrics()
+    lane = Lane.build(0, Upstream("http://127.0.0.1:9"), AdmissionConfig(max_queue_len=1), Knobs(batch_cap=1),
+                      Telemetry(SLO()), metrics, retry_after_s=1)
+    lane.upstream.healthy = True
+    guard = QualityGuard(QualityGuardConfig(reference_url="http://127.0.0.1:9"), metrics)
+    seen = []
+
+    async def compare(a, b, path, body) -> float:  # the two servers' answers agree
+        seen.append(lane.admission.num_in_flight)
+        return 1.0
+
+    guard.compare = compare  # type: ignore[method-assign]
+    sample = Sample(lane, {"prompt": "x"}, "/v1/completions", prompt_len=3)
+    await guard._replay(sample)
+    assert seen == [1] and lane.admission.num_in_flight == 0 and guard.num_samples == 1
+    await lane.acquire(Request("client", time.monotonic(), 3, 3, priority=1), time.monotonic() + 5)
+    waiting = asyncio.create_task(lane.acquire(Request("queued", time.monotonic(), 3, 3, priority=1),
+                                               time.monotonic() + 5))
+    await asyncio.sleep(0)
+    await guard._replay(sample)  # the slot is a client's, the queue full with another: skipped
+    assert seen == [1] and metrics.quality_samples.labels("skipped")._value.get() == 1
+    lane.release("client")
+    await waiting
+    lane.release("queued")
+    await guard.aclose()
+    await lane.upstream.aclose()
