@@ -21,7 +21,7 @@ import uuid
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 import httpx
 from fastapi import FastAPI, Request
@@ -395,7 +395,27 @@ async def _forward(gw: Gateway, lane: Lane, req: EngineRequest, bucket: int, bod
         return Response(content, status_code=resp.status, headers=resp_headers)
     if sampled is not None:
         gw.quality.submit(sampled)
-    return StreamingResponse(_relay(resp, timer, lane, deadline), status_code=200, headers=resp_headers)
+    def on_close() -> None:
+        timer.finish(ok=False)  # a no-op when the stream ended normally (finished already)
+        resp.aclose()
+
+    return SlotStream(_relay(resp, timer, lane, deadline), on_close, status_code=200, headers=resp_headers)
+
+
+class SlotStream(StreamingResponse):
+    """A streamed answer that frees its admission slot however the response ends: Starlette
+    cancels a stream whose client left before its first byte without ever starting the body's
+    generator, so the generator's own clean-up never ran and the slot leaked."""
+
+    def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], None], **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self._on_close = on_close
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
 
 
 async def _send_until(lane: Lane, path: str, headers: list[tuple[str, str]], raw: bytes, stream: bool,

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from typing import AsyncIterator
 
 import pytest
 
@@ -312,3 +313,26 @@ async def test_quality_replays_take_an_admission_slot() -> None:
     lane.release("queued")
     await guard.aclose()
     await lane.upstream.aclose()
+
+
+@pytest.mark.anyio
+async def test_a_stream_whose_client_left_before_its_first_byte_frees_its_slot() -> None:
+    """Starlette cancels a streamed answer whose client is gone before it starts, without
+    ever starting the body's generator (whose clean-up freed the slot): SlotStream frees it."""
+    from batchpilot.serving.gateway import SlotStream
+
+    started, closed = [], []
+
+    async def body() -> AsyncIterator[bytes]:
+        started.append(True)
+        yield b"data: 1\n\n"
+
+    async def receive() -> dict:
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        await asyncio.sleep(10)  # the client is gone: nothing arrives
+
+    stream = SlotStream(body(), lambda: closed.append(True), status_code=200)
+    await stream({"type": "http", "asgi": {"spec_version": "2.3"}}, receive, send)
+    assert closed == [True] and not started
