@@ -25,7 +25,7 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -44,6 +44,9 @@ class GatewayBenchConfig:
     max_tokens: int = 1
     prompt: str = "The quick brown fox jumps over the lazy dog."
     control_mode: str = "pid"
+    #: Extra ``scripts/serve.py`` overrides for the gateway under test (e.g. to switch off the
+    #: control loop and health probes and see what they cost: ``serve.control.interval_s=3600``).
+    serve_overrides: list[str] = field(default_factory=list)
 
     @classmethod
     def from_cfg(cls, cfg: Any) -> "GatewayBenchConfig":
@@ -105,7 +108,7 @@ def bench_gateway(cfg: Any) -> dict[str, Any]:
              f"serve.model={model}", f"serve.port={gw_port}", f"serve.control.mode={b.control_mode}",
              "serve.log_level=warning",
              "hydra.run.dir=/tmp/batchpilot-hydra", "hydra.output_subdir=null", "hydra/job_logging=none",
-             "hydra/hydra_logging=none"],
+             "hydra/hydra_logging=none", *b.serve_overrides],
             # Own process group (to end it), same session as vLLM and this client: see ManagedVLLM.
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO_ROOT, process_group=0,
         )
