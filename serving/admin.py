@@ -118,7 +118,7 @@ async def reload_policy(request: Request) -> dict[str, Any]:
     A policy that fails to load is a 400 and the running one stays."""
     body = await _body(request, ReloadBody)
     try:
-        return request.app.state.gateway.control.reload_policy(body.path, body.canary_share)
+        return request.app.state.gateway.control.policies.reload_policy(body.path, body.canary_share)
     except ValueError as exc:
         raise BadRequest("policy_load_failed", str(exc)) from None
 
@@ -127,9 +127,8 @@ async def reload_policy(request: Request) -> dict[str, Any]:
 async def set_mode(request: Request) -> dict[str, Any]:
     """Body: ``{"mode": "policy" | "pid" | "static" | "shadow"}``."""
     body = await _body(request, ModeBody)
-    ctl = request.app.state.gateway.control
-    ctl.set_mode(body.mode)
-    pm = ctl.policies
+    pm = request.app.state.gateway.control.policies
+    pm.set_mode(body.mode)
     return {"mode": pm.mode, "acting": pm.acting(), "fallback_reason": pm.fallback_reason}
 
 

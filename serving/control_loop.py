@@ -40,7 +40,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def upstream_engine_model(lane: Lane, max_num_seqs: int, kv8_dtype: str, managed: bool,
+def upstream_engine_model(lane: Lane, max_num_seqs: int, managed: bool,
                           declared_kv_dtypes: list[str] | None = None) -> tuple[MemoryModel, EngineCapabilities]:
     """The shield's view of an upstream, from what the upstream itself says (``/v1/models``,
     ``vllm:cache_config_info``) and how the gateway launched it; never from the gateway's own
@@ -126,7 +126,7 @@ class Hold:
 
 
 class ControlLoop:
-    """Runs the decisions; the admin API calls its ``reload_policy`` / ``set_mode`` / ``freeze``."""
+    """Runs the decisions; the admin API calls its ``freeze`` and ``force_kv_dtype`` (and ``policies`` for the rest)."""
 
     def __init__(self, gw: "Gateway") -> None:
         self.gw = gw
@@ -144,7 +144,7 @@ class ControlLoop:
         self.lane_ctl: dict[int, LaneControl] = {}
         now = time.monotonic()
         for ln in gw.lanes:
-            mem, caps = upstream_engine_model(ln, cfg.max_num_seqs, cfg.kv8_dtype, ln.upstream.managed is not None,
+            mem, caps = upstream_engine_model(ln, cfg.max_num_seqs, ln.upstream.managed is not None,
                                               cfg.upstream_kv_dtypes)
             static = build_controller({"kind": "static", "batch_cap": ln.knobs.batch_cap,
                                        "bucketing": ln.knobs.bucketing, "kv_dtype": ln.knobs.kv_dtype}, cfg.max_num_seqs)
@@ -188,13 +188,6 @@ class ControlLoop:
         msg = "".join(c if c.isprintable() else repr(c)[1:-1] for c in msg)
         log.warning("%s", msg)
         self.events = (self.events + [f"{time.strftime('%H:%M:%S')} {msg}"])[-50:]
-
-    # Admin calls on the policy go to the manager.
-    def reload_policy(self, path: str | None, canary_share: float | None = None) -> dict[str, Any]:
-        return self.policies.reload_policy(path, canary_share)
-
-    def set_mode(self, mode: str) -> None:
-        self.policies.set_mode(mode)
 
     def freeze(self, frozen: bool, knobs: dict[str, Any] | None = None, *, force: bool = False) -> None:
         """Hold the knobs (the breaker still protects). ``knobs`` are a target the frozen loop

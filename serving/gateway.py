@@ -543,19 +543,15 @@ def _completion_tokens(data: bytes) -> int | None:
 
 
 # --- the app ----------------------------------------------------------------------------------
-#: Paths counted under their own name in ``batchpilot:requests_total``; anything else is
-#: "other" (a client choosing the label would otherwise grow the metric without bound).
-_COUNTED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models", "/healthz", "/readyz",
-                            "/metrics", "/admin/status", "/admin/policy/reload", "/admin/mode", "/admin/freeze",
-                            "/admin/kv_dtype", "/admin/quality/reset"})
-
-
 class StatusCounter:
     """ASGI middleware counting every answer by path and status in one place: errors, 413s,
-    a client gone before the answer (499) and the last-resort 500 included."""
+    a client gone before the answer (499) and the last-resort 500 included. A path the app has
+    no route for counts as "other" (a client choosing the label would grow the metric without
+    bound)."""
 
     def __init__(self, app: Any) -> None:
         self.app = app
+        self._paths: frozenset[str] | None = None  # the app's routes, read on the first request
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -575,9 +571,12 @@ class StatusCounter:
             status = status or 500
             raise
         finally:
-            gw = getattr(scope["app"].state, "gateway", None)
+            app = scope["app"]
+            gw = getattr(app.state, "gateway", None)
             if gw is not None:
-                path = scope["path"] if scope["path"] in _COUNTED_PATHS else "other"
+                if self._paths is None:
+                    self._paths = frozenset(getattr(r, "path", "") for r in app.routes)
+                path = scope["path"] if scope["path"] in self._paths else "other"
                 gw.metrics.requests.labels(path, str(status or 499)).inc()
 
 

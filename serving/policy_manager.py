@@ -25,7 +25,7 @@ import numpy as np
 
 from batchpilot.core.knobs import Knobs, Proposal
 from batchpilot.core.telemetry import Snapshot
-from batchpilot.policies.ppo_controller import PolicyLoadError, PPOController
+from batchpilot.policies.ppo_controller import PRETRAINED_DIR, PolicyLoadError, PPOController
 from batchpilot.serving.prom import GatewayMetrics
 from batchpilot.serving.settings import CONTROL_MODES, ControlConfig
 
@@ -59,12 +59,6 @@ class Canary:
         return True, f"canary goodput {cand:.2f}/s vs incumbent {base:.2f}/s: promoted"
 
 
-def shipped_policy_dir() -> str:
-    from batchpilot.policies.ppo_controller import PRETRAINED_DIR
-
-    return str(PRETRAINED_DIR)
-
-
 class PolicyManager:
     """Mode, policy, canary and fallback; no I/O, so unit tests drive it directly.
 
@@ -96,7 +90,7 @@ class PolicyManager:
 
     def load_policy(self, path: str | None) -> bool:
         """Load the policy the controller modes use; on failure fall back to PID and say why."""
-        p = path or shipped_policy_dir()
+        p = path or str(PRETRAINED_DIR)
         try:
             policy = self._build(p)
         except (PolicyLoadError, OSError, ValueError) as exc:
@@ -109,7 +103,7 @@ class PolicyManager:
     def reload_policy(self, path: str | None, canary_share: float | None = None) -> dict[str, Any]:
         """Admin: load a policy now, or start a canary with it (``canary_share`` > 0). A policy
         that fails to load raises ``ValueError`` and changes nothing: the running one stays."""
-        p = path or self.policy_path or shipped_policy_dir()
+        p = path or self.policy_path or str(PRETRAINED_DIR)
         share = self.cfg.canary_share if canary_share is None else canary_share
         try:
             policy = self._build(p)

@@ -104,7 +104,7 @@ def test_gateway_tick_decides_as_the_env_path_does(mode: str) -> None:
     # from the same configs (SLO, shield, memory model, knobs) the gateway was given.
     s = gw.settings
     slo = SLO(ttft_ms=s.slo.ttft_ms, tpot_ms=s.slo.tpot_ms, e2el_ms=s.slo.e2el_ms)
-    mem, caps = upstream_engine_model(lane, MAX_NUM_SEQS, gw.cfg.kv8_dtype, managed=False)
+    mem, caps = upstream_engine_model(lane, MAX_NUM_SEQS, managed=False)
     start = trace[0]["end"] - INTERVAL_S
     shield = Shield(ShieldConfig.from_cfg(s.shield), mem, caps, slo, now=start)
     tel = Telemetry(slo, num_buckets=3, window_s=gw.cfg.control.window_s, max_num_seqs=MAX_NUM_SEQS,

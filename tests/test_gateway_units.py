@@ -266,12 +266,12 @@ def test_capabilities_come_from_the_upstream_not_the_gateways_host() -> None:
     lane = Lane.build(0, Upstream("http://10.0.0.9:8000"), AdmissionConfig(), Knobs(batch_cap=8), Telemetry(SLO()),
                       GatewayMetrics(), 1)
     lane.upstream.info = EngineInfo(model="m", max_model_len=4096, num_kv_blocks=777, block_size=32, kv_dtype="auto")
-    mem, caps = upstream_engine_model(lane, 128, "fp8", managed=False)
+    mem, caps = upstream_engine_model(lane, 128, managed=False)
     assert caps.can_run("auto") and not caps.can_run("fp8") and "serve.upstream_kv_dtypes" in caps.why_not("fp8")
     assert mem.num_kv_blocks_total == 777 and caps.block_size == 32 and caps.max_model_len == 4096
-    _, declared = upstream_engine_model(lane, 128, "fp8", managed=False, declared_kv_dtypes=["fp8"])
+    _, declared = upstream_engine_model(lane, 128, managed=False, declared_kv_dtypes=["fp8"])
     assert declared.can_run("fp8")
-    _, managed = upstream_engine_model(lane, 128, "fp8", managed=True)
+    _, managed = upstream_engine_model(lane, 128, managed=True)
     assert managed.can_run("fp8") == (cpu_kv8_unavailable_reason() is None)
 
 

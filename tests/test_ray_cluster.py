@@ -16,6 +16,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from test_training import TINY as TRAIN_TINY
 
 from batchpilot.config import REPO_ROOT
 from batchpilot.policies.evaluation import EvaluationError, compose_eval, evaluate
@@ -36,20 +37,9 @@ MATRIX = [
     "logger=none",
 ]
 
-#: The tiny training run of tests/test_training.py, one rollout worker per job.
-TINY = [
-    "train.total_timesteps=512",
-    "train.n_steps=128",
-    "train.batch_size=64",
-    "train.n_epochs=2",
-    "train.eval_freq=0",
-    "train.checkpoint_freq=0",
-    "train.progress_bar=false",
-    "train.n_envs=1",
-    "env.episode_s=16",
-    "env.drain_timeout_s=30",
-    "logger=none",
-]
+#: The tiny training run of tests/test_training.py, one rollout worker per job, no checkpoints.
+TINY = [*(o for o in TRAIN_TINY if not o.startswith("train.checkpoint_freq=")),
+        "train.checkpoint_freq=0", "train.n_envs=1", "logger=none"]
 
 pytestmark = pytest.mark.slow  # a local Ray cluster per test: seconds each
 
