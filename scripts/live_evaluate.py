@@ -1,0 +1,32 @@
+"""Live evaluation with vLLM's own benchmark client: ``python scripts/live_evaluate.py
+[live_scenario=steady|kv_tight|burst] [rounds=5] [paths=[vllm_direct,static,pid,ppo]] out_dir=DIR``
+(see conf/live_evaluate.yaml and docs/live_evaluation.md)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+# One passive OpenMP thread per process on a small machine (the client and vLLM share the
+# cores); must be set before torch loads (docs/sim_to_real.md).
+from batchpilot.core.vllm_cpu import small_machine_omp_defaults
+
+small_machine_omp_defaults(os.environ)
+
+import hydra  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
+
+from batchpilot.policies.live_evaluation import LiveEvaluationError, live_evaluate  # noqa: E402
+
+
+@hydra.main(config_path="../conf", config_name="live_evaluate", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    try:
+        live_evaluate(cfg)
+    except LiveEvaluationError as e:  # a configuration or start-up problem: one line, no traceback
+        print(f"live_evaluate: error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()
