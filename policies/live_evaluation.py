@@ -281,6 +281,8 @@ def client_namespace(base_url: str, jsonl: Path, tf: TimedTraceFile, model_dir: 
     ]
     if cfg_client.get("temperature") is not None:
         argv += ["--temperature", str(cfg_client["temperature"])]
+    for h in cfg_client.get("headers") or []:
+        argv += ["--header", str(h)]
     if cfg_client.get("max_concurrency") is not None:
         argv += ["--max-concurrency", str(int(cfg_client["max_concurrency"]))]
     return parser.parse_args(argv)
@@ -343,7 +345,8 @@ def row_from_result(result: Mapping[str, Any], *, scenario: str, path: str, rnd:
     return {
         "scenario": scenario, "path": path, "round": rnd, "position": position, "requests": requests,
         "completed": completed, "failed": failed, "accounted": completed + failed == requests,
-        "request_goodput": goodput, "slo_attainment": round(good) / requests if requests else math.nan,
+        "request_goodput": goodput,
+        "slo_attainment": round(good) / requests if requests and math.isfinite(good) else math.nan,
         "request_throughput": float(result.get("request_throughput", math.nan)),
         "output_throughput": float(result.get("output_throughput", math.nan)),
         "mean_ttft_ms": float(result.get("mean_ttft_ms", math.nan)),
@@ -384,6 +387,7 @@ def _check(cfg: DictConfig) -> list[str]:
 def live_evaluate(cfg: DictConfig, model_dir: Path | None = None) -> dict[str, Any]:
     """Run the live evaluation ``cfg`` (conf/live_evaluate.yaml) and write its files."""
     paths = _check(cfg)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per admin/metrics poll otherwise
     out_dir = Path(str(cfg.out_dir))
     runs_dir = out_dir / "runs"
     runs_dir.mkdir(parents=True, exist_ok=True)
