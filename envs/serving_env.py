@@ -8,9 +8,11 @@ to the safety limits, then arrivals flow through admission into the engine while
 and Telemetry summarises the interval into the next observation.
 
 ## Action Space
-``MultiDiscrete([5, 3, 3])`` (see ``batchpilot.core.actions``): batch-cap step
-(-30 %, -15 %, 0, +15 %, +30 %), bucketing (fifo, shortest_first, weighted), KV dtype (keep,
-16-bit, 8-bit). KV choices the engine cannot run are masked (``action_masks()``, and
+``MultiDiscrete([5, 3, 3])`` (see ``batchpilot.core.actions``): batch cap, bucketing (fifo,
+shortest_first, weighted), KV dtype (keep, 16-bit, 8-bit). With ``env.action_mode:
+residual_pid`` (the default) the batch sub-action is a factor (x0.7, x0.85, x1, x1.15, x1.3) on
+the cap the PID baseline sets this interval (``batchpilot.core.residual``); with ``absolute``
+it steps the cap in force (-30 %, -15 %, 0, +15 %, +30 %). KV choices the engine cannot run are masked (``action_masks()``, and
 ``info["action_mask"]``); choosing one anyway is refused by the shield and reported in
 ``info["shield"]`` — never silently mapped to another dtype.
 
@@ -29,7 +31,9 @@ configured KV dtype; a fresh workload sampled from ``cfg.workload`` with the epi
 (``workload=randomized`` — the default — draws rate, burstiness, length mix and phase changes).
 
 ## Episode End
-Truncated after ``episode_s`` engine seconds (``episode_s / interval_s`` steps). Terminated
+Truncated after ``episode_s`` engine seconds (``episode_s / interval_s`` steps). A KV-dtype
+switch takes the engine down for the model's restart time: the intervals go on (arrivals queue,
+nothing runs), so the switch's cost shows in the reward it costs. Terminated
 only when the engine fails (``info["error"]`` says why; a one-off penalty applies).
 
 ## Arguments
@@ -54,6 +58,7 @@ from batchpilot.core.admission import Admission, AdmissionConfig
 from batchpilot.core.control import guard
 from batchpilot.core.engine import KV_DTYPES_8BIT, Engine, EngineError, RequestRejected, StepResult
 from batchpilot.core.knobs import Knobs, Proposal
+from batchpilot.core.residual import ACTION_MODES, ResidualPID, residual_pid_config
 from batchpilot.core.shield import Shield, ShieldConfig
 from batchpilot.core.telemetry import FEATURE_NAMES, OBS_HIGH, OBS_LOW, SLO, Snapshot, Telemetry
 from batchpilot.envs.engines import build_engine
@@ -111,6 +116,9 @@ class ServingEnv(gym.Env):
         self.shield_cfg = ShieldConfig.from_cfg(cfg.shield)
         self.kv16_dtype, self.kv8_dtype = str(e.kv16_dtype), str(e.kv8_dtype)
         self.rate_scale = float(e.rate_scale)
+        self.action_mode = str(e.get("action_mode", "absolute"))
+        if self.action_mode not in ACTION_MODES:
+            raise ValueError(f"env.action_mode must be one of {ACTION_MODES}, got {self.action_mode!r}")
 
         self.engine: Engine = build_engine(cfg)
         caps = self.engine.capabilities()
@@ -120,6 +128,10 @@ class ServingEnv(gym.Env):
             low=OBS_LOW, high=OBS_HIGH, shape=(len(FEATURE_NAMES),), dtype=np.float32
         )
         self.action_space = gym.spaces.MultiDiscrete(list(ACTION_NVEC))
+        #: ``action_mode: residual_pid``: the PID whose cap an action's factor multiplies.
+        self.residual: ResidualPID | None = None
+        if self.action_mode == "residual_pid":
+            self.residual = ResidualPID(residual_pid_config(self.slo, self._max_num_seqs))
         self._mask = action_mask(
             {d: caps.can_run(d) for d in (self.kv16_dtype, self.kv8_dtype)},
             kv16_dtype=self.kv16_dtype,
@@ -134,7 +146,9 @@ class ServingEnv(gym.Env):
 
     # --- Gymnasium API ---------------------------------------------------------------------
     def reset(self, *, seed: int | None = None, options: dict | None = None):
-        super().reset(seed=seed)
+        # workload.seed_offset: the same episode seeds draw other episodes of this workload.
+        offset = int(self.cfg.workload.get("seed_offset", 0) or 0)
+        super().reset(seed=None if seed is None else seed + offset)
         if self._needs_fresh_engine or self.engine.kv_dtype != self._initial_kv_dtype():
             self.engine.close()
             self.engine = build_engine(self.cfg)
@@ -150,9 +164,11 @@ class ServingEnv(gym.Env):
         return obs, self._info(snap, {}, None)
 
     def step(self, action):
-        proposal = action_to_proposal(
-            action, self.knobs, kv16_dtype=self.kv16_dtype, kv8_dtype=self.kv8_dtype
-        )
+        kv = {"kv16_dtype": self.kv16_dtype, "kv8_dtype": self.kv8_dtype}
+        if self.residual is not None:
+            proposal = self.residual.propose(action, self._last_snapshot, self.knobs, **kv)
+        else:
+            proposal = action_to_proposal(action, self.knobs, **kv)
         return self.step_proposal(proposal)
 
     def step_proposal(self, proposal: Proposal):
@@ -172,7 +188,8 @@ class ServingEnv(gym.Env):
         except EngineError as exc:  # expected backend failure: end the episode, keep training
             error = f"{type(exc).__name__}: {exc}"
         self._steps += 1
-        self._interval_start += self.interval_s
+        # An engine that was down past the interval (a blocking restart) resumes the clock here.
+        self._interval_start = max(self._interval_start + self.interval_s, self.engine.now)
         truncated = self._steps >= self.max_steps and error is None
         if truncated and self.cfg.env.drain_on_truncate:
             self._drain_all()
@@ -264,6 +281,8 @@ class ServingEnv(gym.Env):
         self._peak_kv = 0.0
         self.shield_interventions = 0
         self._last_snapshot = self._snapshot_peek()
+        if self.residual is not None:
+            self.residual.reset(self.knobs)
 
     def _apply_knobs(self, knobs: Knobs) -> None:
         if knobs.kv_dtype != self.knobs.kv_dtype:

@@ -139,6 +139,7 @@ class SimEngine(Engine):
         if reason is not None:
             raise DtypeUnavailable(reason)
         self._now = 0.0
+        self._down_until = 0.0
         self._it = 0  # global iteration counter
         self._max_active = self.cfg.max_num_seqs
         self._draining = False
@@ -272,8 +273,10 @@ class SimEngine(Engine):
                            prefix_cache_queries=self._pc_queries, prefix_cache_hits=self._pc_hits)
 
     def restart(self, kv_dtype: str | None = None) -> float:
-        """Rebuild with ``kv_dtype``; charges ``model.restart_base_s`` on the clock. In-flight
-        requests are re-queued by recompute (each counts one preemption) or drained first."""
+        """Rebuild with ``kv_dtype``; the engine is then down for ``model.restart_base_s`` of
+        engine time (``down_until``): the clock runs on, requests may be added and wait, nothing
+        is scheduled. In-flight requests are re-queued by recompute (each counts one preemption)
+        or drained first."""
         new = self._kv_dtype if kv_dtype is None else kv_dtype
         reason = self.hw.kv_dtype_reason(new)
         if reason is not None:
@@ -293,17 +296,25 @@ class SimEngine(Engine):
         self._running.clear()
         self._configure(new)
         cost = self.model.restart_base_s
-        self._now += cost
+        self._down_until = self._now + cost  # the clock goes on; nothing runs until then
         return cost
+
+    @property
+    def down_until(self) -> float:
+        """Engine time at which a restart ends (the past when the engine is up)."""
+        return self._down_until
 
     def step(self) -> StepResult:
         agg = self._take_pending()
+        self.idle_until(self._down_until)  # one iteration: after the restart, if one is on
         self._iterate(agg)
         agg.duration = self._now - agg.start_time
         return agg
 
     def advance_until(self, t_end: float, stop_on_finish: bool = False) -> StepResult:
         agg = self._take_pending()
+        if self._now < self._down_until:  # restarting: time passes, nothing runs
+            self.idle_until(min(t_end, self._down_until))
         while self._now < t_end:
             if self._partial is None and self._n_dec and not self._can_admit():
                 self._fast_forward(t_end, stop_on_finish, agg)

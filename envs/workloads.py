@@ -19,6 +19,7 @@ A stream is a pure function of the config and the ``np.random.Generator`` it is 
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import math
 import numbers
 from collections.abc import Mapping, Sequence
@@ -567,6 +568,25 @@ def _loguniform(rng: np.random.Generator, lo_hi: tuple[float, float]) -> float:
     return float(math.exp(rng.uniform(math.log(a), math.log(b)))) if b > a else a
 
 
+def _random_onoff(k: _Keys, rng: np.random.Generator) -> "OnOffRate | None":
+    """With probability ``onoff_prob``, an on/off multiplier on the rate: ``onoff_on_factor``
+    x during bursts of ``onoff_on_s``, ``onoff_off_factor`` x for ``onoff_off_s`` between them.
+    No draw at all when the probability is 0 (episodes stay as they were)."""
+    prob = k.num("onoff_prob", 0.0, lo=0.0, hi=1.0)
+    keys = ("onoff_on_factor", "onoff_off_factor", "onoff_on_s", "onoff_off_s")
+    if prob == 0.0:
+        for key in keys:
+            k.get(key, None)
+        return None
+    on_f, off_f, on_s, off_s = (k.range(key, lo=0, lo_open=True) for key in keys)
+    if rng.uniform() >= prob:
+        return None
+    return OnOffRate(
+        _loguniform(rng, on_f), _loguniform(rng, off_f), _loguniform(rng, on_s), _loguniform(rng, off_s),
+        start_on=bool(rng.integers(2)),
+    )
+
+
 def _randomized(
     k: _Keys, rng: np.random.Generator, max_model_len: int, duration: float, scale: float
 ) -> RequestStream:
@@ -599,7 +619,12 @@ def _randomized(
             max(prev.prompt_mean * f_p, 1.0), prev.prompt_sigma,
             max(prev.output_mean * f_o, 1.0), prev.output_sigma,
         ))
-    t = arrival_times(rng, PiecewiseRate(change_s, tuple(rates)), duration, burst)
+    curve: RateCurve = PiecewiseRate(change_s, tuple(rates))
+    onoff = _random_onoff(k, rng)
+    if onoff is not None:  # heavy on/off bursts on top of the phases (code completion, agents)
+        phases = curve
+        curve = lambda t: phases(t) * onoff(t)  # noqa: E731
+    t = arrival_times(rng, curve, duration, burst)
     phase = np.searchsorted(np.asarray(change_s), t, side="right")
     p = np.empty(t.size, np.int64)
     o = np.empty(t.size, np.int64)
@@ -610,7 +635,7 @@ def _randomized(
     pr = sample_priorities(rng, k.get("priorities", [1.0]), t.size)
     info = {
         "kind": "randomized", "rate": rate, "burstiness": burst, "change_s": list(change_s),
-        "rates": rates,
+        "rates": rates, "onoff": None if onoff is None else dataclasses.asdict(onoff),
         "lengths": [
             (d.prompt_mean, d.prompt_sigma, d.output_mean, d.output_sigma) for d in dists
         ],

@@ -235,6 +235,33 @@ class EpisodeMetricsCallback(BaseCallback):
         self._terms.clear()
 
 
+class ObservationRangeCallback(BaseCallback):
+    """The per-feature range of the raw (un-normalised) observations training saw. Exported
+    with the policy: at run time an observation outside it hands the interval to PID
+    (``PPOController.out_of_range``), since the policy never learnt what to do there."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.low: np.ndarray | None = None
+        self.high: np.ndarray | None = None
+
+    def _on_step(self) -> bool:
+        env = self.training_env
+        obs = env.get_original_obs() if hasattr(env, "get_original_obs") else self.locals.get("new_obs")
+        if obs is None:
+            return True
+        obs = np.asarray(obs, dtype=np.float64).reshape(-1, np.asarray(obs).shape[-1])
+        lo, hi = obs.min(axis=0), obs.max(axis=0)
+        self.low = lo if self.low is None else np.minimum(self.low, lo)
+        self.high = hi if self.high is None else np.maximum(self.high, hi)
+        return True
+
+    def as_dict(self) -> dict[str, list[float]] | None:
+        if self.low is None or self.high is None:
+            return None
+        return {"low": [float(x) for x in self.low], "high": [float(x) for x in self.high]}
+
+
 class _WandbWriter(KVWriter):
     """An SB3 logger output that sends each dump as one W&B history row."""
 

@@ -6,10 +6,20 @@ It needs only the dependency-light runtime (numpy + safetensors). The observatio
 from the snapshot with ``observation_from_snapshot`` and the scales recorded at training time
 (manifest ``training.config.observation_scales``), so the features mean what they meant in
 training. ``policy=ppo`` with ``path: null`` loads the shipped policy in ``policies/pretrained/``.
+
+Two guards keep a policy from being much worse than the PID baseline, whatever it learnt:
+
+* a policy trained with ``env.action_mode: residual_pid`` only scales PID's cap by 0.7-1.3
+  (``batchpilot.core.residual``; the PID it corrects is recorded in the manifest);
+* an observation outside the range seen in training (manifest
+  ``training.config.observation_range``, widened by ``ood_margin`` of each feature's span) hands
+  the interval to that PID unchanged: the policy is not asked where it has never been.
+  ``num_fallbacks`` counts those intervals and ``last_fallback`` names the features.
 """
 
 from __future__ import annotations
 
+import copy
 import os
 from pathlib import Path
 from typing import Any, Mapping
@@ -18,7 +28,8 @@ import numpy as np
 
 from batchpilot.core.actions import action_mask, action_to_proposal
 from batchpilot.core.knobs import Knobs, Proposal
-from batchpilot.core.telemetry import SLO, Snapshot, observation_from_snapshot
+from batchpilot.core.residual import ACTION_MODES, ResidualPID, residual_pid_config
+from batchpilot.core.telemetry import FEATURE_NAMES, SLO, Snapshot, observation_from_snapshot
 from batchpilot.policies.artifact import PolicyLoadError
 from batchpilot.policies.runtime import PolicyRuntime
 
@@ -64,6 +75,7 @@ class PPOController:
         max_num_seqs: int | None = None,
         max_model_len: int | None = None,
         kv_runnable: Mapping[str, bool] | None = None,
+        ood_margin: float = 0.25,
     ) -> None:
         self.runtime = runtime
         path = runtime.artifact.path
@@ -82,6 +94,23 @@ class PPOController:
         slo = runtime.manifest.get("slo") or {}
         self.slo = SLO(ttft_ms=slo.get("ttft_ms"), tpot_ms=slo.get("tpot_ms"), e2el_ms=slo.get("e2el_ms"))
         self.set_kv_runnable(kv_runnable)
+        cfg = runtime.manifest.get("training", {}).get("config", {})
+        ctl = cfg.get("controller") or {}
+        self.action_mode = str(ctl.get("action_mode", (cfg.get("env") or {}).get("action_mode", "absolute")))
+        if self.action_mode not in ACTION_MODES:
+            raise PolicyLoadError(f"policy artifact {path}: action_mode {self.action_mode!r} not in {ACTION_MODES}")
+        try:
+            self._pid_cfg = residual_pid_config(self.slo, self.max_num_seqs, ctl.get("pid"))
+        except (TypeError, ValueError) as exc:
+            raise PolicyLoadError(f"policy artifact {path}: bad controller.pid in the manifest: {exc}") from exc
+        #: PID: the base a residual policy scales, and who acts outside the training range.
+        self.residual = ResidualPID(self._pid_cfg)
+        self.ood_margin = float(ood_margin)
+        self.obs_low, self.obs_high = _observation_range(cfg.get("observation_range"), path, self.ood_margin)
+        self.num_decisions = 0
+        self.num_fallbacks = 0
+        self.last_fallback: list[str] = []
+        self._lanes: dict[Any, PPOController] = {}
 
     @classmethod
     def from_dir(cls, path: str | os.PathLike[str] | None = None, **kwargs: Any) -> "PPOController":
@@ -94,10 +123,23 @@ class PPOController:
         """Which KV dtypes the engine can run (e.g. from ``engine.capabilities().can_run``)."""
         runnable = dict(kv_runnable) if kv_runnable is not None else {self.kv16_dtype: True}
         self.mask = action_mask(runnable, kv16_dtype=self.kv16_dtype, kv8_dtype=self.kv8_dtype)
+        for lane in getattr(self, "_lanes", {}).values():
+            lane.mask = self.mask
+
+    def for_lane(self, key: Any) -> "PPOController":
+        """This policy for one stream of decisions (a gateway lane): the weights are shared,
+        the PID state it corrects is the stream's own."""
+        if key not in self._lanes:
+            clone = copy.copy(self)
+            clone.residual = ResidualPID(self._pid_cfg)
+            clone._lanes = {}
+            clone.last_fallback = []
+            self._lanes[key] = clone
+        return self._lanes[key]
 
     # --- Controller protocol -------------------------------------------------------------
     def reset(self, knobs: Knobs) -> None:
-        pass  # the policy is memoryless: the observation carries its state
+        self.residual.reset(knobs)  # the network is memoryless; the PID it corrects is not
 
     def observation(self, snapshot: Snapshot) -> np.ndarray:
         return observation_from_snapshot(
@@ -109,15 +151,50 @@ class PPOController:
             token_rate_scale=self.token_rate_scale,
         )
 
+    def out_of_range(self, obs: np.ndarray) -> list[str]:
+        """Features outside the (widened) range seen in training; empty when none or unknown."""
+        if self.obs_low is None or self.obs_high is None:
+            return []
+        bad = np.flatnonzero((obs < self.obs_low) | (obs > self.obs_high))
+        return [FEATURE_NAMES[i] for i in bad]
+
     def decide(self, snapshot: Snapshot, knobs: Knobs) -> Proposal:
-        action = self.runtime.act(self.observation(snapshot), self.mask)
-        return action_to_proposal(action, knobs, kv16_dtype=self.kv16_dtype, kv8_dtype=self.kv8_dtype)
+        self.num_decisions += 1
+        obs = self.observation(snapshot)
+        outside = self.out_of_range(obs)
+        if outside:
+            self.num_fallbacks += 1
+            self.last_fallback = outside
+            return self.residual.base(snapshot, knobs)
+        action = self.runtime.act(obs, self.mask)
+        kv = {"kv16_dtype": self.kv16_dtype, "kv8_dtype": self.kv8_dtype}
+        if self.action_mode == "residual_pid":
+            return self.residual.propose(action, snapshot, knobs, **kv)
+        self.residual.base(snapshot, knobs)  # kept warm for the intervals it may take over
+        return action_to_proposal(action, knobs, **kv)
+
+
+def _observation_range(node: Any, path: Path, margin: float) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """The training range ``{low: [...], high: [...]}`` widened by ``margin`` x each feature's
+    span (at least 0.05); ``(None, None)`` when the artifact predates the record."""
+    if node is None:
+        return None, None
+    try:
+        lo = np.asarray(node["low"], dtype=np.float64)
+        hi = np.asarray(node["high"], dtype=np.float64)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise PolicyLoadError(f"policy artifact {path}: observation_range needs numeric 'low' and 'high' lists") from exc
+    n = len(FEATURE_NAMES)
+    if lo.shape != (n,) or hi.shape != (n,) or not (np.isfinite(lo).all() and np.isfinite(hi).all()) or (lo > hi).any():
+        raise PolicyLoadError(f"policy artifact {path}: observation_range must be {n} finite low <= high pairs")
+    pad = np.maximum(margin * (hi - lo), 0.05)
+    return (lo - pad).astype(np.float32), (hi + pad).astype(np.float32)
 
 
 def build_ppo_controller(cfg_policy: Any, max_num_seqs: int) -> PPOController:
     """``build_controller`` entry for ``kind: ppo`` (``conf/policy/ppo.yaml``)."""
     d = dict(cfg_policy or {})
-    unknown = set(d) - {"kind", "name", "path", "kv_runnable", "max_model_len"}
+    unknown = set(d) - {"kind", "name", "path", "kv_runnable", "max_model_len", "ood_margin"}
     if unknown:
         raise ValueError(f"policy ppo: unknown keys {sorted(unknown)} (see conf/policy/ppo.yaml)")
     kv = d.get("kv_runnable")
@@ -126,4 +203,5 @@ def build_ppo_controller(cfg_policy: Any, max_num_seqs: int) -> PPOController:
         max_num_seqs=max_num_seqs,
         max_model_len=d.get("max_model_len"),
         kv_runnable=None if kv is None else {str(k): bool(v) for k, v in dict(kv).items()},
+        ood_margin=float(d.get("ood_margin", 0.25)),
     )

@@ -21,6 +21,7 @@ the engine cannot run, so they are never sampled) with separate actor/critic MLP
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -37,6 +38,7 @@ from batchpilot.policies.callbacks import (
     COMPARE_METRICS,
     EpisodeMetricsCallback,
     Evaluation,
+    ObservationRangeCallback,
     Results,
     ValidationCallback,
     ValidationSuite,
@@ -309,6 +311,15 @@ def observation_scales(cfg: DictConfig, env: ServingEnv) -> dict[str, Any]:
     }
 
 
+def controller_record(env: ServingEnv) -> dict[str, Any]:
+    """How the policy's actions become proposals (read by ``PPOController``): the action mode
+    and, for a residual policy, the exact PID it corrects."""
+    rec: dict[str, Any] = {"action_mode": env.action_mode}
+    if env.residual is not None:
+        rec["pid"] = dataclasses.asdict(env.residual.config)
+    return rec
+
+
 # --- the run -------------------------------------------------------------------------------
 def train(cfg: DictConfig) -> float:
     """Train, evaluate against the baseline, export the best policy. Returns the metric a sweep
@@ -364,7 +375,8 @@ def train(cfg: DictConfig) -> float:
             suite, baseline, eval_freq=tc.eval_freq, best_dir=out_dir / "best",
             slo_tolerance=tc.slo_tolerance, on_evaluation=on_evaluation,
         )
-        callbacks: list[Any] = [EpisodeMetricsCallback(), validation]
+        obs_range = ObservationRangeCallback()
+        callbacks: list[Any] = [EpisodeMetricsCallback(), obs_range, validation]
         if run is not None:
             callbacks.insert(0, WandbCallback(run))
         if tc.checkpoint_freq > 0:
@@ -388,9 +400,12 @@ def train(cfg: DictConfig) -> float:
         # 5. Export the best model (reloaded from disk: what is exported is what was saved).
         best_model, best_vecnorm = load_sb3(out_dir / "best" / "model.zip",
                                             out_dir / "best" / "vecnormalize.pkl" if tc.norm_obs else None)
+        any_env = next(iter(suite.envs.values()))
         train_config = {
             **config_dict,
-            "observation_scales": observation_scales(plain, next(iter(suite.envs.values()))),
+            "observation_scales": observation_scales(plain, any_env),
+            "controller": controller_record(any_env),
+            "observation_range": obs_range.as_dict(),
             "best_timesteps": best.timesteps,
         }
         policy_dir = export_policy(

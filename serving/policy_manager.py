@@ -148,9 +148,9 @@ class PolicyManager:
             return None
         c = self.canary
         if c is not None and self._canary_drives(lane_index, num_lanes, tick):
-            return c.policy, "canary"
+            return c.policy.for_lane(lane_index), "canary"
         assert self.policy is not None
-        return self.policy, "policy"
+        return self.policy.for_lane(lane_index), "policy"
 
     def _canary_drives(self, lane_index: int, num_lanes: int, tick: int) -> bool:
         share = self.canary.share if self.canary else 0.0

@@ -88,7 +88,14 @@ def test_8bit_switch_pays_off_where_kv_binds_and_charges_the_restart():
     else:
         pytest.fail(f"8-bit KV never applied: {env.shield.num_interventions}")
     assert env.engine.memory_model().num_kv_blocks_total > 1.8 * blocks16
-    assert env.engine.now - t0 >= float(env.cfg.model.restart_base_s)  # restart charged
+    # The restart is charged in engine time: the intervals go on while nothing runs.
+    restart_s = float(env.cfg.model.restart_base_s)
+    assert env.engine.now == pytest.approx(t0 + env.interval_s)
+    down = [env.step(np.array([2, 0, 0]))[4]["metrics"]["output_throughput"] for _ in range(int(restart_s) - 2)]
+    assert max(down) == 0.0 and env.engine.down_until == pytest.approx(t0 + restart_s)
+    while env.engine.now < t0 + restart_s + 5:
+        env.step(np.array([2, 0, 0]))
+    assert env.snapshot.output_throughput > 0  # back up
     assert env.episode_metrics()["dtype_switches"] == 1.0
 
 

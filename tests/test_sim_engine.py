@@ -173,7 +173,10 @@ def test_restart_requeues_in_flight_and_charges_time() -> None:
     t0, blocks0 = e.now, e.num_kv_blocks_total
     cost = e.restart("fp8")
     assert cost == pytest.approx(_model().restart_base_s)
-    assert e.now == pytest.approx(t0 + cost)
+    assert e.now == pytest.approx(t0) and e.down_until == pytest.approx(t0 + cost)
+    # Down in engine time: the clock runs, nothing is scheduled until the restart ends.
+    res = e.advance_until(t0 + cost / 2)
+    assert e.now == pytest.approx(t0 + cost / 2) and res.num_iterations == 0 and not res.finished
     assert e.kv_dtype == "fp8" and e.num_kv_blocks_total > blocks0
     s = e.stats()
     assert s.num_running == 0 and s.num_waiting == 5 and s.num_kv_blocks_used == 0
@@ -181,6 +184,7 @@ def test_restart_requeues_in_flight_and_charges_time() -> None:
     fin = run_all(e).finished
     assert len(fin) == 5 and all(f.num_preemptions == 1 for f in fin)
     assert all(f.first_token_time < t0 for f in fin)  # first tokens came before the restart
+    assert all(f.finish_time >= t0 + cost for f in fin)  # and the rest after it
 
 
 def test_restart_drain_finishes_running_first() -> None:

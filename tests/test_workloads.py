@@ -288,7 +288,8 @@ def test_randomized_varies_and_changes_phase():
     cfg["num_phases"] = [2, 2]
     infos = [build_workload(cfg, rng(seed), 8192).info for seed in range(8)]
     rates = [i["rate"] for i in infos]
-    assert len(set(rates)) == 8 and min(rates) >= 10 and max(rates) <= 70
+    lo, hi = cfg["rate"]
+    assert len(set(rates)) == 8 and min(rates) >= lo and max(rates) <= hi
     for i in infos:
         assert len(i["change_s"]) == 2 and len(i["rates"]) == 3 and len(i["lengths"]) == 3
         assert all(0.15 * 120 <= c <= 0.85 * 120 for c in i["change_s"])
@@ -296,7 +297,7 @@ def test_randomized_varies_and_changes_phase():
 
 def test_randomized_phase_shift_is_visible_in_the_stream():
     cfg = load("randomized")
-    cfg.update(num_phases=[1, 1], rate=[20, 20], burstiness=[1, 1],
+    cfg.update(num_phases=[1, 1], rate=[20, 20], burstiness=[1, 1], onoff_prob=0.0,
                phase_rate_factor=[2.5, 2.5], phase_length_factor=[2.0, 2.0], duration_s=400.0)
     s = build_workload(cfg, rng(14), 1 << 20)
     (c,) = s.info["change_s"]
@@ -304,6 +305,20 @@ def test_randomized_phase_shift_is_visible_in_the_stream():
     assert before.sum() / c == pytest.approx(20, rel=0.15)
     assert after.sum() / (400 - c) == pytest.approx(50, rel=0.15)
     assert s.output_len[after].mean() > 1.4 * s.output_len[before].mean()
+
+
+def test_randomized_onoff_bursts_multiply_the_rate():
+    cfg = load("randomized")
+    cfg.update(num_phases=[0, 0], rate=[20, 20], burstiness=[1, 1], onoff_prob=1.0, duration_s=600.0,
+               onoff_on_factor=[4, 4], onoff_off_factor=[0.25, 0.25], onoff_on_s=[10, 10], onoff_off_s=[10, 10])
+    s = build_workload(cfg, rng(3), 1 << 20)
+    oo = s.info["onoff"]
+    assert oo is not None and oo["on_rate"] == pytest.approx(4) and oo["off_rate"] == pytest.approx(0.25)
+    shift = 0.0 if oo["start_on"] else 10.0
+    on = np.mod(s.arrival_s + shift, 20.0) < 10.0
+    assert on.sum() / 300 == pytest.approx(80, rel=0.15) and (~on).sum() / 300 == pytest.approx(5, rel=0.3)
+    cfg["onoff_prob"] = 0.0
+    assert build_workload(cfg, rng(3), 1 << 20).info["onoff"] is None
 
 
 def test_mixture_superposes_components():

@@ -22,6 +22,20 @@ KV_CHOICES: tuple[str, ...] = ("keep", "16bit", "8bit")
 ACTION_NVEC: tuple[int, ...] = (len(BATCH_STEPS), len(BUCKETING_MODES), len(KV_CHOICES))
 
 
+def parse_action(action: np.ndarray | list[int] | tuple[int, ...]) -> tuple[int, int, int]:
+    """The three sub-actions as ints; anything else is an error that names the space."""
+    a = [int(x) for x in np.asarray(action).reshape(-1)]
+    if len(a) != len(ACTION_NVEC) or any(not 0 <= x < n for x, n in zip(a, ACTION_NVEC)):
+        raise ValueError(f"action {a} outside MultiDiscrete{list(ACTION_NVEC)}")
+    return a[0], a[1], a[2]
+
+
+def kv_choice(index: int, knobs: Knobs, *, kv16_dtype: str = "auto", kv8_dtype: str = "fp8") -> str | None:
+    """The KV dtype a sub-action asks for (``None``: keep the one in force)."""
+    kv = {0: None, 1: kv16_dtype, 2: kv8_dtype}[index]
+    return None if kv == knobs.kv_dtype else kv
+
+
 def action_to_proposal(
     action: np.ndarray | list[int] | tuple[int, ...],
     knobs: Knobs,
@@ -30,19 +44,15 @@ def action_to_proposal(
     kv8_dtype: str = "fp8",
 ) -> Proposal:
     """Translate a policy action into a proposal relative to the knobs in force."""
-    a = [int(x) for x in np.asarray(action).reshape(-1)]
-    if len(a) != len(ACTION_NVEC) or any(not 0 <= x < n for x, n in zip(a, ACTION_NVEC)):
-        raise ValueError(f"action {a} outside MultiDiscrete{list(ACTION_NVEC)}")
-    step = BATCH_STEPS[a[0]]
+    a_batch, a_bucket, a_kv = parse_action(action)
+    step = BATCH_STEPS[a_batch]
     cap = knobs.batch_cap
     if step != 0.0:
         delta = cap * step
         # Round away from zero so small caps can still move by one.
         cap = cap + int(math.copysign(max(1, math.floor(abs(delta))), delta))
-    kv = {0: None, 1: kv16_dtype, 2: kv8_dtype}[a[2]]
-    if kv == knobs.kv_dtype:
-        kv = None
-    return Proposal(batch_cap=cap, bucketing=BUCKETING_MODES[a[1]], kv_dtype=kv)
+    kv = kv_choice(a_kv, knobs, kv16_dtype=kv16_dtype, kv8_dtype=kv8_dtype)
+    return Proposal(batch_cap=cap, bucketing=BUCKETING_MODES[a_bucket], kv_dtype=kv)
 
 
 def action_mask(kv_runnable: dict[str, bool], *, kv16_dtype: str = "auto", kv8_dtype: str = "fp8") -> np.ndarray:
