@@ -1,8 +1,8 @@
 """Evaluation results out: rows to JSON/CSV, the mean ± 95 % CI table, plots, and W&B.
 
 Input is what ``batchpilot.policies.evaluation`` produces: one row per (controller, workload,
-seed) with the ``ROW_KEYS`` below, and per (controller, workload) a ``Timeline`` of the first
-seed's episode (one point per control interval). Nothing here runs an engine.
+deployment, seed) with the ``ROW_KEYS`` below, and per (controller, workload [@ deployment]) a
+``Timeline`` of the first seed's episode (one point per control interval). Nothing here runs an engine.
 """
 
 from __future__ import annotations
@@ -18,8 +18,12 @@ from typing import Any
 
 import numpy as np
 
-#: Identity columns of a row.
-ID_KEYS: tuple[str, ...] = ("policy", "workload", "seed", "model", "hardware", "engine")
+#: Identity columns of a row. ``window_start_s``: the trace window the seed replayed (NaN/null
+#: for a synthetic workload); ``rate_multiplier``: what the workload's rates were multiplied by
+#: for this deployment (1 on the workload's own).
+ID_KEYS: tuple[str, ...] = (
+    "policy", "workload", "seed", "model", "hardware", "engine", "window_start_s", "rate_multiplier",
+)
 #: Metric columns of a row (``vllm bench serve`` names plus the controller's footprint).
 METRIC_KEYS: tuple[str, ...] = (
     "request_throughput",
@@ -103,14 +107,20 @@ def mean_ci(values: Sequence[float], level: float = 0.95) -> tuple[float, float,
     return mean, half, n
 
 
+def deployment(r: Mapping[str, Any]) -> str:
+    """A row's deployment, ``model/hardware``."""
+    return f"{r.get('model', '?')}/{r.get('hardware', '?')}"
+
+
 def aggregate(rows: Sequence[Mapping[str, Any]], keys: Sequence[str] = METRIC_KEYS) -> list[dict[str, Any]]:
-    """Per (workload, policy), in first-seen order: ``{key: (mean, ci_half, n)}`` over seeds."""
-    groups: dict[tuple[str, str], list[Mapping[str, Any]]] = {}
+    """Per (workload, deployment, policy), in first-seen order: ``{key: (mean, ci_half, n)}``
+    over seeds."""
+    groups: dict[tuple[str, str, str], list[Mapping[str, Any]]] = {}
     for r in rows:
-        groups.setdefault((str(r["workload"]), str(r["policy"])), []).append(r)
+        groups.setdefault((str(r["workload"]), deployment(r), str(r["policy"])), []).append(r)
     out = []
-    for (wl, pol), rs in groups.items():
-        entry: dict[str, Any] = {"workload": wl, "policy": pol, "seeds": len(rs)}
+    for (wl, dep, pol), rs in groups.items():
+        entry: dict[str, Any] = {"workload": wl, "deployment": dep, "policy": pol, "seeds": len(rs)}
         for k in keys:
             entry[k] = mean_ci([float(r[k]) for r in rs])
         out.append(entry)
@@ -132,12 +142,12 @@ def _fmt(x: float) -> str:
 
 
 def markdown_table(rows: Sequence[Mapping[str, Any]], keys: Sequence[str] = METRIC_KEYS) -> str:
-    """Mean ± 95 % CI (t-distribution, over seeds) per workload and controller."""
+    """Mean ± 95 % CI (t-distribution, over seeds) per workload, deployment and controller."""
     agg = aggregate(rows, keys)
-    head = ["workload", "policy", "n", *keys]
-    lines = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] * 3 + ["---:"] * len(keys)) + "|"]
+    head = ["workload", "deployment", "policy", "n", *keys]
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] * 4 + ["---:"] * len(keys)) + "|"]
     for e in agg:
-        cells = [e["workload"], e["policy"], str(e["seeds"])]
+        cells = [e["workload"], e["deployment"], e["policy"], str(e["seeds"])]
         for k in keys:
             mean, half, _ = e[k]
             cells.append(_fmt(mean) if not math.isfinite(half) else f"{_fmt(mean)} ± {_fmt(half)}")
@@ -145,7 +155,107 @@ def markdown_table(rows: Sequence[Mapping[str, Any]], keys: Sequence[str] = METR
     return "\n".join(lines)
 
 
+def _ratio(a: float, b: float) -> float:
+    if not (math.isfinite(a) and math.isfinite(b)):
+        return math.nan
+    if b == 0:
+        return math.inf if a > 0 else math.nan
+    return a / b
+
+
+def ppo_comparison(rows: Sequence[Mapping[str, Any]]) -> tuple[str, str]:
+    """PPO against PID and best_static per workload × deployment cell: a table (goodput means,
+    PPO's goodput ratio to each, SLO attainments) and the summary line naming the cells where
+    PPO misses the bar "goodput >= PID's at >= PID's SLO attainment" (means over the scored
+    seeds). Empty strings when the rows have no ppo or no pid."""
+    agg = aggregate(rows, ("request_goodput", "slo_attainment"))
+    by: dict[tuple[str, str], dict[str, dict[str, Any]]] = {}
+    for e in agg:
+        by.setdefault((e["workload"], e["deployment"]), {})[e["policy"]] = e
+    cells = [(k, v) for k, v in by.items() if "ppo" in v and "pid" in v]
+    if not cells:
+        return "", ""
+    head = [
+        "workload", "deployment", "ppo goodput", "pid goodput", "best_static goodput", "ppo / pid",
+        "ppo / best_static", "ppo attainment", "pid attainment", "ppo >= pid",
+    ]
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] * 2 + ["---:"] * 7 + ["---"]) + "|"]
+    losses, n_cells = [], 0
+    for (wl, dep), v in cells:
+        g = {p: v[p]["request_goodput"][0] for p in v}
+        a = {p: v[p]["slo_attainment"][0] for p in v}
+        bs = g.get("best_static", math.nan)
+        ok = g["ppo"] >= g["pid"] and a["ppo"] >= a["pid"]
+        n_cells += 1
+        if not ok:
+            why = " and ".join(
+                w for w, lost in (("goodput", g["ppo"] < g["pid"]), ("attainment", a["ppo"] < a["pid"])) if lost
+            )
+            losses.append(f"{wl} @ {dep} ({why}: {_fmt(g['ppo'])} vs {_fmt(g['pid'])} req/s, "
+                          f"{_fmt(a['ppo'])} vs {_fmt(a['pid'])})")
+        lines.append("| " + " | ".join([
+            wl, dep, _fmt(g["ppo"]), _fmt(g["pid"]), _fmt(bs), _fmt(_ratio(g["ppo"], g["pid"])),
+            _fmt(_ratio(g["ppo"], bs)), _fmt(a["ppo"]), _fmt(a["pid"]), "yes" if ok else "**no**",
+        ]) + " |")
+    summary = (
+        f"PPO < PID (goodput at >= PID's SLO attainment, means over seeds) on {len(losses)} of {n_cells} cells"
+        + (": " + "; ".join(losses) + "." if losses else ".")
+    )
+    return "\n".join(lines), summary
+
+
+def results_markdown(
+    rows: Sequence[Mapping[str, Any]],
+    search: Sequence[Mapping[str, Any]],
+    seeds: Sequence[int],
+    tune_seeds: Sequence[int],
+) -> str:
+    """results.md: the full table, the headline table, PPO's ratios and summary line, the
+    best_static picks (tuned, and the hindsight bound)."""
+    parts = [
+        f"Mean ± 95 % CI (t-distribution) over seeds {list(seeds)} (on a trace, each seed its own "
+        f"window). best_static is tuned on seeds {list(tune_seeds)}; best_static_hindsight is the "
+        f"grid's best on the scored seeds themselves — an upper bound no setting chosen beforehand "
+        f"reaches, not a baseline.\n",
+        markdown_table(rows),
+        "\nHeadline:\n",
+        markdown_table(rows, HEADLINE_KEYS),
+    ]
+    comp, summary = ppo_comparison(rows)
+    if comp:
+        parts += ["\nPPO against PID and best_static (goodput in req/s, means over the scored seeds):\n", comp,
+                  f"\n**{summary}**"]
+    picks = []
+    for p in search:
+        n = sum(q["workload"] == p["workload"] and q.get("deployment") == p.get("deployment") for q in search)
+        where = f"{p['workload']} @ {p.get('deployment', '?')}"
+        knobs = f"cap={p['batch_cap']} {p['bucketing']} kv={p['kv_dtype']}"
+        if p["chosen"]:
+            picks.append(
+                f"- best_static on {where}: {knobs} (tuning seeds {list(tune_seeds)}: goodput "
+                f"{_fmt(p['request_goodput'])} req/s, attainment {_fmt(p['slo_attainment'])}; {n} grid points)"
+            )
+        if p.get("hindsight_chosen"):
+            picks.append(
+                f"- best_static_hindsight on {where}: {knobs} (scored seeds: goodput "
+                f"{_fmt(p['hindsight_goodput'])} req/s, attainment {_fmt(p['hindsight_attainment'])})"
+            )
+    if picks:
+        parts += ["", *picks]
+    return "\n".join(parts) + "\n"
+
+
 # --- files -----------------------------------------------------------------------------------
+def jsonable(v: Any) -> Any:
+    """``v`` with NaN/inf as None, numpy scalars as Python ones, recursively."""
+    if isinstance(v, Mapping):
+        return {k: jsonable(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [jsonable(x) for x in v]
+    return _jsonable(v)
+
+
+
 def write_rows(rows: Sequence[Mapping[str, Any]], out_dir: Path) -> tuple[Path, Path]:
     """results.json (a list of row objects) and results.csv (``ROW_KEYS`` columns)."""
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -242,18 +352,23 @@ def plot_goodput_vs_slo(rows: Sequence[Mapping[str, Any]], out_dir: Path) -> Pat
 
     out_dir.mkdir(parents=True, exist_ok=True)
     agg = aggregate(rows, ("request_goodput", "slo_attainment"))
-    workloads = list(dict.fromkeys(e["workload"] for e in agg))
+    panels = list(dict.fromkeys((e["workload"], e["deployment"]) for e in agg))
+    multi = len({d for _, d in panels}) > 1
     policies = list(dict.fromkeys(e["policy"] for e in agg))
     colors = {p: f"C{i % 10}" for i, p in enumerate(policies)}
-    fig, axes = plt.subplots(1, len(workloads), figsize=(4.2 * len(workloads), 3.8), squeeze=False)
-    for ax, wl in zip(axes[0], workloads):
-        for e in (e for e in agg if e["workload"] == wl):
+    ncol = min(len(panels), 5)
+    nrow = -(-len(panels) // ncol)
+    fig, axes = plt.subplots(nrow, ncol, figsize=(4.2 * ncol, 3.8 * nrow), squeeze=False)
+    for ax in axes.flat[len(panels):]:
+        ax.set_visible(False)
+    for ax, (wl, dep) in zip(axes.flat, panels):
+        for e in (e for e in agg if (e["workload"], e["deployment"]) == (wl, dep)):
             (gx, gh, _), (sx, sh, _) = e["request_goodput"], e["slo_attainment"]
             ax.errorbar(
                 sx, gx, xerr=None if math.isnan(sh) else sh, yerr=None if math.isnan(gh) else gh,
                 fmt="o", color=colors[e["policy"]], label=e["policy"], capsize=3,
             )
-        ax.set_title(wl, fontsize=9)
+        ax.set_title(f"{wl} @ {dep}" if multi else wl, fontsize=9)
         ax.set_xlabel("SLO attainment")
         ax.set_ylabel("request goodput (req/s)")
         ax.grid(alpha=0.3)
@@ -299,9 +414,9 @@ def log_to_wandb(
     try:
         run.log({"results": wandb.Table(columns=list(ROW_KEYS), data=[[_jsonable(r.get(k)) for k in ROW_KEYS] for r in rows])})
         agg = aggregate(rows)
-        cols = ["workload", "policy", "seeds"] + [f"{k}_{s}" for k in METRIC_KEYS for s in ("mean", "ci95")]
+        cols = ["workload", "deployment", "policy", "seeds"] + [f"{k}_{s}" for k in METRIC_KEYS for s in ("mean", "ci95")]
         data = [
-            [e["workload"], e["policy"], e["seeds"]] + [_jsonable(x) for k in METRIC_KEYS for x in e[k][:2]]
+            [e["workload"], e["deployment"], e["policy"], e["seeds"]] + [_jsonable(x) for k in METRIC_KEYS for x in e[k][:2]]
             for e in agg
         ]
         run.log({"summary": wandb.Table(columns=cols, data=data)})

@@ -32,6 +32,7 @@ assembled in the same order afterwards, so the files written do not depend on th
 from __future__ import annotations
 
 import copy
+import functools
 import math
 import time
 from collections import deque
@@ -54,6 +55,12 @@ from batchpilot.policies.controllers import CONTROLLER_BUILDERS, Controller, bui
 from batchpilot.policies.eval_report import ROW_KEYS, Timeline
 
 BEST_STATIC = "best_static"
+#: The grid's best point on the scored seeds themselves: an upper bound, not a baseline.
+HINDSIGHT = "best_static_hindsight"
+#: Policies run as shipped by default: no shield (no breaker, no shedding, no memory or step
+#: limit) and no batchpilot admission limits in front of the engine (``policy_overrides.<name>.as_shipped=false`` puts them back).
+AS_SHIPPED = ("vllm_default",)
+AS_SHIPPED_KEY = "as_shipped"
 
 
 class EvaluationError(ValueError):
@@ -72,8 +79,11 @@ class BestStaticConfig:
     kv_dtypes: tuple[str, ...] = ("auto", "fp8")
     #: Only grid points at or above this SLO attainment compete on goodput.
     min_slo_attainment: float = 0.9
-    #: The seed whose episode the grid is scored on (hindsight tuning).
-    tune_seed: int = 0
+    #: Seeds (trace windows) the grid is scored on; must be disjoint from the scored ``seeds``.
+    tune_seeds: tuple[int, ...] = (3,)
+    #: Also run the grid on the scored seeds and report their best point as
+    #: ``best_static_hindsight``: an upper bound no static setting tuned beforehand can beat.
+    hindsight: bool = True
 
     def __post_init__(self) -> None:
         if not self.batch_caps or min(self.batch_caps) < 1:
@@ -85,6 +95,8 @@ class BestStaticConfig:
             raise EvaluationError("best_static.kv_dtypes must not be empty (e.g. [auto, fp8])")
         if not 0.0 <= self.min_slo_attainment <= 1.0:
             raise EvaluationError(f"best_static.min_slo_attainment must be in [0, 1], got {self.min_slo_attainment}")
+        if not self.tune_seeds or len(set(self.tune_seeds)) != len(self.tune_seeds):
+            raise EvaluationError(f"best_static.tune_seeds must be a non-empty list of distinct ints, got {list(self.tune_seeds)}")
 
 
 LAUNCHERS = ("serial", "ray")
@@ -130,6 +142,56 @@ class LauncherConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class Deployment:
+    """A model on a hardware (``conf/model/<model>.yaml`` on ``conf/hardware/<hardware>.yaml``)."""
+
+    model: str
+    hardware: str
+
+    @property
+    def label(self) -> str:
+        return f"{self.model}/{self.hardware}"
+
+    @classmethod
+    def parse(cls, text: str) -> "Deployment":
+        model, sep, hardware = str(text).partition("/")
+        if not sep or not model or not hardware:
+            raise EvaluationError(f"deployments: {text!r} is not MODEL/HARDWARE (e.g. llama3_8b/h100)")
+        for group, name in (("model", model), ("hardware", hardware)):
+            if not (CONF_DIR / group / f"{name}.yaml").is_file():
+                known = sorted(f.stem for f in (CONF_DIR / group).glob("*.yaml"))
+                raise EvaluationError(f"deployments: unknown {group} {name!r} in {text!r}; known: {known}")
+        return cls(model, hardware)
+
+
+LOAD_MODES = ("probe", "table", "none")
+
+
+@dataclass(frozen=True, slots=True)
+class LoadConfig:
+    """How a workload's load is sized per deployment (``load:`` in conf/evaluate.yaml): its
+    ``rate_scale`` is multiplied by capacity(deployment) / capacity(the workload's own
+    deployment), so every deployment runs at the load the workload was written for."""
+
+    #: probe: measure each capacity on the simulator (saturated, the workload's own lengths);
+    #: table: only ``table``; none: every deployment gets the workload's rates unchanged.
+    mode: str = "probe"
+    #: "model/hardware" -> multiplier; wins over the probe for that deployment.
+    table: Mapping[str, float] = field(default_factory=dict)
+    #: Completions the probe counts (after as many again to fill the engine).
+    probe_completions: int = 300
+
+    def __post_init__(self) -> None:
+        if self.mode not in LOAD_MODES:
+            raise EvaluationError(f"load.mode must be one of {LOAD_MODES}, got {self.mode!r}")
+        bad = {k: v for k, v in self.table.items() if not (isinstance(v, (int, float)) and v > 0)}
+        if bad:
+            raise EvaluationError(f"load.table: multipliers must be > 0, got {bad}")
+        if self.probe_completions < 10:
+            raise EvaluationError(f"load.probe_completions must be >= 10, got {self.probe_completions}")
+
+
+@dataclass(frozen=True, slots=True)
 class EvalConfig:
     """The run-wide settings of ``conf/evaluate.yaml`` (the groups are composed per workload)."""
 
@@ -138,13 +200,27 @@ class EvalConfig:
     out_dir: Path
     #: Names of ``conf/workload`` files; empty = the one ``workload`` group of the config.
     workloads: tuple[str, ...] = ()
+    #: Model/hardware pairs every workload runs on; empty = each workload's own
+    #: (``workload_overrides``, else the ``model``/``hardware`` groups).
+    deployments: tuple[Deployment, ...] = ()
     #: Workload name -> Hydra overrides it runs with (``["model=deepseek_v3", "hardware=h200"]``).
     workload_overrides: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     #: Policy name -> keys merged into ``conf/policy/<name>.yaml`` (e.g. ``{ppo: {path: DIR}}``).
     policy_overrides: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     best_static: BestStaticConfig = BestStaticConfig()
+    load: LoadConfig = LoadConfig()
+    #: Traces with a ``duration_s``: seed k replays the window starting at
+    #: ``start_s + k * stride`` (stride = ``trace_window_stride_s`` or the window's length).
+    trace_windows: bool = True
+    trace_window_stride_s: float | None = None
     plots: bool = True
     launcher: LauncherConfig = LauncherConfig()
+
+    @property
+    def all_seeds(self) -> tuple[int, ...]:
+        """The scored seeds, then best_static's tuning seeds when it runs."""
+        tune = self.best_static.tune_seeds if BEST_STATIC in self.policies else ()
+        return (*self.seeds, *tune)
 
     @classmethod
     def from_cfg(cls, cfg: DictConfig) -> "EvalConfig":
@@ -165,8 +241,37 @@ class EvalConfig:
             if not (CONF_DIR / "workload" / f"{w}.yaml").is_file():
                 known = sorted(f.stem for f in (CONF_DIR / "workload").glob("*.yaml"))
                 raise EvaluationError(f"unknown workload {w!r} in workloads=[...]; known: {known}")
+        deps = [Deployment.parse(str(d)) for d in (cfg.get("deployments") or [])]
+        if len(set(deps)) != len(deps):
+            raise EvaluationError(f"deployments lists a pair twice: {[d.label for d in deps]}")
         bs = OmegaConf.to_container(cfg.best_static, resolve=True) if cfg.get("best_static") else {}
         bs = {k: tuple(v) if isinstance(v, list) else v for k, v in dict(bs).items()}  # type: ignore[union-attr]
+        if "tune_seed" in bs:
+            raise EvaluationError(
+                "best_static.tune_seed was replaced by best_static.tune_seeds (a list disjoint from seeds)"
+            )
+        bs_known = set(BestStaticConfig.__dataclass_fields__)
+        if set(bs) - bs_known:
+            raise EvaluationError(f"best_static: unknown keys {sorted(set(bs) - bs_known)}; known: {sorted(bs_known)}")
+        bsc = BestStaticConfig(**bs)  # type: ignore[arg-type]
+        if BEST_STATIC in pol:
+            both = sorted(set(bsc.tune_seeds) & set(seeds))
+            if both:
+                raise EvaluationError(
+                    f"best_static.tune_seeds {list(bsc.tune_seeds)} overlap seeds {seeds} at {both}: "
+                    f"best_static must be tuned on other seeds (trace windows) than those it is scored on"
+                )
+        ld = dict(OmegaConf.to_container(cfg.get("load") or {}, resolve=True))  # type: ignore[arg-type]
+        if set(ld) - {"mode", "table", "probe_completions"}:
+            raise EvaluationError(f"load: unknown keys {sorted(set(ld) - {'mode', 'table', 'probe_completions'})}")
+        load = LoadConfig(
+            mode=str(ld.get("mode", "probe")),
+            table={str(k): float(v) for k, v in dict(ld.get("table") or {}).items()},
+            probe_completions=int(ld.get("probe_completions", 300)),
+        )
+        stride = cfg.get("trace_window_stride_s")
+        if stride is not None and not float(stride) > 0:
+            raise EvaluationError(f"trace_window_stride_s must be > 0 or null, got {stride}")
         wo = OmegaConf.to_container(cfg.get("workload_overrides") or {}, resolve=True)
         po = OmegaConf.to_container(cfg.get("policy_overrides") or {}, resolve=True)
         return cls(
@@ -174,11 +279,15 @@ class EvalConfig:
             seeds=tuple(seeds),
             out_dir=Path(str(cfg.out_dir)),
             workloads=tuple(wls),
+            deployments=tuple(deps),
             workload_overrides={
                 str(k): tuple(str(o) for o in (v or [])) for k, v in dict(wo).items()  # type: ignore[union-attr]
             },
             policy_overrides={str(k): dict(v or {}) for k, v in dict(po).items()},  # type: ignore[union-attr]
-            best_static=BestStaticConfig(**bs),  # type: ignore[arg-type]
+            best_static=bsc,
+            load=load,
+            trace_windows=bool(cfg.get("trace_windows", True)),
+            trace_window_stride_s=None if stride is None else float(stride),
             plots=bool(cfg.get("plots", True)),
             launcher=LauncherConfig.from_node(cfg.get("launcher")),
         )
@@ -218,7 +327,8 @@ def compose_eval(overrides: Sequence[str]) -> tuple[DictConfig, dict[str, str]]:
 
 @dataclass(slots=True)
 class WorkloadPlan:
-    """One workload, ready to run: its composed config, the engine's limits, episode length."""
+    """One workload on one deployment, ready to run: its composed config, the engine's limits,
+    episode length, the load multiplier applied and, for a trace, each seed's window."""
 
     name: str
     cfg: DictConfig
@@ -228,6 +338,12 @@ class WorkloadPlan:
     kv_why_not: dict[str, str | None]
     episode_s: float
     num_requests: int
+    #: "model/hardware" when the run has a deployments axis (None: the workload's own).
+    deployment: str | None = None
+    #: What the workload's ``rate_scale`` was multiplied by for this deployment.
+    rate_multiplier: float = 1.0
+    #: Seed -> trace window start (trace seconds); empty = every seed replays the same requests.
+    windows: dict[int, float] = field(default_factory=dict)
 
     @property
     def model(self) -> str:
@@ -237,6 +353,11 @@ class WorkloadPlan:
     def hardware(self) -> str:
         return str(self.cfg.hardware.get("name", "?"))
 
+    @property
+    def key(self) -> str:
+        """Unique within a run: the workload, and the deployment when there is an axis."""
+        return self.name if self.deployment is None else f"{self.name} @ {self.deployment}"
+
 
 def extra_overrides(ecfg: EvalConfig, workload: str, engine_kind: str) -> tuple[str, ...]:
     """A workload's own group choices. They describe simulated GPUs; the live engine runs the
@@ -244,23 +365,79 @@ def extra_overrides(ecfg: EvalConfig, workload: str, engine_kind: str) -> tuple[
     return tuple(ecfg.workload_overrides.get(workload, ())) if engine_kind == "sim" else ()
 
 
-def plan_workload(user_overrides: Sequence[str], name: str | None, ecfg: EvalConfig) -> WorkloadPlan:
-    """Compose, validate and size one workload: the trace is read (a bad path or a malformed
-    file fails here, before any episode runs) and the episode length set to cover it."""
-    base, ch = compose_eval(workload_overrides(user_overrides, name, ()))
-    extra = extra_overrides(ecfg, name or ch.get("workload", ""), str(base.engine.kind))
-    cfg, choices = compose_eval(workload_overrides(user_overrides, name, extra))
-    label = name or choices.get("workload", "workload")
-    if cfg.workload.get("kind") == "trace" and label == "trace":
-        label = f"trace:{Path(str(cfg.workload.path)).stem}"
+def deployment_overrides(extra: Sequence[str], deployment: Deployment | None) -> list[str]:
+    """``extra`` with its model/hardware choices replaced by ``deployment``'s (other keys, e.g.
+    a window length, stay)."""
+    if deployment is None:
+        return list(extra)
+    kept = [o for o in extra if _override_key(o) not in ("model", "hardware")]
+    return [*kept, f"model={deployment.model}", f"hardware={deployment.hardware}"]
+
+
+@functools.lru_cache(maxsize=16)
+def trace_span_s(path: str, fmt: str, spread_quantum_s: float | None, model: str | None) -> float:
+    """Seconds from a trace's first request to its last (trace clock)."""
+    from batchpilot.envs.traces import TraceOptions, read_trace
+
+    tr = read_trace(path, fmt, TraceOptions(spread_quantum_s=spread_quantum_s, model=model))
+    return float(tr.arrival_s[-1]) if len(tr.arrival_s) else 0.0
+
+
+def trace_windows(
+    workload: DictConfig, seeds: Sequence[int], stride_s: float | None, label: str
+) -> dict[int, float]:
+    """Seed k's window of a trace: ``start_s + k * stride`` (stride: the window's length, so
+    windows do not overlap). Empty when the workload has no ``duration_s`` (the whole trace);
+    an ``EvaluationError`` when a seed's window runs past the trace's end."""
+    if workload.get("duration_s") is None:
+        return {}
+    from batchpilot.envs.workloads import _resolve_path
+
+    dur = float(workload.duration_s)
+    base = float(workload.get("start_s", 0.0) or 0.0)
+    stride = float(stride_s) if stride_s is not None else dur
+    q = workload.get("spread_quantum_s")
+    span = trace_span_s(
+        str(_resolve_path(str(workload.path))), str(workload.format),
+        None if q is None else float(q), workload.get("model"),
+    )
+    room = max(0, int(math.floor((span + 0.01 * dur - base - dur) / stride + 1e-9)) + 1)
+    out = {}
+    for s in seeds:
+        start = base + s * stride
+        if s < 0 or start + dur > span + 0.01 * dur:
+            raise EvaluationError(
+                f"workload {label!r}: seed {s} would replay trace seconds [{start:g}, {start + dur:g}), past "
+                f"the trace's end ({span:.0f} s): it has room for {room} windows of {dur:g} s from "
+                f"{base:g} s (seeds 0..{room - 1}); use other seeds/tune_seeds, a shorter "
+                f"workload.duration_s, or trace_windows=false (every seed the same requests)"
+            )
+        out[int(s)] = start
+    return out
+
+
+def _plan_from_cfg(
+    cfg: DictConfig, label: str, ecfg: EvalConfig, deployment: Deployment | None, multiplier: float
+) -> WorkloadPlan:
+    if multiplier != 1.0:
+        with open_dict(cfg):
+            cfg.workload.rate_scale = float(cfg.workload.get("rate_scale", 1.0)) * multiplier
     engine = build_engine(cfg)
     try:
         caps = engine.capabilities()
     finally:
         engine.close()
     kv = {str(cfg.env.kv16_dtype), str(cfg.env.kv8_dtype), "auto"}
+    windows: dict[int, float] = {}
     try:
-        stream = build_workload(cfg.workload, np.random.default_rng(0), caps.max_model_len)
+        if cfg.workload.get("kind") == "trace" and ecfg.trace_windows:
+            windows = trace_windows(cfg.workload, ecfg.all_seeds, ecfg.trace_window_stride_s, label)
+        wl = cfg.workload
+        if windows:
+            wl = copy.deepcopy(cfg.workload)
+            with open_dict(wl):
+                wl.start_s = windows[ecfg.seeds[0]]
+        stream = build_workload(wl, np.random.default_rng(0), caps.max_model_len)
     except (OSError, ValueError) as e:
         raise EvaluationError(f"workload {label!r}: {e}") from e
     interval = float(cfg.env.interval_s)
@@ -274,7 +451,132 @@ def plan_workload(user_overrides: Sequence[str], name: str | None, ecfg: EvalCon
         kv_why_not={d: caps.why_not(d) for d in kv},
         episode_s=episode_s,
         num_requests=len(stream),
+        deployment=None if deployment is None else deployment.label,
+        rate_multiplier=multiplier,
+        windows=windows,
     )
+
+
+def plan_workload(
+    user_overrides: Sequence[str],
+    name: str | None,
+    ecfg: EvalConfig,
+    deployment: Deployment | None = None,
+    multiplier: float = 1.0,
+) -> WorkloadPlan:
+    """Compose, validate and size one workload (on ``deployment`` when given, its load times
+    ``multiplier``): the trace is read (a bad path or a malformed file fails here, before any
+    episode runs), the episode length set to cover it and each seed's trace window chosen."""
+    base, ch = compose_eval(workload_overrides(user_overrides, name, ()))
+    if deployment is not None and str(base.engine.kind) != "sim":
+        raise EvaluationError("deployments=[...] needs the simulator (engine=sim): the live engine runs its own model")
+    extra = extra_overrides(ecfg, name or ch.get("workload", ""), str(base.engine.kind))
+    cfg, choices = compose_eval(workload_overrides(user_overrides, name, deployment_overrides(extra, deployment)))
+    label = name or choices.get("workload", "workload")
+    if cfg.workload.get("kind") == "trace" and label == "trace":
+        label = f"trace:{Path(str(cfg.workload.path)).stem}"
+    return _plan_from_cfg(cfg, label, ecfg, deployment, multiplier)
+
+
+# --- load per deployment ----------------------------------------------------------------------
+def probe_capacity(plan: WorkloadPlan, completions: int = 300) -> float:
+    """Requests/s the simulated deployment finishes when saturated with this workload's own
+    requests (first scored seed; all caps at ``max_num_seqs``, FIFO, 16-bit KV, no shield):
+    ``2 * max_num_seqs`` are kept waiting or running, and the rate is measured over
+    ``completions`` finishes after as many again to fill the engine."""
+    from batchpilot.core.engine import Request
+
+    if str(plan.cfg.engine.kind) != "sim":
+        raise EvaluationError("load.mode=probe needs the simulator (engine=sim)")
+    wl = copy.deepcopy(plan.cfg.workload)
+    if plan.windows:
+        with open_dict(wl):
+            wl.start_s = next(iter(plan.windows.values()))
+    stream = build_workload(wl, np.random.default_rng(0), plan.max_model_len)
+    reqs = stream.pop_until(math.inf)
+    if not reqs:
+        raise EvaluationError(f"workload {plan.name!r}: no requests to probe the capacity with")
+    engine = build_engine(plan.cfg)
+    try:
+        engine.set_max_active(plan.max_num_seqs)
+        depth = 2 * plan.max_num_seqs
+        n_sent = n_done = 0
+        t0 = math.nan
+        limit = 1e6  # engine seconds: a deployment this slow is broken, not saturated
+
+        def top_up(outstanding: int) -> int:
+            nonlocal n_sent
+            for _ in range(depth - outstanding):
+                r = reqs[n_sent % len(reqs)]
+                engine.add_request(Request(
+                    f"probe{n_sent}", engine.now, r.prompt_len, r.output_len,
+                    prefix_hashes=r.prefix_hashes, prefix_block_tokens=r.prefix_block_tokens,
+                ))
+                n_sent += 1
+            return depth
+
+        outstanding = top_up(0)
+        while n_done < 2 * completions:
+            res = engine.advance_until(engine.now + 1.0, stop_on_finish=True)
+            done = len(res.finished)
+            if done:
+                if n_done < completions <= n_done + done:
+                    t0 = res.finished[completions - n_done - 1].finish_time
+                n_done += done
+                outstanding = top_up(outstanding - done)
+            if engine.now > limit:
+                raise EvaluationError(f"workload {plan.name!r}: the capacity probe made no progress on {plan.deployment}")
+        t1 = engine.now
+        return completions / max(t1 - t0, 1e-9)
+    finally:
+        engine.close()
+
+
+def deployment_multiplier(
+    load: LoadConfig, ref: WorkloadPlan, plan: WorkloadPlan, cache: dict[tuple[str, str], float]
+) -> tuple[float, str]:
+    """The load multiplier for ``plan``'s deployment and how it was found."""
+    if plan.deployment in load.table:
+        return float(load.table[plan.deployment]), "load.table"
+    if load.mode != "probe" or (plan.model, plan.hardware) == (ref.model, ref.hardware):
+        return 1.0, "its own deployment" if load.mode == "probe" else f"load.mode={load.mode}"
+    for p in (ref, plan):
+        k = (p.name, f"{p.model}/{p.hardware}")
+        if k not in cache:
+            cache[k] = probe_capacity(p, load.probe_completions)
+    cap_ref = cache[(ref.name, f"{ref.model}/{ref.hardware}")]
+    cap = cache[(plan.name, f"{plan.model}/{plan.hardware}")]
+    return cap / cap_ref, (
+        f"probe: {cap:.3g} req/s saturated vs {cap_ref:.3g} on {ref.model}/{ref.hardware}"
+    )
+
+
+def plan_matrix(user: Sequence[str], ecfg: EvalConfig, log: Callable[[str], None]) -> list[WorkloadPlan]:
+    """Every workload (× deployment) of the run, load sized per deployment."""
+    if ecfg.deployments:
+        clash = sorted({_override_key(o) for o in user} & {"model", "hardware"})
+        if clash:
+            raise EvaluationError(
+                f"deployments=[...] sets model and hardware per cell; drop {clash} from the command line"
+            )
+    plans: list[WorkloadPlan] = []
+    cache: dict[tuple[str, str], float] = {}
+    for w in ecfg.workloads or (None,):
+        ref = plan_workload(user, w, ecfg)
+        if not ecfg.deployments:
+            plans.append(ref)
+            continue
+        for d in ecfg.deployments:
+            plan = plan_workload(user, w, ecfg, d)
+            mult, why = deployment_multiplier(ecfg.load, ref, plan, cache)
+            if mult != 1.0:
+                plan = _plan_from_cfg(plan.cfg, plan.name, ecfg, d, mult)
+            log(f"load on {plan.key}: rate x{mult:.3g} ({why})")
+            plans.append(plan)
+    keys = [p.key for p in plans]
+    if len(set(keys)) != len(keys):
+        raise EvaluationError(f"workloads repeat a name: {keys}")
+    return plans
 
 
 # --- controllers ----------------------------------------------------------------------------
@@ -282,6 +584,8 @@ def policy_config(name: str, ecfg: EvalConfig, plan: WorkloadPlan) -> dict[str, 
     """``conf/policy/<name>.yaml`` with ``policy_overrides[name]`` merged in."""
     node = OmegaConf.load(CONF_DIR / "policy" / f"{name}.yaml")
     d: dict[str, Any] = dict(OmegaConf.to_container(node, resolve=True))  # type: ignore[arg-type]
+    if name in AS_SHIPPED:
+        d[AS_SHIPPED_KEY] = True
     d.update(ecfg.policy_overrides.get(name, {}))
     if d.get("kind") == "ppo":  # the engine's limits normalise the policy's observation
         if d.get("kv_runnable") is None:
@@ -316,8 +620,9 @@ def make_controller(policy: Mapping[str, Any], plan: WorkloadPlan, name: str | N
     _ensure_kind(kind, name)
     slo = plan.cfg.slo
     slo_ms = {"ttft": slo.get("ttft_ms"), "tpot": slo.get("tpot_ms"), "e2el": slo.get("e2el_ms")}
+    d = {k: v for k, v in policy.items() if k != AS_SHIPPED_KEY}
     try:
-        return build_controller(dict(policy), plan.max_num_seqs, slo_ms=slo_ms)
+        return build_controller(d, plan.max_num_seqs, slo_ms=slo_ms)
     except (ImportError, ValueError) as e:
         hint = (
             " Ship/train one (scripts/train.py, scripts/export.py), point policy_overrides.ppo.path=DIR "
@@ -352,9 +657,10 @@ class Episode:
     error: str = ""
 
 
-def episode_config(plan: WorkloadPlan, knobs: Knobs | None) -> DictConfig:
+def episode_config(plan: WorkloadPlan, knobs: Knobs | None, as_shipped: bool = False) -> DictConfig:
     """The workload's config for an evaluation episode: drain at the end, cover the workload,
-    start at ``knobs``."""
+    start at ``knobs``. ``as_shipped``: none of batchpilot's admission limits (long-prompt cap,
+    queue length, wait deadline) — vLLM's waiting queue has none."""
     c = copy.deepcopy(plan.cfg)
     with open_dict(c):
         c.env.drain_on_truncate = True
@@ -363,14 +669,58 @@ def episode_config(plan: WorkloadPlan, knobs: Knobs | None) -> DictConfig:
             c.env.initial_batch_cap = knobs.batch_cap
             c.env.initial_bucketing = knobs.bucketing
             c.engine.kv_dtype = knobs.kv_dtype
+        if as_shipped:
+            c.env.admission.max_num_long = plan.max_num_seqs
+            c.env.admission.max_queue_len = 2**31 - 1
+            c.env.admission.max_wait_s = None
     return c
 
 
-def run_episode(env: Any, controller: Controller, seed: int, *, record: bool = False) -> Episode:
-    """One episode: reset with ``seed``, then decide → shield → one interval, until the
+class Unshielded:
+    """A shield that lets every proposal through as it is: vLLM as shipped has no breaker, no
+    shedding, no step or memory limit in front of it. It keeps the real shield's other duties
+    (memory predictions for telemetry) by delegating them."""
+
+    def __init__(self, shield: Any) -> None:
+        self._shield = shield
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._shield, name)
+
+    def apply(self, proposal: Any, current: Knobs, inputs: Any, now: float) -> Any:
+        from batchpilot.core.shield import Decision
+
+        knobs = Knobs(
+            batch_cap=current.batch_cap if proposal.batch_cap is None else int(proposal.batch_cap),
+            bucketing=proposal.bucketing or current.bucketing,
+            kv_dtype=proposal.kv_dtype or current.kv_dtype,
+        )
+        return Decision(
+            knobs=knobs,
+            predicted_memory_fraction=self._shield.predicted_fraction(knobs.batch_cap, knobs.kv_dtype),
+            dtype_switched=knobs.kv_dtype != current.kv_dtype,
+        )
+
+
+def run_episode(
+    env: Any,
+    controller: Controller,
+    seed: int,
+    *,
+    record: bool = False,
+    window_start_s: float | None = None,
+    shielded: bool = True,
+) -> Episode:
+    """One episode: reset with ``seed`` (on the trace window starting at ``window_start_s``),
+    then decide → shield (``Unshielded`` when not ``shielded``) → one interval, until the
     environment truncates (after draining) or the engine fails."""
     t0 = time.perf_counter()
+    if window_start_s is not None:
+        with open_dict(env.cfg):
+            env.cfg.workload.start_s = float(window_start_s)
     env.reset(seed=seed)
+    if not shielded:
+        env.shield = Unshielded(env.shield)
     controller.reset(env.knobs)
     timeline = Timeline() if record else None
     while True:
@@ -401,7 +751,8 @@ def run_policy(
             f"policy {policy.get('name', policy.get('kind'))!r} wants kv_dtype {knobs.kv_dtype!r}, which this "
             f"engine cannot run: {plan.kv_why_not.get(knobs.kv_dtype)}"
         )
-    env = ServingEnv(cfg=episode_config(plan, knobs))
+    as_shipped = bool(policy.get(AS_SHIPPED_KEY, False))
+    env = ServingEnv(cfg=episode_config(plan, knobs, as_shipped))
     try:
         controller = make_controller(policy, plan)
         warm = plan.cfg.engine.get("warmup")
@@ -413,7 +764,10 @@ def run_policy(
             w = dict(warm)
             warm_up(env.engine, float(w.pop("seconds")), **w)
         for seed in seeds:
-            ep = run_episode(env, controller, seed, record=seed == record_seed)
+            ep = run_episode(
+                env, controller, seed, record=seed == record_seed,
+                window_start_s=plan.windows.get(seed) if plan.windows else None, shielded=not as_shipped,
+            )
             if on_episode is not None:
                 on_episode()
             yield seed, ep
@@ -427,12 +781,16 @@ class GridPoint:
     batch_cap: int
     bucketing: str
     kv_dtype: str
+    #: Means over the tuning seeds.
     request_goodput: float = math.nan
     slo_attainment: float = math.nan
+    #: Means over the scored seeds (``best_static.hindsight``).
+    hindsight_goodput: float = math.nan
+    hindsight_attainment: float = math.nan
 
-    def policy(self) -> dict[str, Any]:
+    def policy(self, name: str = BEST_STATIC) -> dict[str, Any]:
         return {
-            "kind": "static", "name": BEST_STATIC,
+            "kind": "static", "name": name,
             "batch_cap": self.batch_cap, "bucketing": self.bucketing, "kv_dtype": self.kv_dtype,
         }
 
@@ -455,16 +813,23 @@ def best_static_grid(bs: BestStaticConfig, plan: WorkloadPlan) -> tuple[list[Gri
     return [GridPoint(c, b, d) for c in caps for b in bs.bucketing for d in kvs], notes
 
 
-def pick_best(points: Sequence[GridPoint], min_slo_attainment: float) -> GridPoint:
+def pick_best(points: Sequence[GridPoint], min_slo_attainment: float, hindsight: bool = False) -> GridPoint:
     """The objective: max goodput among points with attainment >= the floor; else max
-    attainment (ties by goodput)."""
+    attainment (ties by goodput). On the tuning seeds' means, or the scored seeds' with
+    ``hindsight``."""
     def val(x: float) -> float:
         return x if math.isfinite(x) else -math.inf
 
-    ok = [p for p in points if val(p.slo_attainment) >= min_slo_attainment]
+    def good(p: GridPoint) -> float:
+        return val(p.hindsight_goodput if hindsight else p.request_goodput)
+
+    def att(p: GridPoint) -> float:
+        return val(p.hindsight_attainment if hindsight else p.slo_attainment)
+
+    ok = [p for p in points if att(p) >= min_slo_attainment]
     if ok:
-        return max(ok, key=lambda p: (val(p.request_goodput), val(p.slo_attainment)))
-    return max(points, key=lambda p: (val(p.slo_attainment), val(p.request_goodput)))
+        return max(ok, key=lambda p: (good(p), att(p)))
+    return max(points, key=lambda p: (att(p), good(p)))
 
 
 def row(plan: WorkloadPlan, policy: str, seed: int, ep: Episode, knobs: str = "") -> dict[str, Any]:
@@ -475,6 +840,8 @@ def row(plan: WorkloadPlan, policy: str, seed: int, ep: Episode, knobs: str = ""
         "model": plan.model,
         "hardware": plan.hardware,
         "engine": str(plan.cfg.engine.kind),
+        "window_start_s": plan.windows.get(seed, math.nan) if plan.windows else math.nan,
+        "rate_multiplier": plan.rate_multiplier,
     }
     for k in ROW_KEYS:
         if k not in r and k in ep.metrics:
@@ -492,7 +859,8 @@ class Cell:
     """One controller's episodes on one workload: the unit a launcher runs (one Ray task).
 
     ``point`` is the index of the best_static grid point the cell scores (None for a cell of
-    the results table)."""
+    the results table); ``hindsight``: on the scored seeds (for ``best_static_hindsight``),
+    else on the tuning seeds."""
 
     workload: int
     name: str
@@ -500,11 +868,12 @@ class Cell:
     seeds: tuple[int, ...]
     record_seed: int | None = None
     point: int | None = None
+    hindsight: bool = False
 
     @property
     def label(self) -> str:
         if self.point is not None:
-            return f"{self.name} · grid point {self.point}"
+            return f"{self.name} · grid point {self.point}" + (" (scored seeds)" if self.hindsight else "")
         return f"{self.name} · seed {','.join(map(str, self.seeds))}"
 
 
@@ -618,72 +987,114 @@ class _Matrix:
     notes: dict[int, list[str]] = field(default_factory=dict)
     left: dict[int, int] = field(default_factory=dict)
     best: dict[int, GridPoint] = field(default_factory=dict)
+    hindsight: dict[int, GridPoint] = field(default_factory=dict)
+    left_hindsight: dict[int, int] = field(default_factory=dict)
+    #: (workload, grid point, seed) -> episode on a scored seed.
+    grid_episodes: dict[tuple[int, int, int], Episode] = field(default_factory=dict)
     episodes: dict[tuple[int, str, int], Episode] = field(default_factory=dict)
 
     @property
     def live(self) -> bool:
         return any(str(p.cfg.engine.kind) == "vllm" for p in self.plans)
 
+    @property
+    def names(self) -> list[str]:
+        """The table's controllers: best_static_hindsight right after best_static."""
+        out = []
+        for n in self.ecfg.policies:
+            out.append(n)
+            if n == BEST_STATIC and self.ecfg.best_static.hindsight:
+                out.append(HINDSIGHT)
+        return out
+
     def table_cells(self, wi: int, name: str, policy: Mapping[str, Any]) -> list[Cell]:
         return split_cells(wi, name, policy, self.ecfg.seeds, self.ecfg.seeds[0], self.live)
 
     def first_cells(self) -> list[Cell]:
-        """Everything that can start at once: every grid point and every controller but
-        best_static (whose seeds wait for its workload's grid)."""
+        """Everything that can start at once: every grid point (on the tuning seeds, and on
+        the scored ones for the hindsight bound) and every controller but best_static (whose
+        seeds wait for its workload's grid)."""
         cells: list[Cell] = []
-        tune = self.ecfg.best_static.tune_seed
+        bs = self.ecfg.best_static
         for wi, plan in enumerate(self.plans):
             for name in self.ecfg.policies:
                 if name == BEST_STATIC:
-                    self.grids[wi], self.notes[wi] = best_static_grid(self.ecfg.best_static, plan)
+                    self.grids[wi], self.notes[wi] = best_static_grid(bs, plan)
                     self.left[wi] = len(self.grids[wi])
-                    grid = enumerate(self.grids[wi])
-                    cells += [Cell(wi, name, p.policy(), (tune,), None, i) for i, p in grid]
+                    grid = list(enumerate(self.grids[wi]))
+                    cells += [Cell(wi, name, p.policy(), tuple(bs.tune_seeds), None, i) for i, p in grid]
+                    if bs.hindsight:
+                        self.left_hindsight[wi] = len(self.grids[wi])
+                        cells += [
+                            Cell(wi, name, p.policy(HINDSIGHT), tuple(self.ecfg.seeds), None, i, True)
+                            for i, p in grid
+                        ]
                 else:
                     cells += self.table_cells(wi, name, policy_config(name, self.ecfg, plan))
         return cells
 
     @property
     def total_episodes(self) -> int:
-        grid = sum(len(g) for g in self.grids.values())
+        bs = self.ecfg.best_static
+        per_point = len(bs.tune_seeds) + (len(self.ecfg.seeds) if bs.hindsight else 0)
+        grid = sum(len(g) for g in self.grids.values()) * per_point
         return grid + len(self.plans) * len(self.ecfg.policies) * len(self.ecfg.seeds)
 
     def done(self, cell: Cell, result: CellResult, log: Callable[[str], None]) -> list[Cell]:
         """Record a finished cell; when it was a workload's last grid point, pick best_static
         there and return its seeds' cells."""
         wi, plan = cell.workload, self.plans[cell.workload]
+        floor = self.ecfg.best_static.min_slo_attainment
         if cell.point is not None:
-            point, ep = self.grids[wi][cell.point], result[0][1]
-            point.request_goodput = ep.metrics["request_goodput"]
-            point.slo_attainment = ep.metrics["slo_attainment"]
+            point = self.grids[wi][cell.point]
+            good = float(np.mean([ep.metrics["request_goodput"] for _, ep in result]))
+            att = float(np.mean([ep.metrics["slo_attainment"] for _, ep in result]))
+            if cell.hindsight:
+                point.hindsight_goodput, point.hindsight_attainment = good, att
+                for seed, ep in result:
+                    self.grid_episodes[(wi, cell.point, seed)] = ep
+                self.left_hindsight[wi] -= 1
+                if not self.left_hindsight[wi]:
+                    self.hindsight[wi] = pick_best(self.grids[wi], floor, hindsight=True)
+                    log(f"{HINDSIGHT} on {plan.key}: {self.hindsight[wi].label} (upper bound: picked on the scored seeds)")
+                return []
+            point.request_goodput, point.slo_attainment = good, att
             self.left[wi] -= 1
             if self.left[wi]:
                 return []
-            best = self.best[wi] = pick_best(self.grids[wi], self.ecfg.best_static.min_slo_attainment)
+            best = self.best[wi] = pick_best(self.grids[wi], floor)
             for note in self.notes[wi]:
-                log(f"best_static on {plan.name}: {note}")
-            seed0 = self.ecfg.best_static.tune_seed
-            log(f"best_static on {plan.name}: {best.label} ({len(self.grids[wi])} grid points, seed {seed0})")
+                log(f"best_static on {plan.key}: {note}")
+            tune = list(self.ecfg.best_static.tune_seeds)
+            log(f"best_static on {plan.key}: {best.label} ({len(self.grids[wi])} grid points, tuning seeds {tune})")
             return self.table_cells(wi, BEST_STATIC, best.policy())
         for seed, ep in result:
             if ep.error:
-                log(f"[red]{plan.name} · {cell.name} · seed {seed}: engine failed: {ep.error}")
+                log(f"[red]{plan.key} · {cell.name} · seed {seed}: engine failed: {ep.error}")
             self.episodes[(wi, cell.name, seed)] = ep
         return []
+
+    def episode(self, wi: int, name: str, seed: int) -> Episode:
+        if name == HINDSIGHT:
+            return self.grid_episodes[(wi, self.grids[wi].index(self.hindsight[wi]), seed)]
+        return self.episodes[(wi, name, seed)]
 
     def knobs(self, wi: int, name: str) -> str:
         if name == BEST_STATIC:
             return self.best[wi].label
+        if name == HINDSIGHT:
+            return self.hindsight[wi].label
         policy = policy_config(name, self.ecfg, self.plans[wi])
         k = start_knobs(policy, self.plans[wi]) if policy.get("kind") == "static" else None
         return f"cap={k.batch_cap} {k.bucketing} kv={k.kv_dtype}" if k else ""
 
     def rows(self) -> list[dict[str, Any]]:
-        """The rows in the matrix's order (workload, controller, seed), however cells finished."""
+        """The rows in the matrix's order (workload × deployment, controller, seed), however
+        cells finished."""
         return [
-            row(plan, name, seed, self.episodes[(wi, name, seed)], self.knobs(wi, name))
+            row(plan, name, seed, self.episode(wi, name, seed), self.knobs(wi, name))
             for wi, plan in enumerate(self.plans)
-            for name in self.ecfg.policies
+            for name in self.names
             for seed in self.ecfg.seeds
         ]
 
@@ -693,12 +1104,15 @@ class _Matrix:
             for name in self.ecfg.policies:
                 tl = self.episodes[(wi, name, self.ecfg.seeds[0])].timeline
                 if tl is not None:
-                    out[(plan.name, name)] = tl
+                    out[(plan.key, name)] = tl
         return out
 
     def search(self) -> list[dict[str, Any]]:
         return [
-            {"workload": self.plans[wi].name, **asdict(p), "chosen": p is self.best[wi]}
+            {
+                "workload": self.plans[wi].name, "deployment": f"{self.plans[wi].model}/{self.plans[wi].hardware}",
+                **asdict(p), "chosen": p is self.best[wi], "hindsight_chosen": p is self.hindsight.get(wi),
+            }
             for wi in sorted(self.grids)
             for p in self.grids[wi]
         ]
@@ -723,10 +1137,7 @@ def evaluate(cfg: DictConfig, overrides: Sequence[str] | None = None) -> list[di
     user = _user_overrides(overrides)
     console = Console(stderr=True)
     t_start = time.perf_counter()
-    plans = [plan_workload(user, w, ecfg) for w in (ecfg.workloads or (None,))]
-    names = [p.name for p in plans]
-    if len(set(names)) != len(names):
-        raise EvaluationError(f"workloads repeat a name: {names}")
+    plans = plan_matrix(user, ecfg, console.log)
     # Fail before any episode runs: every controller must build on every workload.
     for plan in plans:
         for name in ecfg.policies:
@@ -735,9 +1146,14 @@ def evaluate(cfg: DictConfig, overrides: Sequence[str] | None = None) -> list[di
     matrix = _Matrix(plans, ecfg)
     cells = matrix.first_cells()
     for plan in plans:
+        win = (
+            f", trace windows from {sorted(plan.windows.values())} s (seeds {sorted(plan.windows)})"
+            if plan.windows else ""
+        )
         console.log(
-            f"workload {plan.name}: {plan.num_requests} requests over {plan.episode_s:.0f} s, "
-            f"model {plan.model} on {plan.hardware}, engine {plan.cfg.engine.kind}"
+            f"workload {plan.name}: {plan.num_requests} requests over {plan.episode_s:.0f} s (first seed), "
+            f"model {plan.model} on {plan.hardware}, engine {plan.cfg.engine.kind}, "
+            f"load x{plan.rate_multiplier:.3g}{win}"
         )
 
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
@@ -745,7 +1161,7 @@ def evaluate(cfg: DictConfig, overrides: Sequence[str] | None = None) -> list[di
         task = progress.add_task("evaluating", total=matrix.total_episodes)
 
         def on_done(cell: Cell, result: CellResult) -> list[Cell]:
-            where = f"{plans[cell.workload].name} · {cell.label}"
+            where = f"{plans[cell.workload].key} · {cell.label}"
             progress.update(task, advance=len(result), description=where)
             return matrix.done(cell, result, console.log)
 
@@ -760,20 +1176,9 @@ def evaluate(cfg: DictConfig, overrides: Sequence[str] | None = None) -> list[di
     out = ecfg.out_dir
     rep.write_rows(rows, out)
     rep.write_timelines(timelines, out)
-    (out / "best_static_search.json").write_text(json.dumps(search, indent=1) + "\n")
+    (out / "best_static_search.json").write_text(json.dumps(rep.jsonable(search), indent=1) + "\n")
+    (out / "results.md").write_text(rep.results_markdown(rows, search, ecfg.seeds, ecfg.best_static.tune_seeds))
     table = rep.markdown_table(rows)
-    headline = rep.markdown_table(rows, rep.HEADLINE_KEYS)
-    picks = "".join(
-        f"- best_static on {p['workload']}: cap={p['batch_cap']} {p['bucketing']} kv={p['kv_dtype']} "
-        f"(seed {ecfg.best_static.tune_seed}: goodput {p['request_goodput']:.3g} req/s, "
-        f"attainment {p['slo_attainment']:.3f}; {sum(q['workload'] == p['workload'] for q in search)} grid points)\n"
-        for p in search
-        if p["chosen"]
-    )
-    (out / "results.md").write_text(
-        f"Mean ± 95 % CI (t-distribution) over seeds {list(ecfg.seeds)}.\n\n{table}\n\nHeadline:\n\n{headline}\n"
-        + (f"\n{picks}" if picks else "")
-    )
     plots: list[Path] = []
     if ecfg.plots:
         slo_ttft = plans[0].cfg.slo.get("ttft_ms")

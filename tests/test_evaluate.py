@@ -102,7 +102,7 @@ def test_small_run_writes_rows_with_every_key(small_run: tuple[Path, list[dict]]
 def test_small_run_writes_the_table_and_plots(small_run: tuple[Path, list[dict]]) -> None:
     out, rows = small_run
     md = (out / "results.md").read_text()
-    assert "| poisson | pid | 3 |" in md and "| poisson | vllm_default | 3 |" in md
+    assert "| poisson | llama3_8b/h100 | pid | 3 |" in md and "| poisson | llama3_8b/h100 | vllm_default | 3 |" in md
     assert "±" in md and "request_goodput" in md
     assert rep.markdown_table(rows) in md
     for name in ("timeline_poisson.png", "goodput_vs_slo.png"):
@@ -161,10 +161,21 @@ def test_best_static_searches_its_grid(tmp_path: Path) -> None:
     assert [p["batch_cap"] for p in search] == [4, 64]
     chosen = [p for p in search if p["chosen"]]
     assert len(chosen) == 1
-    assert all(r["knobs"] == f"cap={chosen[0]['batch_cap']} fifo kv=auto" for r in rows)
+    tuned = [r for r in rows if r["policy"] == "best_static"]
+    assert len(tuned) == 2 and all(r["knobs"] == f"cap={chosen[0]['batch_cap']} fifo kv=auto" for r in tuned)
     # The winner is the grid's best by the objective on the tuning seed.
     best = max(search, key=lambda p: p["request_goodput"] if p["slo_attainment"] >= 0.9 else -1)
     assert chosen[0]["batch_cap"] == best["batch_cap"] or all(p["slo_attainment"] < 0.9 for p in search)
+    # The hindsight bound: the grid's best on the scored seeds, its own rows, labelled.
+    hind = [p for p in search if p["hindsight_chosen"]]
+    assert len(hind) == 1 and all(math.isfinite(p["hindsight_goodput"]) for p in search)
+    bound = [r for r in rows if r["policy"] == "best_static_hindsight"]
+    assert [r["seed"] for r in bound] == [0, 1]
+    assert all(r["knobs"] == f"cap={hind[0]['batch_cap']} fifo kv=auto" for r in bound)
+    mean = sum(r["request_goodput"] for r in bound) / 2
+    assert mean == pytest.approx(hind[0]["hindsight_goodput"])
+    md = (tmp_path / "results.md").read_text()
+    assert "best_static_hindsight" in md and "upper bound" in md
 
 
 # --- errors ----------------------------------------------------------------------------------
@@ -225,11 +236,13 @@ def test_script_reports_config_errors_in_one_line(tmp_path: Path) -> None:
 def test_workloads_carry_their_model_and_hardware() -> None:
     from batchpilot.policies.evaluation import EvalConfig, plan_workload
 
-    user = ["workloads=[poisson,mooncake]", "seeds=[0]", "logger=none"]
+    user = ["workloads=[poisson,mooncake]", "seeds=[0]", "logger=none", "best_static.tune_seeds=[3]"]
     ecfg = EvalConfig.from_cfg(compose_eval(user)[0])
     moon = plan_workload(user, "mooncake", ecfg)
     assert (moon.model, moon.hardware) == ("deepseek_v3", "h200")
-    assert moon.num_requests > 1000 and moon.episode_s >= 1000
+    # 200 trace seconds at 0.3x (conf/evaluate.yaml), so the trace holds five windows.
+    assert moon.num_requests > 500 and moon.episode_s >= 600
+    assert moon.windows == {0: 0.0, 3: 600.0}
     assert (plan_workload(user, "poisson", ecfg).model) == "llama3_8b"
     # The single `workload=` group gets its overrides too; an explicit group on the command line wins.
     single = ["workload=mooncake", "model=llama3_70b", "seeds=[0]", "logger=none"]
@@ -245,4 +258,92 @@ def test_live_engine_runs_its_own_model_not_the_workloads() -> None:
     ecfg = EvalConfig.from_cfg(cfg)
     assert cfg.engine.kind == "vllm" and cfg.model.name == "tiny_llama"
     assert extra_overrides(ecfg, "mooncake", "vllm") == ()
-    assert extra_overrides(ecfg, "mooncake", "sim") == ("model=deepseek_v3", "hardware=h200")
+    assert extra_overrides(ecfg, "mooncake", "sim")[:2] == ("model=deepseek_v3", "hardware=h200")
+
+
+# --- a matrix that tells controllers apart ---------------------------------------------------
+def test_trace_seeds_replay_distinct_windows(tmp_path: Path) -> None:
+    """On a trace each seed is its own window (start_s + seed x duration_s), so the rows differ
+    by seed and the CI is a real interval; a seed past the trace's end is a clear error."""
+    base = ["policies=[pid]", "workload=azure_conv", "workload.duration_s=60", "seeds=[0,1,2]",
+            "logger=none", "plots=false"]
+    rows = _run(tmp_path, base=base)
+    assert [r["window_start_s"] for r in rows] == [0.0, 60.0, 120.0]
+    assert len({r["completed"] + r["rejected"] for r in rows}) == 3  # other requests, not a re-run
+    assert len({r["request_goodput"] for r in rows}) > 1
+    assert rep.mean_ci([r["request_goodput"] for r in rows])[1] > 0  # a real interval, not 0
+    with pytest.raises(EvaluationError, match=r"seed 70 .*room for 58 windows of 60 s"):
+        _run(tmp_path, ["seeds=[0,70]"], base=base)
+
+
+def test_tune_seeds_must_not_overlap_scored_seeds(tmp_path: Path) -> None:
+    from batchpilot.policies.evaluation import EvalConfig
+
+    cfg, _ = compose_eval([*SMALL, "policies=[best_static]", "best_static.tune_seeds=[2,5]"])
+    with pytest.raises(EvaluationError, match=r"tune_seeds \[2, 5\] overlap seeds \[0, 1, 2\] at \[2\]"):
+        EvalConfig.from_cfg(cfg)
+    cfg, _ = compose_eval([*SMALL, "policies=[best_static]", "+best_static.tune_seed=0"])
+    with pytest.raises(EvaluationError, match="tune_seeds"):
+        EvalConfig.from_cfg(cfg)
+    # Disjoint: fine, and the tuning seed's episodes are not among the rows.
+    cfg, _ = compose_eval([*SMALL, "policies=[best_static]", "best_static.tune_seeds=[7]"])
+    assert EvalConfig.from_cfg(cfg).all_seeds == (0, 1, 2, 7)
+
+
+#: Overload with half the requests shed-able (priority 1): the shield's breaker sheds them.
+OVERLOAD = [
+    "workload=poisson", "workload.duration_s=30", "workload.rate=90", "workload.priorities=[0.5,0.5]",
+    "seeds=[0]", "logger=none", "plots=false",
+]
+
+
+def test_vllm_default_runs_as_shipped_never_shed_knobs_fixed(tmp_path: Path) -> None:
+    rows = _run(tmp_path, ["policies=[vllm_default,pid]"], base=OVERLOAD)
+    by = {r["policy"]: r for r in rows}
+    assert by["vllm_default"]["rejected"] == 0 and by["vllm_default"]["shield_interventions"] == 0
+    assert by["vllm_default"]["knobs"] == "cap=256 fifo kv=auto"
+    tl = {t["policy"]: t for t in json.loads((tmp_path / "timelines.json").read_text())}
+    assert set(tl["vllm_default"]["batch_cap"]) == {256.0}
+    # The same policy behind the shield is shed and cut at this load: the test can tell.
+    shielded = _run(
+        tmp_path / "shielded", ["policies=[vllm_default]", "policy_overrides.vllm_default.as_shipped=false"],
+        base=OVERLOAD,
+    )[0]
+    assert shielded["rejected"] > 0 and shielded["shield_interventions"] > 0
+
+
+def test_deployments_axis_gives_a_row_per_cell_with_its_load(tmp_path: Path) -> None:
+    rows = _run(
+        tmp_path,
+        ["deployments=[llama3_8b/h100,tiny_llama/cpu_tiny]", "load.probe_completions=50"],
+        base=["policies=[pid,vllm_default]", "workload=poisson", "workload.duration_s=10", "seeds=[0,1]",
+              "logger=none", "plots=false"],
+    )
+    cells = [(r["model"], r["hardware"], r["policy"], r["seed"]) for r in rows]
+    assert cells == [
+        (m, h, p, s) for m, h in (("llama3_8b", "h100"), ("tiny_llama", "cpu_tiny"))
+        for p in ("pid", "vllm_default") for s in (0, 1)
+    ]
+    mult = {r["hardware"]: r["rate_multiplier"] for r in rows}
+    # Sized by the simulator's saturated capacity at these lengths, relative to llama3_8b/h100.
+    assert mult["h100"] == 1.0 and mult["cpu_tiny"] > 0 and mult["cpu_tiny"] != 1.0
+    n = {r["hardware"]: r["completed"] + r["rejected"] for r in rows if r["seed"] == 0}
+    assert n["cpu_tiny"] == pytest.approx(n["h100"] * mult["cpu_tiny"], rel=0.25)
+    md = (tmp_path / "results.md").read_text()
+    assert "| poisson | tiny_llama/cpu_tiny | pid | 2 |" in md
+    with pytest.raises(EvaluationError, match="drop \\['model'\\]"):
+        _run(tmp_path, ["deployments=[llama3_8b/h100]", "model=qwen2_5_7b"])
+    with pytest.raises(EvaluationError, match="unknown hardware 'h300'"):
+        _run(tmp_path, ["deployments=[llama3_8b/h300]"])
+
+
+def test_ppo_comparison_names_the_cells_where_ppo_loses() -> None:
+    def r(pol: str, wl: str, good: float, att: float) -> dict:
+        return {"policy": pol, "workload": wl, "model": "m", "hardware": "h", "request_goodput": good,
+                "slo_attainment": att}
+
+    rows = [r("ppo", "a", 10, 0.9), r("pid", "a", 5, 0.8), r("best_static", "a", 20, 0.95),
+            r("ppo", "b", 4, 0.9), r("pid", "b", 5, 0.8)]
+    table, summary = rep.ppo_comparison(rows)
+    assert "| a | m/h | 10.00 | 5.00 | 20.00 | 2.00 | 0.500 | 0.900 | 0.800 | yes |" in table
+    assert summary.startswith("PPO < PID (goodput at >= PID's SLO attainment, means over seeds) on 1 of 2 cells: b @ m/h (goodput")
