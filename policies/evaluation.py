@@ -32,6 +32,7 @@ assembled in the same order afterwards, so the files written do not depend on th
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import math
 import time
@@ -215,6 +216,8 @@ class EvalConfig:
     trace_window_stride_s: float | None = None
     plots: bool = True
     launcher: LauncherConfig = LauncherConfig()
+    #: The config each workload is recomposed from (``--config-name`` of the run).
+    config_name: str = "evaluate"
 
     @property
     def all_seeds(self) -> tuple[int, ...]:
@@ -312,13 +315,14 @@ def workload_overrides(
     return out
 
 
-def compose_eval(overrides: Sequence[str]) -> tuple[DictConfig, dict[str, str]]:
-    """``conf/evaluate.yaml`` composed with ``overrides``; also the group choices made."""
+def compose_eval(overrides: Sequence[str], config_name: str = "evaluate") -> tuple[DictConfig, dict[str, str]]:
+    """``conf/<config_name>.yaml`` (``evaluate``, or a preset built on it such as
+    ``evaluate_matrix``) composed with ``overrides``; also the group choices made."""
     gh = GlobalHydra.instance()
     if gh.is_initialized():
         gh.clear()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose(config_name="evaluate", overrides=list(overrides), return_hydra_config=True)
+        cfg = compose(config_name=config_name, overrides=list(overrides), return_hydra_config=True)
     choices = {str(k): str(v) for k, v in cfg.hydra.runtime.choices.items() if v is not None}
     with open_dict(cfg):
         del cfg["hydra"]
@@ -467,11 +471,12 @@ def plan_workload(
     """Compose, validate and size one workload (on ``deployment`` when given, its load times
     ``multiplier``): the trace is read (a bad path or a malformed file fails here, before any
     episode runs), the episode length set to cover it and each seed's trace window chosen."""
-    base, ch = compose_eval(workload_overrides(user_overrides, name, ()))
+    base, ch = compose_eval(workload_overrides(user_overrides, name, ()), ecfg.config_name)
     if deployment is not None and str(base.engine.kind) != "sim":
         raise EvaluationError("deployments=[...] needs the simulator (engine=sim): the live engine runs its own model")
     extra = extra_overrides(ecfg, name or ch.get("workload", ""), str(base.engine.kind))
-    cfg, choices = compose_eval(workload_overrides(user_overrides, name, deployment_overrides(extra, deployment)))
+    overrides = workload_overrides(user_overrides, name, deployment_overrides(extra, deployment))
+    cfg, choices = compose_eval(overrides, ecfg.config_name)
     label = name or choices.get("workload", "workload")
     if cfg.workload.get("kind") == "trace" and label == "trace":
         label = f"trace:{Path(str(cfg.workload.path)).stem}"
@@ -1118,13 +1123,24 @@ class _Matrix:
         ]
 
 
-def evaluate(cfg: DictConfig, overrides: Sequence[str] | None = None) -> list[dict[str, Any]]:
+def _config_name(config_name: str | None) -> str:
+    if config_name is not None:
+        return config_name
+    from hydra.core.hydra_config import HydraConfig
+
+    return str(HydraConfig.get().job.config_name) if HydraConfig.initialized() else "evaluate"
+
+
+def evaluate(
+    cfg: DictConfig, overrides: Sequence[str] | None = None, config_name: str | None = None
+) -> list[dict[str, Any]]:
     """Run every controller × workload × seed and write results.json, results.csv,
     results.md (mean ± 95 % CI table), timelines.json, best_static_search.json and plots to
     ``cfg.out_dir`` (and to W&B when ``cfg.logger`` turns it on). ``overrides`` are the Hydra
     overrides ``cfg`` was composed with (read from Hydra inside ``scripts/evaluate.py``); each
-    workload is recomposed from them. ``cfg.launcher`` says where the cells run. Returns the
-    rows."""
+    workload is recomposed from them and ``config_name`` (default: the Hydra app's
+    ``--config-name``, else ``evaluate``). ``cfg.launcher`` says where the cells run. Returns
+    the rows."""
     import json
 
     from rich.console import Console
@@ -1132,7 +1148,7 @@ def evaluate(cfg: DictConfig, overrides: Sequence[str] | None = None) -> list[di
 
     from batchpilot.policies import eval_report as rep
 
-    ecfg = EvalConfig.from_cfg(cfg)
+    ecfg = dataclasses.replace(EvalConfig.from_cfg(cfg), config_name=_config_name(config_name))
     require_launcher(ecfg.launcher)
     user = _user_overrides(overrides)
     console = Console(stderr=True)
