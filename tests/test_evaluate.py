@@ -346,4 +346,6 @@ def test_ppo_comparison_names_the_cells_where_ppo_loses() -> None:
             r("ppo", "b", 4, 0.9), r("pid", "b", 5, 0.8)]
     table, summary = rep.ppo_comparison(rows)
     assert "| a | m/h | 10.00 | 5.00 | 20.00 | 2.00 | 0.500 | 0.900 | 0.800 | yes |" in table
-    assert summary.startswith("PPO < PID (goodput at >= PID's SLO attainment, means over seeds) on 1 of 2 cells: b @ m/h (goodput")
+    assert summary.startswith("PPO < PID (goodput at >= PID's SLO attainment, means over seeds, ties within 0.5%) "
+                              "on 1 of 2 cells: b @ m/h (goodput")
+    assert "0 of 1 cells." in rep.ppo_comparison([r("ppo", "a", 9.99, 0.8), r("pid", "a", 10.0, 0.8)])[1]
