@@ -1,5 +1,6 @@
 """Evaluate controllers on workloads: ``python scripts/evaluate.py policies=[pid,best_static]
-workloads=[bursty,azure_conv] out_dir=DIR`` (see conf/evaluate.yaml and docs/evaluation.md)."""
+workloads=[bursty,azure_conv] out_dir=DIR`` (see conf/evaluate.yaml and docs/evaluation.md); the
+issue-15 matrix: ``python scripts/evaluate.py --config-name evaluate_matrix out_dir=DIR``."""
 
 from __future__ import annotations
 
