@@ -80,6 +80,7 @@ class TrainConfig:
     checkpoint_freq: int = 20480
     progress_bar: bool = True
     slo_tolerance: float = 0.0
+    baseline_prior_logit: float = 2.0
     validation: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -250,6 +251,27 @@ def build_model(venv: Any, tc: TrainConfig, seed: int) -> Any:
     )
 
 
+def start_at_baseline(model: Any, logit: float) -> None:
+    """Start a residual policy near PID: the untrained actor's outputs are ~0 (orthogonal init,
+    gain 0.01), so a bias of ``logit`` on factor 1, PID's bucketing and "keep" KV makes PID's
+    own decision the most likely action (e^2 / (e^2 + 4) = 65 % per sub-action at 2.0) and
+    exploration a perturbation of it, instead of a uniformly random cap from the first step."""
+    if logit == 0.0:
+        return
+    import torch
+
+    from batchpilot.core.actions import ACTION_NVEC
+    from batchpilot.core.knobs import BUCKETING_MODES
+    from batchpilot.core.pid import PIDConfig
+
+    baseline = (2, BUCKETING_MODES.index(PIDConfig().bucketing), 0)  # factor 1, PID's order, keep
+    offsets = [sum(ACTION_NVEC[:i]) for i in range(len(ACTION_NVEC))]
+    with torch.no_grad():
+        bias = model.policy.action_net.bias
+        for off, idx in zip(offsets, baseline):
+            bias[off + idx] += logit
+
+
 # --- reporting -----------------------------------------------------------------------------
 def comparison_rows(policy: Results, baseline: Results, baseline_name: str) -> list[dict[str, Any]]:
     """Rows ``{workload, controller, <COMPARE_METRICS>}``, baseline then policy per workload,
@@ -360,6 +382,8 @@ def train(cfg: DictConfig) -> float:
 
         # 2. Model.
         model = build_model(venv, tc, seed)
+        if plain.env.get("action_mode") == "residual_pid":
+            start_at_baseline(model, tc.baseline_prior_logit)
         model.set_logger(sb3_logger(out_dir, lc, verbose=False))
 
         # 3. Callbacks: episode metrics, W&B curves, validation + best model, checkpoints.

@@ -144,3 +144,21 @@ def test_each_gateway_lane_corrects_its_own_pid():
     a, b = ctl.for_lane(0), ctl.for_lane(1)
     assert a is ctl.for_lane(0) and a is not b
     assert a.runtime is b.runtime is ctl.runtime and a.residual is not b.residual
+
+
+def test_a_residual_policy_starts_near_pid():
+    """The untrained actor's most likely action is PID's own (factor 1, PID's bucketing, keep)."""
+    from stable_baselines3.common.vec_env import DummyVecEnv, VecNormalize
+
+    from batchpilot.policies.training import TrainConfig, build_model, start_at_baseline
+
+    venv = VecNormalize(DummyVecEnv([_env]))
+    tc = TrainConfig(n_steps=8, batch_size=8, validation={"seeds": [0], "workloads": {}})
+    model = build_model(venv, tc, seed=0)
+    start_at_baseline(model, tc.baseline_prior_logit)
+    obs = venv.reset()
+    acts = np.array([model.predict(obs, deterministic=False)[0][0] for _ in range(200)])
+    pid_bucket = BUCKETING_MODES.index(PIDConfig().bucketing)
+    for i, want in enumerate((2, pid_bucket, 0)):
+        assert np.mean(acts[:, i] == want) > 0.5, (i, np.bincount(acts[:, i]))
+    venv.close()
