@@ -153,6 +153,8 @@ class ControlLoop:
                 pid=build_controller(pid_node, cfg.max_num_seqs, slo_ms),
                 static=static,
             )
+            # Memory per request: admission asks the lane's shield (the one memory model).
+            ln.admission.memory = self.lane_ctl[ln.index].shield
         caps = self.lane_ctl[gw.lanes[0].index].shield.capabilities
         self.policies = PolicyManager(cfg.control, gw.metrics, max_num_seqs=cfg.max_num_seqs,
                                       kv_runnable={d: caps.can_run(d) for d in caps.kv_dtypes}, note=self._note)

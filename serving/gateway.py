@@ -255,6 +255,16 @@ def num_sequences(body: dict[str, Any], chat: bool) -> int:
     return per_prompt * prompts
 
 
+def expected_output_len(max_tokens: int | None, chat: bool, prompt_len: int, max_model_len: int) -> int:
+    """The most tokens a request may generate, as vLLM decides it: ``max_tokens`` when the
+    client sent it; else vLLM's defaults, 16 for ``/v1/completions`` (its ``CompletionRequest``
+    default) and the rest of the context for chat (``max_model_len - prompt``). Admission
+    charges every request its KV at this length, so the memory check holds for the worst case."""
+    if max_tokens is not None:
+        return max(1, min(int(max_tokens), max(max_model_len - prompt_len, 1)))
+    return 16 if not chat else max(max_model_len - prompt_len, 1)
+
+
 def _priority(request: Request, cfg: ServeConfig) -> int:
     """The request's priority. Anyone may lower their own importance; a priority above the
     default (a smaller number; 0 = core, never shed) needs a trusted key, or any client could
@@ -343,7 +353,8 @@ async def _proxy(request: Request, path: str, chat: bool) -> Response:
     if seqs > cfg.max_num_seqs:
         raise BadRequest("too_many_sequences", f"the request runs {seqs} sequences (n/best_of x prompts); the "
                          f"engine runs at most max_num_seqs={cfg.max_num_seqs} at once")
-    req = EngineRequest(rid, t_arrival, prompt_len, int(max_tokens or 16), priority, num_seqs=seqs)
+    req = EngineRequest(rid, t_arrival, prompt_len, expected_output_len(max_tokens, chat, prompt_len, max_len),
+                        priority, num_seqs=seqs)
     bucket = lane.admission.bucket_of(prompt_len)
     guard = _DisconnectGuard(request)
     admitted: list[bool] = [False]

@@ -26,9 +26,12 @@ log = logging.getLogger(__name__)
 
 
 #: HTTP status per admission rejection reason.
-REJECT_STATUS = {"queue_full": 429, "shed_low_priority": 429, "timeout": 503, "cancelled": 499}
+REJECT_STATUS = {"queue_full": 429, "shed_low_priority": 429, "timeout": 503, "cancelled": 499,
+                 "too_large_for_memory": 400}
 REJECT_MESSAGE = {
     "queue_full": "the gateway's queue for this prompt-length bucket is full; retry later",
+    "too_large_for_memory": ("the request alone (prompt + max_tokens, times its sequences) would put the engine above "
+                             "its memory ceiling; lower max_tokens, n/best_of or the prompt"),
     "shed_low_priority": "overload: low-priority requests are being shed (circuit breaker level 2); retry later",
     "timeout": "the request did not reach the model within the request timeout; retry later",
 }
@@ -153,6 +156,8 @@ class Lane:
                 self.admission.on_finished(r.request_id)
                 continue
             fut.set_result(None)
+        for rej in self.admission.take_rejections():  # no longer fit the memory ceiling even alone
+            self._fail_waiter(rej)
         self._publish_queue()
 
     def shed_queued(self, max_priority_kept: int | None) -> int:
@@ -177,18 +182,30 @@ class Lane:
         self._count_rejected(rej.reason)
         fut = self.waiters.pop(rej.request_id, None)
         if fut is not None and not fut.done():
-            fut.set_exception(
-                Refused(rej.reason, REJECT_MESSAGE.get(rej.reason, rej.reason),
-                        status=REJECT_STATUS.get(rej.reason, 503), retry_after=self.retry_after_s)
-            )
+            fut.set_exception(self._refusal(rej))
 
     def _raise_rejection(self, rej: Rejection) -> None:
         self._count_rejected(rej.reason)
-        raise Refused(rej.reason, REJECT_MESSAGE.get(rej.reason, rej.reason),
-                      status=REJECT_STATUS.get(rej.reason, 503), retry_after=self.retry_after_s)
+        raise self._refusal(rej)
+
+    def _refusal(self, rej: Rejection) -> Refused:
+        msg = REJECT_MESSAGE.get(rej.reason, rej.reason)
+        if rej.reason == "too_large_for_memory":
+            r = rej.request
+            frac = getattr(self.admission.memory, "blocks_fraction", None)
+            if frac is not None:
+                m = self.admission
+                blocks = m.memory.request_blocks(r.prompt_len, r.output_len, r.num_seqs)
+                share = frac(blocks, r.num_seqs, m.kv_dtype)
+                ceiling = getattr(getattr(m.memory, "cfg", None), "memory_ceiling", None)
+                msg = (f"{msg}: {r.prompt_len} prompt + {r.output_len} output tokens x {r.num_seqs} sequence(s) "
+                       f"predict {share:.0%} of the engine's memory" + (f" (ceiling {ceiling:.0%})" if ceiling else ""))
+        return Refused(rej.reason, msg, status=REJECT_STATUS.get(rej.reason, 503),
+                       retry_after=None if rej.reason == "too_large_for_memory" else self.retry_after_s)
 
     def _count_rejected(self, reason: str) -> None:
-        self.metrics.rejected.labels(reason).inc()
+        if REJECT_STATUS.get(reason) != 400:  # a 400 is counted by the app's error handler
+            self.metrics.rejected.labels(reason).inc()
         self.telemetry.on_rejected()
 
     def _publish_queue(self) -> None:

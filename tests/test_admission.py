@@ -330,3 +330,87 @@ def test_the_gateway_counts_sequences_per_request() -> None:
     assert num_sequences({"prompt": ["a", "b", "c"], "n": 2}, chat=False) == 6
     assert num_sequences({"prompt": [1, 2, 3]}, chat=False) == 1  # token ids: one prompt
     assert num_sequences({"messages": [{"role": "user", "content": "hi"}], "n": 4}, chat=True) == 4
+
+
+# --- memory, per request (issue 14) -------------------------------------------------------------
+def _memory_shield(overhead_frac: float = 0.0):
+    """test_shield's engine: budget 1000, weights 400 + activations 80; the 80 % ceiling leaves
+    320 for KV at 0.0625 a 16-token block (auto), i.e. 5,120 blocks (81,920 tokens)."""
+    from test_shield import caps, memory
+
+    from batchpilot.core.shield import Shield, ShieldConfig
+    from batchpilot.core.telemetry import SLO
+
+    return Shield(ShieldConfig(overhead_frac=overhead_frac), memory(), caps(), SLO(ttft_ms=1000.0, tpot_ms=100.0))
+
+
+def test_a_burst_of_long_prompts_is_admitted_by_memory_not_by_count() -> None:
+    """Admission used to admit by count: 100 prompts of 4,000 tokens (+ 1,000 out) went in under
+    a cap of 100 although 16 of them fill the memory ceiling. Now each admission keeps the
+    predicted memory of everything in flight plus it within the ceiling."""
+    from batchpilot.core.engine import Request
+
+    sh = _memory_shield()
+    a = Admission(AdmissionConfig(max_num_long=1000), Knobs(batch_cap=100), memory=sh)
+    for i in range(100):
+        assert a.submit(Request(f"L{i}", float(i), 4000, 1000), float(i)) is None
+    got = a.admit(100.0)
+    per = sh.request_blocks(4000, 1000)
+    assert per == 313 and len(got) == 5120 // 313 == 16
+    assert a.kv_blocks_in_flight == 16 * per
+    assert sh.blocks_fraction(a.kv_blocks_in_flight, 16, "auto") <= 0.80 < sh.blocks_fraction(17 * per, 17, "auto")
+    assert a.predicted_fraction() <= 0.80
+    # Short requests behind them wait too (the order is kept), until memory frees up.
+    a.submit(Request("short", 200.0, 10, 10), 200.0)
+    assert a.admit(200.0) == []
+    a.on_finished("L0")
+    assert [r.request_id for r in a.admit(201.0)] == ["L16"]
+    a.check_counts()
+
+
+def test_a_request_that_never_fits_is_rejected_with_a_reason_and_core_is_never_shed() -> None:
+    from batchpilot.core.engine import Request
+
+    sh = _memory_shield()
+    a = Admission(AdmissionConfig(max_num_long=1000), Knobs(batch_cap=100), memory=sh)
+    rej = a.submit(Request("huge", 0.0, 80_000, 4_000, priority=0), 0.0)  # 84k tokens > 81,920 alone
+    assert rej is not None and rej.reason == "too_large_for_memory"
+    rej = a.submit(Request("n8", 0.0, 10_000, 2_000, priority=0, num_seqs=8), 0.0)  # 8 x 12k tokens
+    assert rej is not None and rej.reason == "too_large_for_memory"
+    # A core request that fits alone but not now waits (never rejected, never shed).
+    assert a.submit(Request("big", 0.0, 60_000, 1_000, priority=0), 0.0) is None
+    assert a.submit(Request("core", 1.0, 30_000, 1_000, priority=0), 1.0) is None
+    assert [r.request_id for r in a.admit(1.0)] == ["big"]
+    assert a.admit(2.0) == [] and a.is_waiting("core")
+    a.on_finished("big")
+    assert [r.request_id for r in a.admit(3.0)] == ["core"]
+    assert a.num_rejected_by_reason == {"too_large_for_memory": 2}
+    a.check_counts()
+
+
+def test_a_waiting_request_that_stops_fitting_alone_is_rejected_at_admission() -> None:
+    """The model moves (calibration learns the engine holds more per block): a request queued
+    behind others that no longer fits even alone is refused when its turn comes, not run."""
+    from batchpilot.core.engine import Request
+
+    sh = _memory_shield()
+    a = Admission(AdmissionConfig(max_num_long=1000), Knobs(batch_cap=100), memory=sh)
+    a.submit(Request("a", 0.0, 60_000, 1_000), 0.0)
+    a.submit(Request("b", 1.0, 60_000, 1_000), 1.0)
+    a.submit(Request("c", 2.0, 10, 10), 2.0)
+    assert [r.request_id for r in a.admit(2.0)] == ["a"]
+    sh.kv_calibration = 1.5  # 61k tokens x 1.5 > 81,920
+    a.on_finished("a")
+    assert [r.request_id for r in a.admit(3.0)] == ["c"]
+    assert [(r.request_id, r.reason) for r in a.take_rejections()] == [("b", "too_large_for_memory")]
+    assert a.take_rejections() == []
+    a.check_counts()
+
+
+def test_without_a_memory_check_admission_counts_only() -> None:
+    from batchpilot.core.engine import Request
+
+    a = Admission(AdmissionConfig(max_num_long=1000), Knobs(batch_cap=100))
+    for i in range(100):
+        a.submit(Request(f"L{i}", float(i), 4000, 1000), float(i))
+    assert len(a.admit(100.0)) == 100 and a.kv_blocks_in_flight == 0 and a.predicted_fraction() is None

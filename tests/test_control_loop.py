@@ -133,3 +133,40 @@ def test_an_operator_kv_switch_goes_through_the_shield_unless_forced() -> None:
     ctl.shield.capabilities.kv_dtypes["fp8"] = "no fp8 on this engine"
     with pytest.raises(ValueError, match="cannot run here"):
         loop.force_kv_dtype("fp8", force=True)  # force never makes an impossible dtype possible
+
+
+def test_the_gateway_admits_by_memory_per_request() -> None:
+    """A burst of long requests used to be admitted up to the cap (64 here); the lane's
+    admission now asks its shield, per request, with prompt + max_tokens, and holds the rest.
+    One that cannot fit alone is a 400 with the reason; core ones are queued, never shed."""
+    from batchpilot.core.engine import Request
+    from batchpilot.serving.errors import Refused
+
+    gw, loop = _gateway("pid", {"kind": "pid"})
+    lane = gw.lanes[0]
+    shield = loop.lane_ctl[lane.index].shield
+    assert lane.admission.memory is shield and lane.knobs.batch_cap == 64
+
+    async def burst() -> tuple[int, list[str]]:
+        tasks = [asyncio.ensure_future(lane.acquire(Request(f"L{i}", 0.0, 1500, 500, priority=i % 2),
+                                                    deadline=1e12)) for i in range(64)]
+        await asyncio.sleep(0)
+        admitted = sum(t.done() and t.exception() is None for t in tasks)
+        assert lane.admission.predicted_fraction() <= shield.cfg.memory_ceiling
+        reasons = []
+        try:
+            await lane.acquire(Request("huge", 0.0, 1900, 2000, priority=0, num_seqs=64), deadline=1e12)
+        except Refused as exc:
+            reasons.append(exc.reason)
+            assert exc.status == 400 and "ceiling 80%" in exc.message
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        return admitted, reasons
+
+    admitted, reasons = asyncio.run(burst())
+    per = shield.request_blocks(1500, 500)
+    assert admitted < 64 and shield.fits(admitted * per, admitted, "auto")
+    assert not shield.fits((admitted + 1) * per, admitted + 1, "auto")
+    assert reasons == ["too_large_for_memory"]
+    lane.admission.check_counts()

@@ -5,6 +5,8 @@ and KV switches, and core-priority arrivals. Over 10,000 steps none of the hard 
 * the cap moves at most one step (30 %, minimum 1) per decision, forced operator calls aside;
 * it never rises on an interval without the engine's counters;
 * the predicted memory stays within the ceiling, or the cap is on its way down to it;
+* every admission keeps the predicted memory of the requests in flight within the ceiling
+  (each charged its prompt + max_tokens, all its sequences);
 * a KV dtype switch the shield lets through respects the dwell time;
 * core-priority requests are never shed, at any breaker level.
 """
@@ -73,6 +75,20 @@ class ControlPath(RuleBasedStateMachine):
             return self.metrics
 
         self.lane.upstream.metrics_text = metrics
+        self.held: list[str] = []
+        self.num_admissions = 0
+        adm = self.lane.admission
+        admit = adm.admit
+
+        def checked_admit(now: float) -> list:
+            out = admit(now)
+            if out:
+                self.num_admissions += len(out)
+                frac = adm.predicted_fraction()
+                assert frac is not None and frac <= self.ctl.shield.cfg.memory_ceiling + 1e-9, (frac, out)
+            return out
+
+        adm.admit = checked_admit
 
     @rule(p=proposals, running=st.integers(0, 300), waiting=st.integers(0, 500), kv=st.floats(0.0, 1.0),
           preempted=st.integers(0, 50), gap=st.booleans(), dt=st.floats(0.05, 30.0))
@@ -122,7 +138,7 @@ class ControlPath(RuleBasedStateMachine):
 
         async def go() -> None:
             try:
-                await self.lane.acquire(req, self.now + 1e-3)
+                await self.lane.acquire(req, time.monotonic() + 1e-3)  # queued behind held ones: a timeout
             except Refused as exc:
                 assert exc.reason != "shed_low_priority", exc.reason
                 return
@@ -130,6 +146,38 @@ class ControlPath(RuleBasedStateMachine):
 
         self.lane.upstream.healthy = True
         asyncio.run(go())
+
+    @rule(reqs=st.lists(st.tuples(st.integers(1, 2047), st.integers(1, 2048), st.integers(1, 8),
+                                  st.integers(0, 2)), min_size=1, max_size=40))
+    def burst(self, reqs: list[tuple[int, int, int, int]]) -> None:
+        """Long and wide requests at once; the admitted ones stay in flight for a while."""
+        self.lane.upstream.healthy = True
+
+        async def go() -> None:
+            tasks, prios = {}, {}
+            for prompt, out, seqs, prio in reqs:
+                self.core_ids += 1
+                rid = f"b-{self.core_ids}"
+                prios[rid] = prio
+                tasks[rid] = asyncio.ensure_future(
+                    self.lane.acquire(Request(rid, self.now, prompt, out, priority=prio, num_seqs=seqs), self.now + 1e6))
+            await asyncio.sleep(0)
+            for rid, t in tasks.items():
+                if t.done() and t.exception() is None:
+                    self.held.append(rid)
+                elif t.done():  # refused: never a core request shed
+                    assert prios[rid] > 0 or t.exception().reason != "shed_low_priority", t.exception()
+                else:
+                    t.cancel()
+            await asyncio.gather(*tasks.values(), return_exceptions=True)
+
+        asyncio.run(go())
+
+    @rule(k=st.integers(1, 20))
+    def finish(self, k: int) -> None:
+        for rid in self.held[:k]:
+            self.lane.release(rid)
+        self.held = self.held[k:]
 
     @invariant()
     def cap_in_range(self) -> None:

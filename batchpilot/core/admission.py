@@ -12,8 +12,9 @@ Life of a request (nothing is ever lost)::
        │          │
        │          ├─expire──► rejected "timeout"
        │          ├─shed────► rejected "shed_low_priority"
-       │          └─cancel──► rejected "cancelled"
-       └─► rejected "queue_full" / "shed_low_priority" (never enters a queue)
+       │          ├─cancel──► rejected "cancelled"
+       │          └─admit───► rejected "too_large_for_memory" (no longer fits alone; ``take_rejections``)
+       └─► rejected "queue_full" / "shed_low_priority" / "too_large_for_memory" (never enters a queue)
 
 ``num_submitted == num_admitted + num_rejected + num_waiting`` and
 ``num_admitted == num_finished + num_in_flight`` hold after every call (``check_counts``).
@@ -23,6 +24,18 @@ Each bucket keeps two heaps ordered by (priority, arrival, submit order): prompt
 same bucket. Removal by timeout, shedding or cancel is lazy (entries marked dead and skipped
 when they reach a heap top), so every operation is O(log n) amortised; ``shed`` is O(n) and
 only runs when the circuit breaker asks for it.
+
+Memory, per request (``memory``, the shield): besides the count, a request is admitted only if
+the predicted memory of everything in flight plus it stays within the shield's ceiling. Each
+request is charged the KV blocks it holds at its end, all its sequences at prompt + output
+length (``output_len``: ``max_tokens``, or the caller's documented expectation when the client
+sent none), through the shield's one memory model (``Shield.fits``). One that does not fit now
+waits for room, as a request over the count cap does (it blocks its bucket's order: no
+smaller request overtakes it); one that cannot fit even alone is rejected with
+"too_large_for_memory" (at submit, or at admission when the model moved since and nothing is in
+flight to wait for: collect those with ``take_rejections``). Without ``memory`` (the default)
+admission counts only, as before. Priority plays no part: a core request waits like any other
+and is refused only when it can never run.
 """
 
 from __future__ import annotations
@@ -37,16 +50,26 @@ from batchpilot.config import config_fields
 from batchpilot.core.knobs import BUCKETING_MODES, Knobs
 
 #: Why a request left admission without running. A short slug, machine-readable.
-REJECT_REASONS: tuple[str, ...] = ("queue_full", "timeout", "shed_low_priority", "cancelled")
+REJECT_REASONS: tuple[str, ...] = ("queue_full", "timeout", "shed_low_priority", "cancelled", "too_large_for_memory")
 
 
 class AdmissibleRequest(Protocol):
-    """What admission reads from a request (``envs.engine.Request`` fits)."""
+    """What admission reads from a request (``core.engine.Request`` fits). ``output_len``
+    (most tokens it may generate) and ``num_seqs`` are read when present."""
 
     request_id: str
     prompt_len: int
     priority: int
     arrival_time: float
+
+
+class MemoryCheck(Protocol):
+    """The per-request memory check (``core.shield.Shield`` is one): the KV blocks a request
+    holds at its end, and whether a total of blocks and sequences stays within the ceiling."""
+
+    def request_blocks(self, prompt_len: int, output_len: int, num_seqs: int = 1) -> int: ...
+
+    def fits(self, kv_blocks: int, num_seqs: int, kv_dtype: str) -> bool: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,12 +209,18 @@ class _Bucket:
 class Admission:
     """Length-bucketed waiting queues plus the in-flight cap. See the module docstring."""
 
-    def __init__(self, cfg: AdmissionConfig, knobs: Knobs) -> None:
+    def __init__(self, cfg: AdmissionConfig, knobs: Knobs, memory: MemoryCheck | None = None) -> None:
         self.cfg = cfg
+        #: The per-request memory check (None: count only). May be set after construction
+        #: (``admission.memory = shield``); requests already in flight then count 0 blocks.
+        self.memory = memory
+        #: KV blocks the requests in flight hold at their end, as ``memory`` charged them.
+        self.kv_blocks_in_flight = 0
+        self._late: list[Rejection] = []
         self._boundaries: list[float] = list(cfg.boundaries)
         self._buckets = [_Bucket() for _ in range(cfg.num_buckets)]
         self._waiting: dict[str, _Entry] = {}
-        self._in_flight: dict[str, tuple[bool, int]] = {}  # request_id -> (is_long, sequences)
+        self._in_flight: dict[str, tuple[bool, int, int]] = {}  # request_id -> (is_long, sequences, KV blocks)
         #: Sequences in flight: what the batch cap bounds (a request with n=4 runs four).
         self.num_seqs_in_flight = 0
         self._expiry: list[tuple[float, int, _Entry]] = []  # (arrival, seq, entry), lazy
@@ -203,6 +232,7 @@ class Admission:
         self.max_priority_kept: int | None = None
         self.batch_cap = 1
         self.bucketing = "fifo"
+        self.kv_dtype = "auto"
         self.set_knobs(knobs)
         # counters
         self.num_submitted = 0
@@ -221,6 +251,7 @@ class Admission:
             raise ValueError(f"batch_cap must be >= 1, got {knobs.batch_cap}")
         self.batch_cap = int(knobs.batch_cap)
         self.bucketing = knobs.bucketing
+        self.kv_dtype = knobs.kv_dtype
 
     # --- read-outs -----------------------------------------------------------------------
     @property
@@ -288,6 +319,8 @@ class Admission:
             self._adapt(req)
         if self.max_priority_kept is not None and req.priority > self.max_priority_kept:
             return self._reject(req, "shed_low_priority", now)
+        if self.memory is not None and not self._fits_alone(req):
+            return self._reject(req, "too_large_for_memory", now)
         bucket = self.bucket_of(req.prompt_len)
         if self._buckets[bucket].num_waiting >= self.cfg.max_queue_len:
             return self._reject(req, "queue_full", now)
@@ -303,24 +336,36 @@ class Admission:
         return None
 
     def admit(self, now: float) -> list[Any]:
-        """Pop as many waiting requests as the caps allow, in bucketing order; the caller hands
-        them to the engine. (Call ``expire`` first if stale requests must not run.)"""
+        """Pop as many waiting requests as the caps (count and memory) allow, in bucketing
+        order; the caller hands them to the engine. (Call ``expire`` first if stale requests must
+        not run; with ``memory`` set, collect ``take_rejections`` after.)"""
         out: list[Any] = []
         while self.num_seqs_in_flight < self.batch_cap and self._waiting:
             allow_long = self.num_long_in_flight < self.cfg.max_num_long
             e = self._choose(allow_long)
             if e is None:
                 break  # only long prompts wait and the long cap is full
-            seqs = max(1, int(getattr(e.request, "num_seqs", 1)))
+            seqs = _num_seqs(e.request)
             if self._in_flight and self.num_seqs_in_flight + seqs > self.batch_cap:
                 break  # it waits for room (alone it may exceed the cap, or it could never run)
+            blocks = 0
+            if self.memory is not None:
+                blocks = self._blocks(e.request)
+                if not self.memory.fits(self.kv_blocks_in_flight + blocks, self.num_seqs_in_flight + seqs,
+                                        self.kv_dtype):
+                    if self._in_flight:
+                        break  # it waits for memory to free up
+                    self._drop(e)  # alone it no longer fits (the model moved since it was queued)
+                    self._late.append(self._reject(e.request, "too_large_for_memory", now))
+                    continue
             self._buckets[e.bucket].pop(e)
             self._vtime = self._pass[e.bucket]
             self._pass[e.bucket] += self._stride[e.bucket]
             e.alive = False
             del self._waiting[e.request.request_id]
-            self._in_flight[e.request.request_id] = (e.is_long, seqs)
+            self._in_flight[e.request.request_id] = (e.is_long, seqs, blocks)
             self.num_seqs_in_flight += seqs
+            self.kv_blocks_in_flight += blocks
             self.num_long_in_flight += e.is_long
             self.num_admitted += 1
             out.append(e.request)
@@ -329,8 +374,9 @@ class Admission:
     def on_finished(self, request_id: str) -> None:
         """Free the slot of a request that left the engine (finished, failed, cancelled or
         disconnected). Raises KeyError for an id that is not in flight (a bug)."""
-        is_long, seqs = self._in_flight.pop(request_id)
+        is_long, seqs, blocks = self._in_flight.pop(request_id)
         self.num_seqs_in_flight -= seqs
+        self.kv_blocks_in_flight -= blocks
         self.num_long_in_flight -= is_long
         self.num_finished += 1
 
@@ -377,7 +423,32 @@ class Admission:
             out.append(self._reject(e.request, "shed_low_priority", now))
         return out
 
+    def take_rejections(self) -> list[Rejection]:
+        """Requests ``admit`` refused since the last call ("too_large_for_memory": alone they
+        no longer fit the memory ceiling), for the caller to report to their clients."""
+        out, self._late = self._late, []
+        return out
+
+    def predicted_fraction(self, extra: Any = None) -> float | None:
+        """What ``memory`` predicts for the requests in flight (plus ``extra``, a request), as a
+        fraction of the budget; None without ``memory`` or when it cannot say."""
+        frac = getattr(self.memory, "blocks_fraction", None)
+        if frac is None:
+            return None
+        blocks, seqs = self.kv_blocks_in_flight, self.num_seqs_in_flight
+        if extra is not None:
+            blocks, seqs = blocks + self._blocks(extra), seqs + _num_seqs(extra)
+        return float(frac(blocks, seqs, self.kv_dtype))
+
     # --- internals -----------------------------------------------------------------------
+    def _blocks(self, req: Any) -> int:
+        assert self.memory is not None
+        return int(self.memory.request_blocks(req.prompt_len, int(getattr(req, "output_len", 0)), _num_seqs(req)))
+
+    def _fits_alone(self, req: Any) -> bool:
+        assert self.memory is not None
+        return self.memory.fits(self._blocks(req), _num_seqs(req), self.kv_dtype)
+
     def _reject(self, req: Any, reason: str, now: float) -> Rejection:
         self.num_rejected_by_reason[reason] += 1
         return Rejection(req, reason, now)
@@ -428,6 +499,10 @@ class Admission:
         ]
         for i in range(1, len(self._boundaries)):  # keep strictly ascending
             self._boundaries[i] = max(self._boundaries[i], self._boundaries[i - 1] + 1.0)
+
+
+def _num_seqs(req: Any) -> int:
+    return max(1, int(getattr(req, "num_seqs", 1)))
 
 
 def depths_padded(depths: Sequence[int], n: int = 3) -> tuple[int, ...]:

@@ -287,13 +287,35 @@ class Shield:
         self.context_len = float(self.cfg.initial_context_len)
 
     # --- memory predictor ----------------------------------------------------------------
-    def predicted_fraction(self, batch: int, kv_dtype: str) -> float:
-        """Predicted memory at ``batch`` and ``kv_dtype``, as a fraction of the budget."""
+    def blocks_fraction(self, kv_blocks: float, num_seqs: int, kv_dtype: str) -> float:
+        """The one prediction: memory with ``kv_blocks`` KV blocks held by ``num_seqs``
+        sequences at ``kv_dtype``, as a fraction of the budget (weights + activations + KV x
+        calibration + overhead x sqrt(sequences)). The cap's check and admission's per-request
+        check both come here."""
         m = self.memory
-        blocks_per_req = max(1, math.ceil(self.context_len / m.block_size))
-        kv = batch * blocks_per_req * self.kv_calibration * m.kv_block_bytes[kv_dtype]
-        overhead = self.cfg.overhead_frac * m.budget_bytes * math.sqrt(max(batch, 0))
+        kv = kv_blocks * self.kv_calibration * m.kv_block_bytes[kv_dtype]
+        overhead = self.cfg.overhead_frac * m.budget_bytes * math.sqrt(max(num_seqs, 0))
         return (m.weights_bytes + m.activation_bytes + kv + overhead) / m.budget_bytes
+
+    def predicted_fraction(self, batch: int, kv_dtype: str) -> float:
+        """Predicted memory at ``batch`` and ``kv_dtype`` (each request at the expected context),
+        as a fraction of the budget."""
+        blocks_per_req = max(1, math.ceil(self.context_len / self.memory.block_size))
+        return self.blocks_fraction(batch * blocks_per_req, batch, kv_dtype)
+
+    # --- the per-request check (admission's ``memory``) ----------------------------------
+    def request_blocks(self, prompt_len: int, output_len: int, num_seqs: int = 1) -> int:
+        """KV blocks a request holds at its end: each of its sequences at prompt + output
+        tokens (no sharing between them assumed: the worst case)."""
+        tokens = max(int(prompt_len), 0) + max(int(output_len), 0)
+        return max(1, int(num_seqs)) * max(1, math.ceil(tokens / self.memory.block_size))
+
+    def fits(self, kv_blocks: int, num_seqs: int, kv_dtype: str) -> bool:
+        """Whether ``kv_blocks`` for ``num_seqs`` sequences stay within the memory ceiling
+        (admission asks this with what is in flight plus the candidate)."""
+        if kv_dtype not in self.memory.kv_block_bytes:
+            return False
+        return self.blocks_fraction(kv_blocks, num_seqs, kv_dtype) <= self.cfg.memory_ceiling
 
     def predict_fraction(self, knobs: Knobs, snap: Snapshot | None = None) -> float:
         """``predicted_fraction`` at these knobs (``snap`` is accepted for symmetry; the
