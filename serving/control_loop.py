@@ -337,7 +337,7 @@ class ControlLoop:
         step, who = self.decide(lane, snap, now)
         proposal, dec = step.proposal, self._fail_safe(lane, ctl, step.decision)
         if ctl.last_acting is not None:
-            self.policies.record(ctl.last_acting, snap.request_goodput)
+            self.policies.record(ctl.last_acting, snap)
         self._apply(lane, ctl, dec, who)
         ctl.last_acting = who
         mt = self.gw.metrics

@@ -10,8 +10,13 @@ non-finite outputs gives way to PID, and the manager says so (``note``, the
 
 Canary: a newly loaded policy drives a share of traffic (that share of upstreams; with one
 upstream that share of control intervals) while the incumbent drives the rest; after
-``canary_min_intervals`` canary decisions it is promoted, unless its mean goodput fell more
-than ``canary_max_drop`` below the incumbent's, in which case it is rolled back.
+``canary_min_intervals`` canary decisions it is promoted, unless its per-request SLO
+attainment fell more than ``canary_max_drop`` (relative) below the incumbent's, in which case
+it is rolled back. Attainment is per request (requests that met every SLO / requests that
+finished or were refused), not goodput: routing gives each lane a share of traffic that depends
+on its own cap, so a lane's goodput measures how much traffic it was sent as much as how well
+its controller served it (a canary that cut its cap was sent less and looked no worse per
+second than its share allowed).
 """
 
 from __future__ import annotations
@@ -20,8 +25,6 @@ import logging
 import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
-
-import numpy as np
 
 from batchpilot.core.knobs import Knobs, Proposal
 from batchpilot.core.telemetry import Snapshot
@@ -41,22 +44,35 @@ class Canary:
     policy: PPOController
     path: str
     share: float
-    cand_goodput: list[float] = field(default_factory=list)
-    base_goodput: list[float] = field(default_factory=list)
+    #: Per side ("canary", "incumbent"): control intervals, requests counted, requests that met the SLO.
+    intervals: dict[str, int] = field(default_factory=lambda: {"canary": 0, "incumbent": 0})
+    requests: dict[str, int] = field(default_factory=lambda: {"canary": 0, "incumbent": 0})
+    met: dict[str, int] = field(default_factory=lambda: {"canary": 0, "incumbent": 0})
 
-    def record(self, who: str, goodput: float, *, min_intervals: int,
+    def attainment(self, side: str) -> float | None:
+        n = self.requests[side]
+        return self.met[side] / n if n else None
+
+    def record(self, who: str, requests: int, met: int, *, min_intervals: int,
                max_drop: float) -> tuple[bool, str] | None:
-        """Add one interval's goodput for ``who`` ("canary" or the incumbent). Once the canary
-        has ``min_intervals`` of them (and the incumbent at least one): (promote?, why) —
-        rolled back when its mean goodput is more than ``max_drop`` below the incumbent's."""
-        (self.cand_goodput if who == "canary" else self.base_goodput).append(goodput)
-        if len(self.cand_goodput) < min_intervals or not self.base_goodput:
+        """Add one interval of ``who`` ("canary" or anyone else: the incumbent): ``requests``
+        finished or refused under its knobs, ``met`` of them within every SLO. Once the canary
+        has ``min_intervals`` intervals and both sides served requests: (promote?, why),
+        rolled back when its attainment is below ``(1 - max_drop)`` x the incumbent's."""
+        side = "canary" if who == "canary" else "incumbent"
+        requests, met = max(int(requests), 0), max(int(met), 0)
+        self.intervals[side] += 1
+        self.requests[side] += requests
+        self.met[side] += min(met, requests)
+        cand, base = self.attainment("canary"), self.attainment("incumbent")
+        if self.intervals["canary"] < min_intervals or cand is None or base is None:
             return None
-        cand, base = float(np.mean(self.cand_goodput)), float(np.mean(self.base_goodput))
+        n_c, n_b = self.requests["canary"], self.requests["incumbent"]
         if cand < (1.0 - max_drop) * base:
-            return False, (f"canary goodput {cand:.2f}/s < {1 - max_drop:.0%} of incumbent "
-                           f"{base:.2f}/s: rolled back")
-        return True, f"canary goodput {cand:.2f}/s vs incumbent {base:.2f}/s: promoted"
+            return False, (f"canary SLO attainment {cand:.1%} ({n_c} requests) < {1 - max_drop:.0%} of the "
+                           f"incumbent's {base:.1%} ({n_b} requests): rolled back")
+        return True, (f"canary SLO attainment {cand:.1%} ({n_c} requests) vs incumbent {base:.1%} "
+                      f"({n_b} requests): promoted")
 
 
 class PolicyManager:
@@ -184,12 +200,17 @@ class PolicyManager:
         log.debug("shadow: policy %s vs acting %s", mine, acted)
 
     # --- canary --------------------------------------------------------------------------
-    def record(self, who: str, goodput: float) -> None:
-        """Credit an interval's goodput to whoever set the knobs it ran under."""
+    def record(self, who: str, snapshot: Snapshot) -> None:
+        """Credit an interval's requests (finished, refused, and which met the SLO) to whoever
+        set the knobs it ran under."""
         c = self.canary
         if c is None:
             return
-        verdict = c.record(who, goodput, min_intervals=self.cfg.canary_min_intervals, max_drop=self.cfg.canary_max_drop)
+        dt = snapshot.interval_s
+        finished = round(snapshot.request_throughput * dt)
+        met = round(snapshot.request_goodput * dt)
+        verdict = c.record(who, finished + snapshot.rejected, met, min_intervals=self.cfg.canary_min_intervals,
+                           max_drop=self.cfg.canary_max_drop)
         if verdict is not None:
             self.end_canary(*verdict)
 
@@ -224,7 +245,9 @@ class PolicyManager:
             "fallback_reason": self.fallback_reason,
             "canary": {"state": self.canary_state,
                        "path": self.canary.path if self.canary else None,
-                       "share": self.canary.share if self.canary else None},
+                       "share": self.canary.share if self.canary else None,
+                       "slo_attainment": ({side: self.canary.attainment(side) for side in ("canary", "incumbent")}
+                                          if self.canary else None)},
         }
 
 

@@ -58,7 +58,8 @@ class ControlConfig:
     canary_share: float = 0.2
     #: Decisions by the canary before it is promoted.
     canary_min_intervals: int = 30
-    #: Roll back when the canary's goodput is below ``(1 - canary_max_drop)`` x the incumbent's.
+    #: Roll back when the canary's per-request SLO attainment (met / finished or refused) is below
+    #: ``(1 - canary_max_drop)`` x the incumbent's.
     canary_max_drop: float = 0.10
     #: Intervals without the upstream's /metrics never raise the cap; after this many in a row
     #: the cap heads for ``safe_batch_cap`` (within the step limit) and an alert is raised.

@@ -47,26 +47,6 @@ def test_token_agreement() -> None:
     assert token_agreement([], []) == 1.0
 
 
-@pytest.mark.parametrize(
-    "canary_goodput, promoted",
-    [(8.9, False), (9.1, True), (12.0, True)],  # incumbent 10/s; rollback below 90 % of it
-)
-def test_canary_rolls_back_on_a_goodput_drop_over_10_percent(canary_goodput: float, promoted: bool) -> None:
-    from batchpilot.policies.ppo_controller import PPOController
-    from batchpilot.serving.policy_manager import Canary
-
-    c = Canary(PPOController.from_dir(None), "shipped", share=0.1)
-    verdicts = []
-    for _ in range(3):  # the incumbent drives most intervals
-        verdicts.append(c.record("incumbent", 10.0, min_intervals=3, max_drop=0.10))
-    for _ in range(3):
-        verdicts.append(c.record("canary", canary_goodput, min_intervals=3, max_drop=0.10))
-    assert verdicts[:-1] == [None] * 5  # no verdict before the canary has 3 intervals
-    promote, why = verdicts[-1]
-    assert promote is promoted
-    assert ("promoted" if promoted else "rolled back") in why
-
-
 def test_quality_guard_blocks_8bit_above_threshold() -> None:
     g = QualityGuard(QualityGuardConfig(threshold=0.05, min_samples=20, window=100), GatewayMetrics())
     for _ in range(19):
