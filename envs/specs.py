@@ -8,10 +8,9 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from batchpilot.config import config_fields
-from batchpilot.core.engine import KV_DTYPES_8BIT, KV_DTYPES_16BIT
+from batchpilot.core.engine import INT8_SCALE_BYTES, KV_DTYPES_8BIT, KV_DTYPES_16BIT, ModelMemory, kv_elem_bytes
 
-#: Bytes of one per-token-per-head scale for ``int8_per_token_head`` (fp32, as vLLM stores it).
-INT8_SCALE_BYTES = 4
+__all__ = ["INT8_SCALE_BYTES", "HardwareSpec", "ModelSpec", "is_8bit", "kv_elem_bytes"]
 
 
 def _check(cond: bool, spec: str, name: str, value: object, fix: str) -> None:
@@ -211,15 +210,15 @@ class ModelSpec:
         """K/V heads stored on one rank (replicated when TP exceeds the KV-head count)."""
         return max(1, self.num_kv_heads // self.tensor_parallel)
 
+    def memory(self, activation_bytes: float = 0.0) -> ModelMemory:
+        """This model in the core's one memory model (``core.engine.ModelMemory``)."""
+        return ModelMemory(num_layers=self.num_layers, kv_heads=self.kv_heads_per_rank, head_dim=self.head_dim,
+                           kv_latent_dim=self.kv_latent_dim, auto_elem_bytes=2,
+                           weights_bytes=self.weights_bytes_per_rank, activation_bytes=activation_bytes)
+
     def kv_bytes_per_token_layer(self, kv_dtype: str) -> float:
-        """KV bytes of one token in one layer on one rank, scales included."""
-        elem = kv_elem_bytes(kv_dtype)
-        if self.is_mla:
-            scale = INT8_SCALE_BYTES if kv_dtype == "int8_per_token_head" else 0
-            return self.kv_latent_dim * elem + scale
-        heads = self.kv_heads_per_rank
-        scale = 2 * heads * INT8_SCALE_BYTES if kv_dtype == "int8_per_token_head" else 0
-        return 2 * heads * self.head_dim * elem + scale
+        """KV bytes of one token in one layer on one rank, scales included (the core's formula)."""
+        return self.memory().kv_bytes_per_token_layer(kv_dtype)
 
     def kv_bytes_per_token(self, kv_dtype: str) -> float:
         """KV bytes of one token over all layers on one rank."""
@@ -227,15 +226,6 @@ class ModelSpec:
 
     def kv_block_bytes(self, kv_dtype: str, block_size: int) -> float:
         return block_size * self.kv_bytes_per_token(kv_dtype)
-
-
-def kv_elem_bytes(kv_dtype: str) -> int:
-    """Bytes per stored KV element: 2 for 16-bit, 1 for fp8 (per-tensor scale, ~0) and int8."""
-    if kv_dtype in KV_DTYPES_16BIT:
-        return 2
-    if kv_dtype in KV_DTYPES_8BIT:
-        return 1
-    raise ValueError(f"kv_dtype={kv_dtype!r} is unknown: use one of {KV_DTYPES_16BIT + KV_DTYPES_8BIT}")
 
 
 def is_8bit(kv_dtype: str) -> bool:

@@ -47,6 +47,7 @@ from batchpilot.core.engine import (
     EngineStats,
     FinishedRequest,
     MemoryModel,
+    ModelMemory,
     Request,
     RequestRejected,
     StepResult,
@@ -280,16 +281,14 @@ class VLLMEngine(Engine):
         return None
 
     def memory_model(self) -> MemoryModel:
+        """The core's one memory model (``ModelMemory``) fed from vLLM's own model config (MLA
+        models store the latent: vLLM's head size is then ``kv_lora_rank + qk_rope_head_dim``
+        per layer, one "head") and the KV pool the engine really allocated."""
         mc = self._llm.model_config
         pc = self._llm.vllm_config.parallel_config
-        layers, kv_heads, head = mc.get_num_layers(pc), mc.get_num_kv_heads(pc), mc.get_head_size()
-        elem = 2 * layers * kv_heads * head * self._cfg.block_size  # K and V elements per block
+        mla = bool(getattr(mc, "use_mla", False))
+        layers, head = mc.get_num_layers(pc), mc.get_head_size()
         model_bytes = mc.dtype.itemsize  # "auto" stores KV in the model's dtype
-        scales = 2 * layers * kv_heads * self._cfg.block_size * 4  # fp32 scale per token-head
-        block_bytes = {"auto": float(elem * model_bytes), "bfloat16": 2.0 * elem}
-        block_bytes["float16"] = 2.0 * elem
-        block_bytes.update({d: float(elem) for d in ("fp8", "fp8_e4m3", "fp8_e5m2")})
-        block_bytes["int8_per_token_head"] = float(elem + scales)
         model = self._llm.model_executor.driver_worker.worker.model_runner.model
         weights = float(sum(p.numel() * p.element_size() for p in model.parameters()))
         # Rough activation workspace: one full token budget through the widest layers, plus
@@ -300,16 +299,11 @@ class VLLMEngine(Engine):
             self._cfg.max_num_batched_tokens * width * model_bytes
             + self._cfg.max_num_seqs * mc.get_vocab_size() * 4
         )
-        total_blocks = self._num_kv_blocks_total()
-        kv_bytes = total_blocks * block_bytes[self._cfg.kv_dtype]
-        return MemoryModel(
-            budget_bytes=weights + activation + kv_bytes,
-            weights_bytes=weights,
-            activation_bytes=activation,
-            block_size=self._cfg.block_size,
-            kv_block_bytes=block_bytes,
-            num_kv_blocks_total=total_blocks,
-        )
+        layout = ModelMemory(num_layers=layers, kv_heads=1 if mla else mc.get_num_kv_heads(pc), head_dim=head,
+                             kv_latent_dim=head if mla else 0, auto_elem_bytes=model_bytes,
+                             weights_bytes=weights, activation_bytes=activation)
+        return layout.memory_model(block_size=self._cfg.block_size, num_blocks=self._num_kv_blocks_total(),
+                                   kv_dtype=self._cfg.kv_dtype)
 
     def kv_block_bytes_actual(self) -> int:
         """Bytes of one KV block (all layers) as the running engine allocated it."""

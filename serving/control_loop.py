@@ -15,15 +15,17 @@ time, by the supervisor); for an unmanaged upstream it is only recommended (log 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from batchpilot.core.admission import depths_padded
 from batchpilot.core.control import control_step
 from batchpilot.core.controller import Controller
-from batchpilot.core.engine import KV_DTYPES_8BIT, KV_DTYPES_16BIT, EngineCapabilities, MemoryModel
+from batchpilot.core.engine import KV_DTYPES_8BIT, KV_DTYPES_16BIT, EngineCapabilities, MemoryModel, ModelMemory
 from batchpilot.core.knobs import Knobs, Proposal
 from batchpilot.core.shield import INTERVENTION_KINDS, Decision, Shield, ShieldConfig, ShieldInputs
 from batchpilot.core.telemetry import Snapshot
@@ -40,34 +42,84 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+def deployment_model(model_dir: str | None, tensor_parallel: int = 1) -> tuple[ModelMemory | None, str]:
+    """The deployment's model in the core's one memory model, from its ``config.json`` (KV
+    formula, MLA included) and the size of its weight files (per rank); (None, why) when the
+    folder or its config is missing."""
+    if not model_dir:
+        return None, "no model folder (serve.model) to read the model's config from"
+    path = Path(model_dir)
+    try:
+        config = json.loads((path / "config.json").read_text())
+        weights = sum(f.stat().st_size for f in path.glob("*.safetensors")) or \
+            sum(f.stat().st_size for f in path.glob("*.bin"))
+        tp = max(1, int(tensor_parallel))
+        return ModelMemory.from_hf_config(config, tensor_parallel=tp, weights_bytes=weights / tp), str(path)
+    except (OSError, ValueError) as exc:
+        return None, f"cannot read the model config in {model_dir}: {exc}"
+
+
 def upstream_engine_model(lane: Lane, max_num_seqs: int, managed: bool,
-                          declared_kv_dtypes: list[str] | None = None) -> tuple[MemoryModel, EngineCapabilities]:
+                          declared_kv_dtypes: list[str] | None = None, *,
+                          model: ModelMemory | None = None) -> tuple[MemoryModel, EngineCapabilities]:
     """The shield's view of an upstream, from what the upstream itself says (``/v1/models``,
     ``vllm:cache_config_info``) and how the gateway launched it; never from the gateway's own
-    host unless the engine runs there (managed). The KV pool is the budget (vLLM pre-allocates
-    it; weights live outside it), in units of one 16-bit block; an 8-bit block is half of one.
+    host unless the engine runs there (managed).
+
+    Memory: the core's one model (``ModelMemory``, the simulator's and the live engine's KV
+    formula) fed from the deployment's model (``model``: its config.json and weights) and the
+    engine's real KV pool (``num_gpu_blocks`` x ``block_size`` from ``vllm:cache_config_info``):
+    budget = weights + the pool (vLLM's activation workspace is not visible from outside; it is
+    left out, so the ceiling applies to weights + KV). Without the model: the pool alone in
+    blocks (``source`` "kv_pool"; an 8-bit block counts half). Without the pool: ``source``
+    "unknown: ...", which the control loop answers with the safe static cap (never a guessed
+    budget; it was an invented 16,384 blocks).
 
     KV dtypes: a managed engine can run what this machine's vLLM can; an unmanaged one what its
     operator declared (``serve.upstream_kv_dtypes``), else only the dtype it runs."""
     info = lane.upstream.info
-    blocks = (info.num_kv_blocks if info and info.num_kv_blocks else 16384)
-    block_size = (info.block_size if info and info.block_size else 16)
-    bytes_ = {d: 1.0 for d in KV_DTYPES_16BIT} | {d: 0.5 for d in KV_DTYPES_8BIT}
-    mem = MemoryModel(budget_bytes=float(blocks), weights_bytes=0.0, activation_bytes=0.0, block_size=block_size,
-                      kv_block_bytes=bytes_, num_kv_blocks_total=blocks)
+    blocks = info.num_kv_blocks if info and info.num_kv_blocks else None
+    block_size = info.block_size if info and info.block_size else None
+    running = lane.knobs.kv_dtype
+    if blocks is None or block_size is None:
+        missing = "num_gpu_blocks" if blocks is None else "block_size"
+        zero = {d: 0.0 for d in (*KV_DTYPES_16BIT, *KV_DTYPES_8BIT)}
+        mem = MemoryModel(budget_bytes=1.0, weights_bytes=0.0, activation_bytes=0.0, block_size=block_size or 16,
+                          kv_block_bytes=zero, num_kv_blocks_total=0,
+                          source=f"unknown: {lane.name}'s /metrics has no vllm:cache_config_info {missing}")
+    elif model is not None:
+        mem = model.memory_model(block_size=block_size, num_blocks=blocks,
+                                 kv_dtype=running if running in KV_DTYPES_16BIT + KV_DTYPES_8BIT else "auto")
+    else:
+        bytes_ = {d: 1.0 for d in KV_DTYPES_16BIT} | {d: 0.5 for d in KV_DTYPES_8BIT}
+        mem = MemoryModel(budget_bytes=float(blocks), weights_bytes=0.0, activation_bytes=0.0, block_size=block_size,
+                          kv_block_bytes=bytes_, num_kv_blocks_total=blocks, source="kv_pool")
     if managed:
         why8 = cpu_kv8_unavailable_reason()
         kv = {d: None for d in KV_DTYPES_16BIT} | {d: why8 for d in KV_DTYPES_8BIT}
     else:
-        running = lane.knobs.kv_dtype
         ok = set(declared_kv_dtypes or ()) | {running} | ({"auto"} if running in KV_DTYPES_16BIT else set())
         why = (f"{lane.name} is not managed by the gateway and its operator did not declare it can run this "
                "KV dtype (serve.upstream_kv_dtypes)")
         kv = {d: (None if d in ok else why) for d in (*KV_DTYPES_16BIT, *KV_DTYPES_8BIT)}
     max_len = info.max_model_len if info and info.max_model_len else 2048
     caps = EngineCapabilities(kv_dtypes=kv, max_model_len=max_len, max_num_seqs=max_num_seqs,
-                              max_num_batched_tokens=max(max_len, 2048), block_size=block_size)
+                              max_num_batched_tokens=max(max_len, 2048), block_size=block_size or 16)
     return mem, caps
+
+
+def _tensor_parallel(cfg: Any) -> int:
+    """``serve.tensor_parallel``, else ``--tensor-parallel-size``/``-tp`` in the managed engines'
+    arguments, else 1."""
+    if cfg.tensor_parallel:
+        return int(cfg.tensor_parallel)
+    args = list(cfg.extra_vllm_args or ())
+    for i, a in enumerate(args):
+        if a.startswith("--tensor-parallel-size="):
+            return int(a.split("=", 1)[1])
+        if a in ("--tensor-parallel-size", "-tp") and i + 1 < len(args):
+            return int(args[i + 1])
+    return 1
 
 
 def _needed_prefixes() -> tuple[str, ...]:
@@ -107,6 +159,9 @@ class LaneControl:
     #: Who set the knobs the last interval ran under: a snapshot measures the interval that
     #: just ended, so its goodput is that decision's, not the one about to be taken.
     last_acting: str | None = None
+    #: The upstream's ``EngineInfo`` the memory model was built from (rebuilt when it changes:
+    #: a restart may bring another KV pool or dtype).
+    info: Any = None
 
 
 class Hold:
@@ -143,9 +198,13 @@ class ControlLoop:
         shield_cfg = ShieldConfig.from_cfg(s.shield)
         self.lane_ctl: dict[int, LaneControl] = {}
         now = time.monotonic()
+        self.model, self.model_source = deployment_model(gw.model_dir, _tensor_parallel(cfg))
+        if self.model is None:
+            log.warning("memory model: %s; the shield counts the upstreams' KV pools alone (weights not counted)",
+                        self.model_source)
         for ln in gw.lanes:
             mem, caps = upstream_engine_model(ln, cfg.max_num_seqs, ln.upstream.managed is not None,
-                                              cfg.upstream_kv_dtypes)
+                                              cfg.upstream_kv_dtypes, model=self.model)
             static = build_controller({"kind": "static", "batch_cap": ln.knobs.batch_cap,
                                        "bucketing": ln.knobs.bucketing, "kv_dtype": ln.knobs.kv_dtype}, cfg.max_num_seqs)
             self.lane_ctl[ln.index] = LaneControl(
@@ -153,8 +212,7 @@ class ControlLoop:
                 pid=build_controller(pid_node, cfg.max_num_seqs, slo_ms),
                 static=static,
             )
-            # Memory per request: admission asks the lane's shield (the one memory model).
-            ln.admission.memory = self.lane_ctl[ln.index].shield
+            self._use_memory_model(ln, self.lane_ctl[ln.index], mem)
         caps = self.lane_ctl[gw.lanes[0].index].shield.capabilities
         self.policies = PolicyManager(cfg.control, gw.metrics, max_num_seqs=cfg.max_num_seqs,
                                       kv_runnable={d: caps.can_run(d) for d in caps.kv_dtypes}, note=self._note)
@@ -183,6 +241,29 @@ class ControlLoop:
                     await self.tick(ln)
                 except Exception:  # one bad tick must not stop control of the service
                     log.exception("control tick failed on %s", ln.name)
+
+    # --- the memory model ------------------------------------------------------------------
+    def _use_memory_model(self, ln: Lane, ctl: LaneControl, mem: MemoryModel) -> None:
+        """Wire a lane's memory model: admission checks each request against the lane's shield
+        (the one prediction) when the budget is known; when it is not, the cap is held at the
+        safe static cap (``_fail_safe``) and this says so loudly (log, metric, status)."""
+        ctl.info = ln.upstream.info
+        ln.admission.memory = ctl.shield if mem.known else None
+        self.gw.metrics.memory_model_known.labels(ln.name).set(
+            1.0 if mem.known and mem.source != "kv_pool" else 0.5 if mem.known else 0.0)
+        if not mem.known:
+            self._note(f"memory budget of {ln.name} unknown ({mem.source.removeprefix('unknown: ')}): holding its "
+                       f"cap at or below the safe cap {self.cfg.control.safe_batch_cap}, per-request memory "
+                       "checks off, until the engine reports its KV pool")
+
+    def _refresh_memory_model(self, ln: Lane, ctl: LaneControl) -> None:
+        mem, caps = upstream_engine_model(ln, self.cfg.max_num_seqs, ln.upstream.managed is not None,
+                                          self.cfg.upstream_kv_dtypes, model=self.model)
+        was = ctl.shield.memory.source
+        ctl.shield.set_engine(mem, caps)
+        self._use_memory_model(ln, ctl, mem)
+        if mem.source != was:
+            log.info("memory model of %s: %s (was %s)", ln.name, mem.source, was)
 
     # --- policy management -----------------------------------------------------------------
     def _note(self, msg: str) -> None:
@@ -312,6 +393,8 @@ class ControlLoop:
         t0 = time.perf_counter()
         self.num_ticks += 1
         ctl = self.lane_ctl[lane.index]
+        if lane.upstream.info is not ctl.info:  # restarted (or first seen): its KV pool may differ
+            self._refresh_memory_model(lane, ctl)
         m = await self._scrape(lane) if lane.upstream.healthy else {}
         ctl.stale_intervals = 0 if m else ctl.stale_intervals + 1
         last = ctl.last_counters
@@ -355,6 +438,14 @@ class ControlLoop:
         """Telemetry loss fails safe: an interval without the upstream's counters never raises
         the cap (a failed scrape read as 0 % KV use let it grow 197 -> 373); after
         ``stale_limit`` of them the cap heads for ``safe_batch_cap`` within the step limit."""
+        if not ctl.shield.memory.known:  # no budget to check against: the safe cap, never a guess
+            cur = lane.knobs.batch_cap
+            safe = self.cfg.control.safe_batch_cap
+            cap = min(dec.knobs.batch_cap, max(safe, cur - ctl.shield.max_step(cur)))
+            if cap < dec.knobs.batch_cap:
+                why = f"memory budget of {lane.name} unknown ({ctl.shield.memory.source}): heading for the safe cap {safe}"
+                dec = replace(dec, knobs=dec.knobs.with_(batch_cap=cap),
+                              interventions={**dec.interventions, "memory_unknown": why})
         n = ctl.stale_intervals
         if n == 0:
             return dec
@@ -438,6 +529,8 @@ class ControlLoop:
                                 "queue_depths": list(ln.admission.queue_depths),
                                 "in_flight": ln.admission.num_in_flight,
                                 "stale_telemetry_intervals": self.lane_ctl[ln.index].stale_intervals,
+                                "memory_model": self.lane_ctl[ln.index].shield.memory.source,
+                                "predicted_memory_in_flight": ln.admission.predicted_fraction(),
                                 "healthy": ln.upstream.healthy, "restarting": ln.upstream.restarting}
                       for ln in self.gw.lanes},
             "events": self.events[-20:],

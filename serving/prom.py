@@ -64,6 +64,13 @@ class GatewayMetrics:
         self.upstream_kv_usage = Gauge(
             "batchpilot:upstream_kv_cache_usage", "Upstream KV blocks in use (0..1).", ["upstream"], registry=r
         )
+        self.memory_model_known = Gauge(
+            "batchpilot:memory_model_known",
+            "1: the shield predicts this upstream's memory from the model's KV formula and the engine's KV pool; "
+            "0.5: from the KV pool alone (no model config: weights not counted); 0: budget unknown, the cap is "
+            "held at serve.control.safe_batch_cap.",
+            ["upstream"], registry=r,
+        )
         self.upstream_prefix_hit_rate = Gauge(
             "batchpilot:upstream_prefix_cache_hit_rate",
             "Upstream prefix-cache hit rate over the last interval (0..1).",

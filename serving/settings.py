@@ -156,6 +156,9 @@ class ServeConfig:
     #: only recommends a switch there); None = only the dtype each upstream runs.
     upstream_kv_dtypes: list[str] | None = None
     extra_vllm_args: list[str] = field(default_factory=lambda: ["--enforce-eager"])
+    #: Tensor-parallel ranks the model is split over (sizes the per-rank KV and weights of the
+    #: memory model); None = ``--tensor-parallel-size`` in ``extra_vllm_args``, else 1.
+    tensor_parallel: int | None = None
     startup_timeout_s: float = 300.0
     auto_restart: bool = True
     health_interval_s: float = 0.5

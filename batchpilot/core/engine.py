@@ -132,7 +132,8 @@ class MemoryModel:
     """What the shield needs to predict memory at a setting, in bytes.
 
     ``budget_bytes`` is the engine's share of device memory (``gpu_memory_utilization`` x
-    device memory); weights and activation workspace are fixed; KV grows by blocks.
+    device memory); weights and activation workspace are fixed; KV grows by blocks. Every
+    engine builds it from ``ModelMemory`` (the one KV formula) and its real KV pool.
     """
 
     budget_bytes: float
@@ -142,6 +143,97 @@ class MemoryModel:
     #: Bytes of one KV block (all layers, K and V or MLA latent, scales included) per dtype.
     kv_block_bytes: dict[str, float]
     num_kv_blocks_total: int
+    #: Where the numbers come from: "model" (a model's KV formula + the engine's KV pool),
+    #: "kv_pool" (the engine's pool in blocks, no model known: weights not counted), or
+    #: "unknown: <why>" (nothing known: the shield's memory checks cannot bind; callers hold a
+    #: safe static cap instead).
+    source: str = "model"
+
+    @property
+    def known(self) -> bool:
+        return not self.source.startswith("unknown")
+
+
+#: Bytes of one per-token-per-head scale for ``int8_per_token_head`` (fp32, as vLLM stores it).
+INT8_SCALE_BYTES = 4
+
+
+def kv_elem_bytes(kv_dtype: str, auto_bytes: int = 2) -> int:
+    """Bytes per stored KV element: the model's for "auto", 2 for 16-bit, 1 for fp8
+    (per-tensor scale, ~0) and int8."""
+    if kv_dtype == "auto":
+        return auto_bytes
+    if kv_dtype in KV_DTYPES_16BIT:
+        return 2
+    if kv_dtype in KV_DTYPES_8BIT:
+        return 1
+    raise ValueError(f"kv_dtype={kv_dtype!r} is unknown: use one of {KV_DTYPES_16BIT + KV_DTYPES_8BIT}")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelMemory:
+    """A served model as the memory model sees it, per tensor-parallel rank: the one KV
+    formula (ordinary K/V heads, or the MLA latent for DeepSeek-style models) that the
+    simulator (``envs.specs.ModelSpec``), the live engine (from vLLM's model config) and the
+    gateway (from the deployment's ``config.json``) all use."""
+
+    num_layers: int
+    #: K/V heads stored on one rank (unused with MLA).
+    kv_heads: int
+    head_dim: int
+    #: MLA: elements of the compressed KV latent per token per layer (0 = ordinary K/V heads).
+    kv_latent_dim: int = 0
+    #: Element bytes of the "auto" KV dtype (the model's dtype).
+    auto_elem_bytes: int = 2
+    weights_bytes: float = 0.0
+    activation_bytes: float = 0.0
+
+    def kv_bytes_per_token_layer(self, kv_dtype: str) -> float:
+        """KV bytes of one token in one layer on one rank, scales included."""
+        elem = kv_elem_bytes(kv_dtype, self.auto_elem_bytes)
+        if self.kv_latent_dim > 0:
+            scale = INT8_SCALE_BYTES if kv_dtype == "int8_per_token_head" else 0
+            return self.kv_latent_dim * elem + scale
+        scale = 2 * self.kv_heads * INT8_SCALE_BYTES if kv_dtype == "int8_per_token_head" else 0
+        return 2 * self.kv_heads * self.head_dim * elem + scale
+
+    def kv_block_bytes(self, kv_dtype: str, block_size: int) -> float:
+        return float(block_size * self.num_layers * self.kv_bytes_per_token_layer(kv_dtype))
+
+    def memory_model(self, *, block_size: int, num_blocks: int, kv_dtype: str,
+                     budget_bytes: float | None = None) -> MemoryModel:
+        """The shield's model for an engine running ``kv_dtype`` with ``num_blocks`` KV blocks
+        of ``block_size`` tokens. The budget is weights + activations + that pool unless given
+        (vLLM sizes the pool from what is left of its budget, so the two agree)."""
+        per = {d: self.kv_block_bytes(d, block_size) for d in KV_DTYPES_ALL}
+        if budget_bytes is None:
+            budget_bytes = self.weights_bytes + self.activation_bytes + num_blocks * per[kv_dtype]
+        return MemoryModel(budget_bytes=float(budget_bytes), weights_bytes=float(self.weights_bytes),
+                           activation_bytes=float(self.activation_bytes), block_size=int(block_size),
+                           kv_block_bytes=per, num_kv_blocks_total=int(num_blocks))
+
+    @classmethod
+    def from_hf_config(cls, config: dict, *, tensor_parallel: int = 1, weights_bytes: float = 0.0,
+                       activation_bytes: float = 0.0) -> "ModelMemory":
+        """From a Hugging Face ``config.json`` (the deployment's model): layers, K/V heads and
+        head size, or the MLA latent (``kv_lora_rank + qk_rope_head_dim``) where the model has
+        one. Raises ``ValueError`` naming what is missing."""
+        cfg = config.get("text_config") or config
+        try:
+            layers = int(cfg["num_hidden_layers"])
+            heads = int(cfg["num_attention_heads"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"model config lacks {exc}: cannot size its KV cache") from None
+        kv_heads = int(cfg.get("num_key_value_heads") or heads)
+        head_dim = int(cfg.get("head_dim") or int(cfg.get("hidden_size", 0)) // heads)
+        latent = 0
+        if cfg.get("kv_lora_rank"):
+            latent = int(cfg["kv_lora_rank"]) + int(cfg.get("qk_rope_head_dim") or 0)
+        dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or config.get("torch_dtype") or "bfloat16")
+        auto = 4 if dtype in ("float32", "float") else 2
+        tp = max(1, int(tensor_parallel))
+        return cls(num_layers=layers, kv_heads=max(1, kv_heads // tp), head_dim=head_dim, kv_latent_dim=latent,
+                   auto_elem_bytes=auto, weights_bytes=weights_bytes, activation_bytes=activation_bytes)
 
 
 @dataclass(slots=True)

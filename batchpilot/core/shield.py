@@ -72,6 +72,7 @@ INTERVENTION_KINDS: tuple[str, ...] = (
     "breaker_hold",
     "breaker_shed",
     "stale_telemetry",  # the gateway's: an interval without the engine's counters
+    "memory_unknown",  # the gateway's: no KV budget known, the cap held at the safe static cap
 )
 
 
