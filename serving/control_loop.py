@@ -395,6 +395,8 @@ class ControlLoop:
         ctl = self.lane_ctl[lane.index]
         if lane.upstream.info is not ctl.info:  # restarted (or first seen): its KV pool may differ
             self._refresh_memory_model(lane, ctl)
+        for what in lane.take_oom_reports():  # what vLLM reported since the last tick: the breaker's OOM
+            ctl.shield.report_oom(f"{lane.name} {what}")
         m = await self._scrape(lane) if lane.upstream.healthy else {}
         ctl.stale_intervals = 0 if m else ctl.stale_intervals + 1
         last = ctl.last_counters

@@ -398,6 +398,8 @@ async def _forward(gw: Gateway, lane: Lane, req: EngineRequest, bucket: int, bod
         raise
     resp_headers = {k: v for k, v in resp.headers if k not in _DROP_RESP_HEADERS}
     if content is not None:
+        if resp.status >= 400:
+            lane.check_error_answer(resp.status, content)  # an OOM answer feeds the breaker
         timer.finish(ok=resp.status == 200, content=content)
         if sampled is not None and resp.status == 200:
             gw.quality.submit(sampled)
@@ -467,6 +469,8 @@ async def _relay(resp: Http1Response, timer: "_Timer", lane: Lane, deadline: flo
             except StopAsyncIteration:
                 break
             timer.chunk(chunk)
+            if b'"error"' in chunk:  # vLLM ends a failed stream with an error event
+                lane.check_error_answer(500, chunk)
             yield chunk
         ok = True
     except TimeoutError:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import re
 import time
 from dataclasses import dataclass, field
 
@@ -37,6 +38,22 @@ REJECT_MESSAGE = {
 }
 
 
+#: How vLLM and PyTorch name running out of memory in an error answer (torch's
+#: ``OutOfMemoryError`` "CUDA out of memory", "CUDA error: out of memory", HIP/XPU/CPU allocator
+#: failures, "Cannot allocate memory").
+_OOM_RE = re.compile(rb"out of memory|outofmemoryerror|cannot allocate memory|failed to allocate|\boom\b", re.I)
+
+
+def is_oom_text(body: bytes) -> bool:
+    """Whether an upstream's error answer (its first 64 KiB) says the engine ran out of memory."""
+    return bool(_OOM_RE.search(body[:65536]))
+
+
+def _excerpt(body: bytes, n: int = 160) -> str:
+    text = body[:n].decode("utf-8", "replace")
+    return "".join(c if c.isprintable() else " " for c in text)
+
+
 @dataclass
 class Lane:
     """One upstream and everything the gateway keeps per upstream."""
@@ -53,6 +70,10 @@ class Lane:
     shed_fraction: float = 0.0
     #: Set while a controller's dtype choice waits for a restart, or when it is only recommended.
     num_finished: int = 0
+    #: What the upstream reported since the last control tick that counts as running out of
+    #: memory (an out-of-memory error answer, the engine process exiting); the control loop
+    #: hands it to the shield's breaker (``Shield.report_oom``).
+    oom_reports: list[str] = field(default_factory=list)
 
     @classmethod
     def build(
@@ -76,6 +97,23 @@ class Lane:
     def load(self) -> float:
         a = self.admission
         return (a.num_waiting + a.num_in_flight) / max(a.batch_cap, 1)
+
+    # --- what vLLM reports ----------------------------------------------------------------------
+    def report_oom(self, kind: str, what: str) -> None:
+        """The upstream ran out of memory or died (``kind``: "error_answer" or "engine_exit")."""
+        self.metrics.upstream_oom.labels(self.name, kind).inc()
+        if len(self.oom_reports) < 20:
+            self.oom_reports.append(what)
+        log.warning("upstream %s: %s", self.name, what)
+
+    def check_error_answer(self, status: int, body: bytes) -> None:
+        """An error answer from the upstream: report it when it says the engine ran out of memory."""
+        if status >= 400 and is_oom_text(body):
+            self.report_oom("error_answer", f"answered {status} naming out-of-memory: {_excerpt(body)}")
+
+    def take_oom_reports(self) -> list[str]:
+        out, self.oom_reports = self.oom_reports, []
+        return out
 
     # --- knobs ---------------------------------------------------------------------------------
     def set_knobs(self, knobs: Knobs) -> None:

@@ -64,6 +64,12 @@ class GatewayMetrics:
         self.upstream_kv_usage = Gauge(
             "batchpilot:upstream_kv_cache_usage", "Upstream KV blocks in use (0..1).", ["upstream"], registry=r
         )
+        self.upstream_oom = Counter(
+            "batchpilot:upstream_oom",
+            "Upstream out-of-memory reports fed to the breaker, by kind (error_answer: an error answer naming "
+            "out-of-memory; engine_exit: the managed engine process exited).",
+            ["upstream", "kind"], registry=r,
+        )
         self.memory_model_known = Gauge(
             "batchpilot:memory_model_known",
             "1: the shield predicts this upstream's memory from the model's KV formula and the engine's KV pool; "

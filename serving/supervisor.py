@@ -117,6 +117,8 @@ class Supervisor:
                     now - st.since, why, "; calling it down" if down and up.healthy else "")
         if not down:
             return
+        if exited and up.healthy:  # once per death, not per probe of a dead process
+            ln.report_oom("engine_exit", f"the engine process exited ({why})")
         up.healthy = False
         self.metrics.upstream_up.labels(ln.name).set(0)
         if up.managed is not None and cfg.auto_restart and not self.closing:

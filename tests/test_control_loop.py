@@ -170,3 +170,39 @@ def test_the_gateway_admits_by_memory_per_request() -> None:
     assert not shield.fits((admitted + 1) * per, admitted + 1, "auto")
     assert reasons == ["too_large_for_memory"]
     lane.admission.check_counts()
+
+
+def test_the_breakers_oom_input_is_what_vllm_reports() -> None:
+    """``ShieldInputs.oom`` was never set by anything. Now an upstream error answer naming
+    out-of-memory (a 5xx body, or a stream's error event) and a managed engine process that
+    exited reach the breaker: the next decision shrinks the cap (level 1), with the cause."""
+    from types import SimpleNamespace
+
+    from batchpilot.serving.supervisor import Supervisor
+
+    gw, loop = _gateway("pid", {"kind": "pid"})
+    lane = gw.lanes[0]
+    ctl = loop.lane_ctl[lane.index]
+    caps = _ticks(loop, lane, 2)
+    lane.check_error_answer(500, b'{"error": {"message": "Internal Server Error"}}')  # not an OOM
+    lane.check_error_answer(400, b'{"error": {"message": "max_tokens too large"}}')
+    assert lane.oom_reports == []
+    lane.check_error_answer(500, b'{"object":"error","message":"CUDA out of memory. Tried to allocate 2.00 GiB"}')
+    assert len(lane.oom_reports) == 1
+    before = lane.knobs.batch_cap
+    caps = _ticks(loop, lane, 1, start=2100.0)
+    why = ctl.last_decision["interventions"].get("breaker_shrink", "")
+    assert "out of memory" in why and "CUDA out of memory" in why, ctl.last_decision
+    assert caps[-1] < before and ctl.last_decision["breaker_level"] == 1
+    assert gw.metrics.upstream_oom.labels(lane.name, "error_answer")._value.get() == 1
+    assert lane.oom_reports == []
+
+    # The managed engine process exits: one report per death, fed to the next decision.
+    sup = Supervisor(gw.cfg, gw.lanes, gw.metrics)
+    gw.cfg.auto_restart = False
+    lane.upstream.managed = SimpleNamespace(alive=lambda: False, proc=SimpleNamespace(returncode=-9))
+    lane.upstream.healthy = True
+    asyncio.run(sup.probe(lane))
+    asyncio.run(sup.probe(lane))
+    assert lane.upstream.healthy is False and len(lane.oom_reports) == 1 and "exited" in lane.oom_reports[0]
+    assert gw.metrics.upstream_oom.labels(lane.name, "engine_exit")._value.get() == 1

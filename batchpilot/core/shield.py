@@ -16,7 +16,8 @@ no policy can take the service outside these limits:
 * **KV dtype**: switches (an engine restart in vLLM) only after ``min_dtype_dwell_s`` since the
   last one, only to a runnable dtype (refusals carry the engine's reason), and only when the
   predicted gain pays for the restart (see ``Shield._dtype_gate``);
-* **circuit breaker** (graded): on an OOM, a preemption storm or P99 latency above
+* **circuit breaker** (graded): on an OOM (``report_oom``: the gateway's upstream answered
+  with an out-of-memory error or its engine process exited), a preemption storm or P99 latency above
   ``breach_factor`` x SLO that the engine causes, level 1 shrinks the cap by ``breaker_shrink`` (x0.7, itself within the
   30 % step); if that would go below ``min_batch``, level 2 also sheds low-priority load in
   admission; after ``alert_after`` (3) adjustments in a row that leave the breach in place an
@@ -47,7 +48,7 @@ from __future__ import annotations
 import logging
 import math
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from batchpilot.core.engine import KV_DTYPES_16BIT, EngineCapabilities, MemoryModel
@@ -172,7 +173,9 @@ class ShieldInputs:
     """What the shield sees of the last interval (all from gateway-visible signals)."""
 
     preemptions: int = 0
-    #: The engine reported running out of memory (OOM / failed allocation) in the interval.
+    #: The engine ran out of memory in the interval. The env's engines never do (the simulator
+    #: preempts, the live engine's KV pool is fixed); the gateway sets it through
+    #: ``Shield.report_oom`` from an upstream's out-of-memory error answers and engine exits.
     oom: bool = False
     ttft_p99_ms: float = 0.0
     tpot_p99_ms: float = 0.0
@@ -256,6 +259,7 @@ class Shield:
         self.max_batch = cfg.max_batch
         self.set_engine(memory, capabilities)
         self.num_interventions: Counter[str] = Counter()
+        self.oom_reason: str | None = None
         self.num_decisions = 0
         self.num_alerts = 0
         self.reset(now)
@@ -275,9 +279,17 @@ class Shield:
         """After an engine restart (e.g. a new KV dtype) the block layout may differ."""
         self.set_engine(memory, self.capabilities)
 
+    def report_oom(self, reason: str) -> None:
+        """The engine ran out of memory (or died) since the last decision: the next ``apply``
+        treats the interval as an OOM breach (``ShieldInputs.oom``). The gateway calls this for
+        what vLLM really reports: an error answer naming out-of-memory, the engine process
+        exiting. Several reports before a decision count once."""
+        self.pending_oom = self.pending_oom or reason
+
     def reset(self, now: float) -> None:
         """Start of an episode / a fresh engine: no breaker, no calibration, dwell counts from now."""
         self.last_dtype_switch = now
+        self.pending_oom: str | None = None
         self.breaker_level = 0
         self.num_breached_in_row = 0
         self.num_clean_in_row = 0
@@ -363,6 +375,9 @@ class Shield:
                 f"current kv_dtype {current.kv_dtype!r} has no entry in the memory model "
                 f"({sorted(self.memory.kv_block_bytes)})"
             )
+        if self.pending_oom is not None:
+            inputs = replace(inputs, oom=True)
+            self.oom_reason, self.pending_oom = self.pending_oom, None
         self.num_decisions += 1
         self.observe(inputs)
         why: dict[str, str] = {}
@@ -510,7 +525,7 @@ class Shield:
         TTFT/E2E breach without a backlog) or "overload" (a TTFT/E2E breach while more requests
         wait than run: the latency is queueing, and a smaller batch would only lengthen it)."""
         if inputs.oom:
-            return "engine out of memory", "engine"
+            return f"engine out of memory ({self.oom_reason or 'reported by its engine'})", "engine"
         if inputs.preemptions >= self.cfg.preemption_storm:
             return f"preemption storm ({inputs.preemptions} >= {self.cfg.preemption_storm})", "engine"
         slo_ms = {"ttft": self.slo.ttft_ms, "tpot": self.slo.tpot_ms, "e2el": self.slo.e2el_ms}
