@@ -260,6 +260,8 @@ class ServingEnv(gym.Env):
         self.knobs = Knobs(batch_cap=cap, bucketing=str(e.initial_bucketing), kv_dtype=self.engine.kv_dtype)
         self.admission = Admission(self.admission_cfg, self.knobs)
         self.shield = Shield(self.shield_cfg, self.engine.memory_model(), self._caps, slo=self.slo, now=self.engine.now)
+        if self.cfg.env.get("memory_admission", True):  # per request: in flight + it within the ceiling
+            self.admission.memory = self.shield
         self.telemetry = Telemetry(
             slo=self.slo,
             num_buckets=self.admission_cfg.num_buckets,
@@ -324,6 +326,8 @@ class ServingEnv(gym.Env):
             except RequestRejected as exc:
                 adm.on_finished(req.request_id)
                 self._on_rejected(exc)
+        for rej in adm.take_rejections():  # no longer fits even alone (the memory model moved)
+            self._on_rejected(rej)
 
     def _account(self, res: StepResult) -> None:
         tel, adm = self.telemetry, self.admission

@@ -149,3 +149,25 @@ def test_every_request_ends_finished_or_rejected_with_drain():
     m = info["episode_metrics"]
     assert m["completed"] + m["rejected"] == arrived
     assert m["completed"] > 0.5 * arrived
+
+
+@pytest.mark.parametrize("memory_admission", [True, False])
+def test_memory_is_checked_per_request_in_the_env_as_in_the_gateway(memory_admission: bool):
+    """Long prompts on DeepSeek-V3/H200 at a cap the count alone allows: with the per-request
+    check (the default, as the gateway) the predicted memory of what is in flight never passes
+    the ceiling; counting only (vLLM as shipped) goes past it."""
+    env = make("model=deepseek_v3", "hardware=h200", "workload=poisson", "workload.rate_scale=3",
+               "workload.lengths.prompt_mean=6000", f"env.memory_admission={memory_admission}",
+               "env.initial_batch_cap=256")
+    env.reset(seed=0)
+    adm, shield = env.admission, env.shield
+    peak = 0.0
+    for _ in range(20):
+        env.step(np.array([2, 0, 0]))
+        frac = shield.blocks_fraction(adm.kv_blocks_in_flight, adm.num_seqs_in_flight, env.knobs.kv_dtype)
+        peak = max(peak, frac)
+    ceiling = shield.cfg.memory_ceiling
+    if memory_admission:
+        assert 0.3 < peak <= ceiling
+    else:
+        assert adm.memory is None and adm.kv_blocks_in_flight == 0  # nothing charged: count only
