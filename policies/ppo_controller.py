@@ -110,6 +110,8 @@ class PPOController:
         self.num_decisions = 0
         self.num_fallbacks = 0
         self.last_fallback: list[str] = []
+        #: Whether the last decision was PID's because the observation was out of range.
+        self.fell_back = False
         self._lanes: dict[Any, PPOController] = {}
 
     @classmethod
@@ -162,6 +164,7 @@ class PPOController:
         self.num_decisions += 1
         obs = self.observation(snapshot)
         outside = self.out_of_range(obs)
+        self.fell_back = bool(outside)
         if outside:
             self.num_fallbacks += 1
             self.last_fallback = outside

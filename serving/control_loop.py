@@ -376,6 +376,8 @@ class ControlLoop:
             self.policies.failed(who, exc)
             controller, who = ctl.pid, "pid"
             step = control_step(controller, snap, lane.knobs, ctl.shield, now)
+        if who in ("policy", "canary") and getattr(controller, "fell_back", False):
+            self.policies.out_of_range(controller.last_fallback)
         if controller is not ctl.pid and who != "frozen":
             ctl.pid.decide(snap, lane.knobs)
         if who == "pid":

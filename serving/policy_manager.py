@@ -93,6 +93,9 @@ class PolicyManager:
         self.policy: PPOController | None = None
         self.policy_path: str | None = None
         self.fallback_reason: str | None = None
+        #: Intervals the policy handed to PID because the observation left the training range.
+        self.num_out_of_range = 0
+        self.last_out_of_range: list[str] = []
         self.canary: Canary | None = None
         self.canary_state = "none"
         self.shadow_agree: list[bool] = []
@@ -237,10 +240,17 @@ class PolicyManager:
                 self.metrics.controller.labels(mode, a).set(float(mode == self.mode and a == act))
         self.metrics.canary.set(CANARY_STATES[self.canary_state])
 
+    def out_of_range(self, features: list[str]) -> None:
+        """The policy handed an interval to PID: its observation left the training range."""
+        self.num_out_of_range += 1
+        self.last_out_of_range = list(features)
+        self.metrics.policy_fallbacks.labels("out_of_range").inc()
+
     def status(self) -> dict[str, Any]:
         return {
             "mode": self.mode,
             "acting": self.acting(),
+            "out_of_range": {"intervals": self.num_out_of_range, "last_features": self.last_out_of_range},
             "policy_path": self.policy_path,
             "fallback_reason": self.fallback_reason,
             "canary": {"state": self.canary_state,

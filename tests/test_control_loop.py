@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import asyncio
 
+import numpy as np
 from test_control_parity import _gateway, _metrics_text, recorded_trace
 
 from batchpilot.core.knobs import Knobs, Proposal
+from batchpilot.core.telemetry import FEATURE_NAMES
 from batchpilot.serving.upstream import UpstreamDown
 
 
@@ -206,3 +208,19 @@ def test_the_breakers_oom_input_is_what_vllm_reports() -> None:
     asyncio.run(sup.probe(lane))
     assert lane.upstream.healthy is False and len(lane.oom_reports) == 1 and "exited" in lane.oom_reports[0]
     assert gw.metrics.upstream_oom.labels(lane.name, "engine_exit")._value.get() == 1
+
+
+def test_the_gateway_counts_and_shows_intervals_the_policy_hands_to_pid() -> None:
+    """An observation outside the policy's training range: PID decides that interval, and the
+    gateway counts it in /metrics and shows it in status."""
+    gw, loop = _gateway("policy", {"kind": "pid"})
+    lane = gw.lanes[0]
+    pol = loop.policies.policy
+    assert pol is not None
+    pol.obs_low = np.full(len(FEATURE_NAMES), 9.0, dtype=np.float32)  # nothing real falls in here
+    pol.obs_high = pol.obs_low.copy()
+    before = gw.metrics.policy_fallbacks.labels("out_of_range")._value.get()
+    _ticks(loop, lane, 4)
+    st = loop.policies.status()["out_of_range"]
+    assert st["intervals"] == 4 and st["last_features"]
+    assert gw.metrics.policy_fallbacks.labels("out_of_range")._value.get() == before + 4
