@@ -53,7 +53,13 @@ import httpx
 from omegaconf import DictConfig, OmegaConf
 
 from batchpilot.config import REPO_ROOT
-from batchpilot.envs.timed_trace import TimedTraceFile, TimedTraceOptions, convert_trace, write_timed_trace
+from batchpilot.envs.timed_trace import (
+    HASH_STRIDE,
+    TimedTraceFile,
+    TimedTraceOptions,
+    convert_trace,
+    write_timed_trace,
+)
 from batchpilot.envs.traces import TraceOptions
 from batchpilot.policies.eval_report import _fmt, mean_ci
 
@@ -417,7 +423,7 @@ def live_evaluate(cfg: DictConfig, model_dir: Path | None = None) -> dict[str, A
         def one_run(path: str, records: Sequence[Mapping[str, Any]], name: str) -> tuple[dict[str, Any], dict]:
             nonlocal salt
             salt += 1
-            jsonl = write_timed_trace([{**r, "hash_ids": [salt * 10**9 + h for h in r["hash_ids"]]}
+            jsonl = write_timed_trace([{**r, "hash_ids": [salt * HASH_STRIDE + h for h in r["hash_ids"]]}
                                        for r in records], runs_dir / f"{name}.jsonl")
             wait_until(lambda: engine_idle(vllm_url) and gateway_idle(gw), cfg.gateway.settle_timeout_s,
                        "vLLM and the gateway idle before a run", alive=gw.exited)
