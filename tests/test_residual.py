@@ -147,7 +147,8 @@ def test_each_gateway_lane_corrects_its_own_pid():
 
 
 def test_a_residual_policy_starts_near_pid():
-    """The untrained actor's most likely action is PID's own (factor 1, PID's bucketing, keep)."""
+    """The untrained actor's most likely cap is PID's (factor 1) and it keeps the KV dtype; the
+    bucketing order is left to learning."""
     from stable_baselines3.common.vec_env import DummyVecEnv, VecNormalize
 
     from batchpilot.policies.training import TrainConfig, build_model, start_at_baseline
@@ -158,7 +159,7 @@ def test_a_residual_policy_starts_near_pid():
     start_at_baseline(model, tc.baseline_prior_logit)
     obs = venv.reset()
     acts = np.array([model.predict(obs, deterministic=False)[0][0] for _ in range(200)])
-    pid_bucket = BUCKETING_MODES.index(PIDConfig().bucketing)
-    for i, want in enumerate((2, pid_bucket, 0)):
+    for i, want in ((0, 2), (2, 0)):  # factor 1, keep KV
         assert np.mean(acts[:, i] == want) > 0.5, (i, np.bincount(acts[:, i]))
+    assert all(np.mean(acts[:, 1] == b) > 0.15 for b in range(len(BUCKETING_MODES)))  # bucketing: no prior
     venv.close()
