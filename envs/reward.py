@@ -4,34 +4,11 @@ each term normalised, minus penalties. Every weight comes from ``conf/env/*.yaml
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
-from batchpilot.config import config_fields
 from batchpilot.core.telemetry import SLO, Snapshot
+from batchpilot.schemas import RewardConfig
 
-
-@dataclass(frozen=True, slots=True)
-class RewardConfig:
-    w_throughput: float = 0.6
-    w_latency: float = 0.3
-    w_memory: float = 0.1
-    penalty_slo_miss: float = 1.0
-    penalty_preemption: float = 0.05
-    penalty_shield: float = 0.05
-    penalty_rejected: float = 0.5
-    penalty_queue: float = 0.1
-    quality_cost_8bit: float = 0.0
-    engine_failure: float = 10.0
-
-    @classmethod
-    def from_cfg(cls, node: object, model_quality_cost: float = 0.0) -> "RewardConfig":
-        d = config_fields(cls, node, "env.reward")
-        if d.get("quality_cost_8bit") is None:
-            d["quality_cost_8bit"] = model_quality_cost
-        for k, v in d.items():
-            if not isinstance(v, (int, float)) or math.isnan(float(v)) or float(v) < 0:
-                raise ValueError(f"env.reward.{k} must be a non-negative number, got {v!r}")
-        return cls(**{k: float(v) for k, v in d.items()})
+__all__ = ["RewardConfig", "reward_terms"]
 
 
 def reward_terms(snap: Snapshot, slo: SLO, cfg: RewardConfig, *, rate_scale: float,

@@ -52,7 +52,7 @@ import gymnasium as gym
 import numpy as np
 from omegaconf import DictConfig
 
-from batchpilot.config import load_config
+from batchpilot.config import from_node, load_config
 from batchpilot.core.actions import ACTION_NVEC, action_mask, action_to_proposal
 from batchpilot.core.admission import Admission, AdmissionConfig
 from batchpilot.core.control import guard
@@ -78,7 +78,8 @@ def _shift_stream(stream: RequestStream, t0: float) -> RequestStream:
 
 
 def slo_from_cfg(node: Any) -> SLO:
-    return SLO(ttft_ms=node.get("ttft_ms"), tpot_ms=node.get("tpot_ms"), e2el_ms=node.get("e2el_ms"))
+    """The ``slo`` node (checked against ``slo/schema`` at compose time) as an ``SLO``."""
+    return from_node(SLO, node)
 
 
 class ServingEnv(gym.Env):

@@ -318,6 +318,8 @@ def workload_overrides(
 def compose_eval(overrides: Sequence[str], config_name: str = "evaluate") -> tuple[DictConfig, dict[str, str]]:
     """``conf/<config_name>.yaml`` (``evaluate``, or a preset built on it such as
     ``evaluate_matrix``) composed with ``overrides``; also the group choices made."""
+    import batchpilot.schemas  # noqa: F401  (stores the structured-config schemas the groups extend)
+
     gh = GlobalHydra.instance()
     if gh.is_initialized():
         gh.clear()

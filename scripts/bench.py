@@ -14,6 +14,7 @@ from omegaconf import DictConfig
 from rich.console import Console
 from rich.table import Table
 
+import batchpilot.schemas  # noqa: F401  (stores the config schemas before Hydra composes)
 from batchpilot.core.engine import Request
 from batchpilot.envs.sim_engine import SimEngine
 

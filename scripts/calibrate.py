@@ -25,6 +25,7 @@ for _key, _var, _default in (("omp_wait_policy", "OMP_WAIT_POLICY", "PASSIVE"),
 import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
+import batchpilot.schemas  # noqa: E402,F401  (stores the config schemas before Hydra composes)
 from batchpilot.policies.calibration import main as run  # noqa: E402
 
 

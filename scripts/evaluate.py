@@ -9,6 +9,7 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
+import batchpilot.schemas  # noqa: F401  (stores the config schemas before Hydra composes)
 from batchpilot.policies.evaluation import EvaluationError, evaluate
 
 

@@ -12,6 +12,8 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
+import batchpilot.schemas  # noqa: F401  (stores the config schemas before Hydra composes)
+
 log = logging.getLogger("export")
 
 

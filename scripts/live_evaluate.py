@@ -16,6 +16,7 @@ small_machine_omp_defaults(os.environ)
 import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
+import batchpilot.schemas  # noqa: E402,F401  (stores the config schemas before Hydra composes)
 from batchpilot.policies.live_evaluation import LiveEvaluationError, live_evaluate  # noqa: E402
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hydra
 from omegaconf import DictConfig
 
+import batchpilot.schemas  # noqa: F401  (stores the config schemas before Hydra composes)
 from batchpilot.config import CONF_DIR
 from batchpilot.serving.gateway import serve
 

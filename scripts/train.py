@@ -10,6 +10,7 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
+import batchpilot.schemas  # noqa: F401  (stores the config schemas before Hydra composes)
 from batchpilot.cluster import ClusterUnavailable, require_ray
 from batchpilot.policies.training import train
 

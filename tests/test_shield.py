@@ -237,7 +237,7 @@ def test_config_validation():
         ShieldConfig(breaker_shrink=0.5)
     with pytest.raises(ValueError, match="min_batch"):
         ShieldConfig(min_batch=10, max_batch=5)
-    with pytest.raises(ValueError, match="unknown shield config"):
+    with pytest.raises(ValueError, match="Key 'max_step' not in 'ShieldConfig'"):
         ShieldConfig.from_cfg({"max_step": 0.3})
     with pytest.raises(ValueError, match="breach_metrics"):
         ShieldConfig(breach_metrics=("p50",))

@@ -46,7 +46,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Protocol, Sequence
 
-from batchpilot.config import config_fields
+from batchpilot.config import from_node
 from batchpilot.core.knobs import BUCKETING_MODES, Knobs
 
 #: Why a request left admission without running. A short slug, machine-readable.
@@ -83,14 +83,6 @@ class Rejection:
     @property
     def request_id(self) -> str:
         return self.request.request_id
-
-
-#: Config spellings accepted for the fields (``conf/env/default.yaml`` uses the left ones).
-_CFG_ALIASES = {
-    "bucket_boundaries": "boundaries",
-    "bucket_weights": "weights",
-    "adaptive_buckets": "adapt_boundaries",
-}
 
 
 @dataclass(slots=True)
@@ -149,19 +141,10 @@ class AdmissionConfig:
 
     @classmethod
     def from_cfg(cls, node: Any) -> "AdmissionConfig":
-        """Build from a config node (DictConfig or mapping); missing keys keep their defaults,
-        unknown keys raise so typos do not pass silently."""
-        data = dict(node or {})
-        for alias, name in _CFG_ALIASES.items():
-            if alias in data:
-                if name in data:
-                    raise ValueError(f"admission config sets both {alias!r} and {name!r}")
-                data[name] = data.pop(alias)
-        data = config_fields(cls, data, "admission config")
-        for key in ("boundaries", "weights"):
-            if key in data:
-                data[key] = tuple(data[key])
-        return cls(**data)
+        """From the ``admission`` node of the env or serve config (one schema for both,
+        ``schema/admission`` in batchpilot/schemas.py) or a mapping; missing keys keep their
+        defaults, an unknown key or a wrong type raises naming the key."""
+        return from_node(cls, node)
 
 
 @dataclass(slots=True)

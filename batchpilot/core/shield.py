@@ -51,6 +51,7 @@ from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from batchpilot.config import from_node
 from batchpilot.core.engine import KV_DTYPES_16BIT, EngineCapabilities, MemoryModel
 from batchpilot.core.knobs import BUCKETING_MODES, Knobs, Proposal
 from batchpilot.core.telemetry import SLO, Snapshot
@@ -161,11 +162,9 @@ class ShieldConfig:
 
     @classmethod
     def from_cfg(cls, node: Any) -> "ShieldConfig":
-        data = dict(node or {})
-        unknown = set(data) - set(cls.__dataclass_fields__)
-        if unknown:
-            raise ValueError(f"unknown shield config keys {sorted(unknown)}")
-        return cls(**data)
+        """From the ``shield`` node (checked against ``shield/schema`` at compose time) or a
+        mapping; an unknown key or a wrong type raises naming the key."""
+        return from_node(cls, node)
 
 
 @dataclass(slots=True)
