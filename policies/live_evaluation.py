@@ -470,6 +470,16 @@ def live_evaluate(cfg: DictConfig, model_dir: Path | None = None) -> dict[str, A
                       f"preemptions {row['preemptions']:.0f}, wall {row['wall_s']:.0f} s", flush=True)
                 write_results(rows, out_dir, meta=_meta(cfg, tf, order), plots=False)
     files = write_results(rows, out_dir, meta=_meta(cfg, tf, order), plots=bool(cfg.plots))
+    if cfg.get("sim_twin", False):  # the same requests on the calibrated simulator (policies/live_twin.py)
+        from batchpilot.policies.live_twin import header_priority, run_twin, write_twin
+
+        sc = OmegaConf.to_container(scenario, resolve=True)
+        assert isinstance(sc, dict)
+        twin = run_twin(tf, sc, {"ttft_ms": cfg.slo.ttft_ms, "tpot_ms": cfg.slo.tpot_ms}, paths=paths,
+                        vllm_args=[*cfg.gateway.extra_vllm_args, *scenario.vllm_args],
+                        priority=header_priority(client_cfg.get("headers"), 1), seed=int(cfg.seed))
+        write_twin(out_dir, twin, rows)
+        files["twin"] = out_dir / "twin.json"
     print(f"live_evaluate: {len(rows)} runs in {time.monotonic() - t_start:.0f} s; files in {out_dir}", flush=True)
     print((out_dir / "results.md").read_text(), flush=True)
     return {"rows": rows, "files": files, "trace": tf}

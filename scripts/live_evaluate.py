@@ -1,6 +1,7 @@
 """Live evaluation with vLLM's own benchmark client: ``python scripts/live_evaluate.py
 [live_scenario=steady|kv_tight|burst] [rounds=5] [paths=[vllm_direct,static,pid,ppo]] out_dir=DIR``
-(see conf/live_evaluate.yaml and docs/live_evaluation.md)."""
+(see conf/live_evaluate.yaml and docs/live_evaluation.md). ``twin_of=DIR``: only the simulated
+twin of the finished live run in DIR (no vLLM), added to its results.md and twin.json."""
 
 from __future__ import annotations
 
@@ -23,7 +24,13 @@ from batchpilot.policies.live_evaluation import LiveEvaluationError, live_evalua
 @hydra.main(config_path="../conf", config_name="live_evaluate", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     try:
-        live_evaluate(cfg)
+        if cfg.get("twin_of"):
+            from batchpilot.policies.live_twin import twin_of
+
+            twin_of(str(cfg.twin_of))
+            print(f"live_evaluate: simulated twin written to {cfg.twin_of}/results.md and twin.json", flush=True)
+        else:
+            live_evaluate(cfg)
     except LiveEvaluationError as e:  # a configuration or start-up problem: one line, no traceback
         print(f"live_evaluate: error: {e}", file=sys.stderr)
         sys.exit(2)

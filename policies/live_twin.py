@@ -1,0 +1,376 @@
+"""The simulated twin of a live evaluation: the same scenario on the calibrated simulator.
+
+``scripts/live_evaluate.py`` replays a trace window with vLLM's benchmark client against vLLM
+direct and through the gateway (static / pid / ppo). The twin replays **the same converted
+requests** — the window's ``timed_trace`` records (same clipping of prompt and output lengths,
+same timestamps, one ``hash_ids`` block per ``chunk_tokens`` and no prefix shared across
+requests, as each live run's salted ids) — as a ``RequestStream`` on
+``engine=sim model=tiny_llama hardware=cpu_tiny`` (the committed calibration profile, with
+the live engine's scheduler: block size 32 unless the scenario's ``--block-size`` says
+otherwise, token budget 2,048, 256 sequences, the scenario's ``--num-gpu-blocks-override`` as
+``engine.num_gpu_blocks_override``), under the same SLO, and on the same paths:
+
+- ``vllm_direct`` ≙ the ``vllm_default`` controller as shipped (no shield, breaker or
+  batchpilot admission; ``policy_overrides.vllm_default.as_shipped``);
+- ``static`` / ``pid`` / ``ppo``: the controllers behind the shield, started from the
+  gateway's start-up knobs (``conf/serve/default.yaml`` ``control``: batch cap 64, FIFO) with the
+  gateway's breaker (``shield.breaker_shrink`` 0.8, ``conf/serve_app.yaml``); requests carry the
+  gateway's default priority (1, sheddable) unless the live client sent ``x-priority``.
+
+The simulator is deterministic, so one episode per path. Goodput is ``summarize``'s (good
+requests / run duration, as the client's ``--goodput``).
+
+``survival`` turns a simulated gain and the live paired gain into the share that survives
+live, and says "no simulated gain to survive" instead of dividing by ~0.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from omegaconf import DictConfig, OmegaConf
+
+from batchpilot.config import REPO_ROOT
+from batchpilot.envs.timed_trace import TimedTraceFile
+from batchpilot.envs.workloads import RequestStream
+from batchpilot.policies.eval_report import _fmt, mean_ci
+
+#: Live path -> the simulator's controller (``conf/policy/<name>.yaml``).
+TWIN_POLICY = {"vllm_direct": "vllm_default", "static": "static", "pid": "pid", "ppo": "ppo"}
+#: The gains the report follows: (path, over).
+GAINS: tuple[tuple[str, str], ...] = (("ppo", "vllm_direct"), ("ppo", "pid"))
+#: A simulated gain below this share of the reference path's simulated goodput counts as none.
+MIN_REL_GAIN = 0.02
+#: ... and below this many req/s in any case.
+MIN_ABS_GAIN = 1e-3
+#: The issue's target: at least this share of the simulated gain survives live.
+TARGET_SHARE = 0.70
+TWIN_ROW_KEYS: tuple[str, ...] = (
+    "scenario", "path", "controller", "requests", "completed", "rejected", "accounted", "request_goodput",
+    "slo_attainment", "request_throughput", "mean_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "p99_tpot_ms", "preemptions", "peak_kv_usage",
+    "shield_interventions", "duration_s", "error",
+)
+SECTION = "## Simulated twin"
+
+
+# --- the workload -----------------------------------------------------------------------------
+def stream_from_records(records: Sequence[Mapping[str, Any]], chunk_tokens: int, *, priority: int = 1,
+                        duration_s: float | None = None) -> RequestStream:
+    """The timed_trace records (what the client sends) as the simulator's request stream:
+    arrival = ``timestamp``, lengths as written, prefix blocks = ``hash_ids`` of
+    ``chunk_tokens`` tokens, every request at ``priority``."""
+    if not records:
+        raise ValueError("no records to replay")
+    t = np.array([float(r["timestamp"]) for r in records])
+    p = np.array([int(r["input_length"]) for r in records])
+    o = np.array([int(r["output_length"]) for r in records])
+    dur = float(t[-1]) if duration_s is None else max(float(duration_s), float(t[-1]))
+    return RequestStream(t, p, o, duration_s=dur, priority=np.full(t.size, int(priority)),
+                         prefix_hashes=[tuple(int(h) for h in r["hash_ids"]) for r in records],
+                         prefix_block_tokens=int(chunk_tokens), info={"kind": "timed_trace"})
+
+
+def header_priority(headers: Sequence[str] | None, default: int) -> int:
+    """The ``x-priority`` the live client sent (``client.headers``), else the gateway's default."""
+    for h in headers or []:
+        k, _, v = str(h).partition("=")
+        if k.strip().lower() == "x-priority":
+            return int(v.strip())
+    return int(default)
+
+
+def _vllm_arg(args: Sequence[Any], name: str) -> int | None:
+    a = [str(x) for x in args]
+    for i, x in enumerate(a):
+        if x == name and i + 1 < len(a):
+            return int(a[i + 1])
+        if x.startswith(name + "="):
+            return int(x.split("=", 1)[1])
+    return None
+
+
+def _serve_defaults() -> dict[str, Any]:
+    serve = OmegaConf.load(REPO_ROOT / "conf" / "serve" / "default.yaml")
+    app = OmegaConf.load(REPO_ROOT / "conf" / "serve_app.yaml")
+    return {"control": OmegaConf.to_container(serve.control, resolve=True),
+            "default_priority": int(serve.get("default_priority", 1)),
+            "breaker_shrink": float(app.shield.breaker_shrink)}
+
+
+def twin_overrides(scenario: Mapping[str, Any], slo: Mapping[str, Any], vllm_args: Sequence[Any] = (),
+                   extra: Sequence[str] = ()) -> list[str]:
+    """Hydra overrides (``conf/evaluate.yaml``) of the twin's simulator: the calibrated tiny
+    model, the live engine's scheduler and KV budget, the gateway's control settings, the SLO."""
+    sd = _serve_defaults()
+    ctl = sd["control"]
+    bs = _vllm_arg(vllm_args, "--block-size") or 32
+    out = [
+        "engine=sim", "model=tiny_llama", "hardware=cpu_tiny", f"engine.block_size={bs}",
+        f"engine.max_num_batched_tokens={_vllm_arg(vllm_args, '--max-num-batched-tokens') or 2048}",
+        f"engine.max_num_seqs={_vllm_arg(vllm_args, '--max-num-seqs') or 256}",
+        "workload=trace", f"workload.path={scenario['trace']}", f"workload.format={scenario['format']}",
+        f"workload.start_s={float(scenario.get('start_s') or 0.0)}",
+        f"workload.time_scale={float(scenario.get('time_scale') or 1.0)}",
+        f"workload.duration_s={'null' if scenario.get('duration_s') is None else float(scenario['duration_s'])}",
+        f"slo.ttft_ms={slo.get('ttft_ms')}", f"slo.tpot_ms={slo.get('tpot_ms')}",
+        f"env.interval_s={ctl['interval_s']}", f"env.telemetry_window_s={ctl['window_s']}",
+        f"env.rate_scale={ctl['rate_scale']}", f"env.token_rate_scale={ctl['token_rate_scale']}",
+        f"env.initial_batch_cap={ctl['initial_batch_cap']}", f"env.initial_bucketing={ctl['initial_bucketing']}",
+        f"shield.breaker_shrink={sd['breaker_shrink']}", "logger=none",
+    ]
+    blocks = _vllm_arg(vllm_args, "--num-gpu-blocks-override")
+    if blocks is not None:
+        out.append(f"engine.num_gpu_blocks_override={blocks}")
+    return [*out, *extra]
+
+
+# --- running it -------------------------------------------------------------------------------
+def _replay_env(cfg: DictConfig, records: Sequence[Mapping[str, Any]], chunk_tokens: int, priority: int,
+                duration_s: float):
+    """A ``ServingEnv`` whose every episode replays exactly ``records`` (a fresh stream per
+    reset), instead of the stream its ``workload`` config would build."""
+    from batchpilot.envs.serving_env import ServingEnv, _shift_stream
+
+    class ReplayEnv(ServingEnv):
+        def reset(self, *, seed: int | None = None, options: dict | None = None):
+            out = super().reset(seed=seed, options=options)
+            stream = stream_from_records(records, chunk_tokens, priority=priority, duration_s=duration_s)
+            self.stream = _shift_stream(stream, self._episode_start) if self._episode_start > 0 else stream
+            return out
+
+    return ReplayEnv(cfg=cfg)
+
+
+def run_twin(tf: TimedTraceFile, scenario: Mapping[str, Any], slo: Mapping[str, Any], *,
+             paths: Sequence[str] = tuple(TWIN_POLICY), vllm_args: Sequence[Any] = (), priority: int | None = None,
+             seed: int = 0, extra_overrides: Sequence[str] = (), policy_overrides: Mapping[str, Any] | None = None,
+             log: Any = print) -> list[dict[str, Any]]:
+    """One simulated episode per live path on the records of ``tf``; one row per path."""
+    from batchpilot.envs.engines import build_engine
+    from batchpilot.policies.evaluation import (
+        AS_SHIPPED_KEY,
+        EvalConfig,
+        WorkloadPlan,
+        compose_eval,
+        episode_config,
+        make_controller,
+        policy_config,
+        run_episode,
+        start_knobs,
+    )
+
+    bad = [p for p in paths if p not in TWIN_POLICY]
+    if bad:
+        raise ValueError(f"paths must be among {tuple(TWIN_POLICY)}, got {list(paths)}")
+    sd = _serve_defaults()
+    prio = sd["default_priority"] if priority is None else int(priority)
+    names = [TWIN_POLICY[p] for p in paths]
+    overrides = [*twin_overrides(scenario, slo, vllm_args, extra_overrides), f"policies=[{','.join(names)}]",
+                 f"seeds=[{int(seed)}]"]
+    cfg, _ = compose_eval(overrides)
+    ecfg = EvalConfig.from_cfg(cfg)
+    engine = build_engine(cfg)
+    try:
+        caps = engine.capabilities()
+    finally:
+        engine.close()
+    kv = {str(cfg.env.kv16_dtype), str(cfg.env.kv8_dtype), "auto"}
+    interval = float(cfg.env.interval_s)
+    duration = max(float(tf.duration_s), float(tf.records[-1]["timestamp"]))
+    plan = WorkloadPlan(
+        name=str(scenario.get("name", "scenario")), cfg=cfg, max_num_seqs=caps.max_num_seqs,
+        max_model_len=caps.max_model_len, kv_runnable={d: caps.can_run(d) for d in kv},
+        kv_why_not={d: caps.why_not(d) for d in kv},
+        episode_s=max(1, math.ceil(duration / interval - 1e-9)) * interval, num_requests=len(tf),
+    )
+    rows = []
+    for path, name in zip(paths, names):
+        pol = policy_config(name, ecfg, plan)
+        if name == "pid":  # the gateway's PID starts from its start-up cap, not pid.yaml's
+            pol["initial_batch_cap"] = int(sd["control"]["initial_batch_cap"])
+        pol.update((policy_overrides or {}).get(path, {}))
+        knobs = start_knobs(pol, plan)
+        as_shipped = bool(pol.get(AS_SHIPPED_KEY, False))
+        env = _replay_env(episode_config(plan, knobs, as_shipped), tf.records, tf.chunk_tokens, prio, duration)
+        try:
+            ep = run_episode(env, make_controller(pol, plan, name), int(seed), shielded=not as_shipped)
+        finally:
+            env.close()
+        m = ep.metrics
+        completed, rejected = int(m["completed"]), int(m["rejected"])
+        row = {"scenario": plan.name, "path": path, "controller": name + (" (as shipped)" if as_shipped else ""),
+               "requests": len(tf), "completed": completed, "rejected": rejected,
+               "accounted": completed + rejected == len(tf), "error": ep.error,
+               **{k: float(m.get(k, math.nan)) for k in TWIN_ROW_KEYS
+                  if k in m and k not in ("completed", "rejected")}}
+        rows.append({k: row.get(k, math.nan) for k in TWIN_ROW_KEYS})
+        log(f"sim twin: {path} ({row['controller']}): goodput {row['request_goodput']:.3f} req/s, "
+            f"{completed}/{len(tf)} completed, {rejected} rejected, preemptions {row.get('preemptions', 0):.0f}, "
+            f"{ep.wall_s:.1f} s")
+    return rows
+
+
+# --- the share that survives ------------------------------------------------------------------
+def survival(sim_gain: float, sim_ref: float, live_gain: float, live_ci: float, *,
+             min_rel: float = MIN_REL_GAIN, min_abs: float = MIN_ABS_GAIN,
+             target: float = TARGET_SHARE) -> dict[str, Any]:
+    """The share of a simulated gain that survives live: ``live_gain / sim_gain`` with the live
+    paired CI carried through (``(live_gain ± live_ci) / sim_gain``). A simulated gain within
+    ``max(min_abs, min_rel * sim_ref)`` of 0 (``sim_ref``: the reference path's simulated
+    goodput), or a simulated loss, has nothing to survive: share None and a verdict saying so."""
+    tol = max(min_abs, min_rel * abs(sim_ref)) if math.isfinite(sim_ref) else min_abs
+    out: dict[str, Any] = {"sim_gain": sim_gain, "live_gain": live_gain, "live_ci": live_ci, "tolerance": tol,
+                           "share": None, "share_lo": None, "share_hi": None, "target_met": None}
+    if not math.isfinite(sim_gain):
+        out["verdict"] = "no simulated result"
+        return out
+    if abs(sim_gain) <= tol:
+        out["verdict"] = f"no simulated gain to survive (simulated gain {sim_gain:+.3g} req/s, within ±{tol:.2g})"
+        return out
+    if sim_gain < 0:
+        out["verdict"] = f"the simulator predicts a loss ({sim_gain:+.3g} req/s): no simulated gain to survive"
+        return out
+    if not math.isfinite(live_gain):
+        out["verdict"] = "no live result"
+        return out
+    share = live_gain / sim_gain
+    out["share"] = share
+    if math.isfinite(live_ci):
+        out["share_lo"], out["share_hi"] = (live_gain - live_ci) / sim_gain, (live_gain + live_ci) / sim_gain
+    out["target_met"] = bool(share >= target)
+    ci = f" (live CI → {out['share_lo']:.0%} … {out['share_hi']:.0%})" if out["share_lo"] is not None else ""
+    out["verdict"] = (f"{share:.0%} survives{ci}; target ≥ {target:.0%} "
+                      f"{'met' if share >= target else 'not met'}"
+                      + ("" if out["share_lo"] is None or out["share_lo"] > 0 else
+                         ", and the live interval includes 0"))
+    return out
+
+
+def _live_means(rows: Sequence[Mapping[str, Any]]) -> dict[str, tuple[float, float, int]]:
+    paths = dict.fromkeys(r["path"] for r in rows)
+    return {p: mean_ci([_num(r.get("request_goodput")) for r in rows if r["path"] == p]) for p in paths}
+
+
+def _num(v: Any) -> float:
+    return math.nan if v is None else float(v)
+
+
+def live_paired(rows: Sequence[Mapping[str, Any]], path: str, over: str,
+                key: str = "request_goodput") -> tuple[float, float, int]:
+    """Mean and 95 % CI half-width of ``path - over`` paired by round (live rows)."""
+    base = {r["round"]: _num(r.get(key)) for r in rows if r["path"] == over}
+    diffs = [_num(r.get(key)) - base[r["round"]] for r in rows if r["path"] == path and r["round"] in base]
+    return mean_ci(diffs)
+
+
+def twin_summary(sim_rows: Sequence[Mapping[str, Any]], live_rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """Per path the simulated and live goodput; per gain (``GAINS``) simulated vs live and the
+    share that survives."""
+    sim = {r["path"]: _num(r.get("request_goodput")) for r in sim_rows}
+    live = _live_means(live_rows)
+    gains = []
+    for path, over in GAINS:
+        if path not in sim or over not in sim:
+            continue
+        sg = sim[path] - sim[over]
+        lg, lci, n = live_paired(live_rows, path, over) if path in live and over in live else (math.nan, math.nan, 0)
+        s = survival(sg, sim[over], lg, lci)
+        gains.append({"path": path, "over": over, "live_rounds": n, **s})
+    tpot = {p: mean_ci([_num(r.get("mean_tpot_ms")) for r in live_rows if r["path"] == p])[0] for p in live}
+    return {"paths": {p: {"sim": sim[p], "live_mean": live.get(p, (math.nan,))[0],
+                          "live_ci": live.get(p, (math.nan, math.nan))[1], "live_mean_tpot_ms": tpot.get(p, math.nan)}
+                      for p in sim},
+            "gains": gains}
+
+
+def twin_markdown(sim_rows: Sequence[Mapping[str, Any]], summary: Mapping[str, Any], note: str = "") -> str:
+    lines = [SECTION, ""]
+    if note:
+        lines += [note, ""]
+    lines += ["The same converted requests on the calibrated simulator (`engine=sim model=tiny_llama "
+              "hardware=cpu_tiny`, one deterministic episode per path; vllm_direct ≙ `vllm_default` as shipped).",
+              "", "| path | controller (sim) | sim goodput (req/s) | live goodput (mean ± 95 % CI) | sim SLO attainment "
+              "| sim completed / rejected | sim preemptions | sim peak KV | mean TPOT sim / live (ms) |",
+              "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in sim_rows:
+        lv = summary["paths"].get(r["path"], {})
+        lm, lc = _num(lv.get("live_mean")), _num(lv.get("live_ci"))
+        live = "–" if not math.isfinite(lm) else (_fmt(lm) if not math.isfinite(lc) else f"{_fmt(lm)} ± {_fmt(lc)}")
+        lines.append(f"| {r['path']} | {r['controller']} | {_fmt(_num(r['request_goodput']))} | {live} | "
+                     f"{_fmt(_num(r['slo_attainment']))} | {r['completed']} / {r['rejected']} | "
+                     f"{_fmt(_num(r['preemptions']))} | {_fmt(_num(r['peak_kv_usage']))} | "
+                     f"{_fmt(_num(r['mean_tpot_ms']))} / {_fmt(_num(lv.get('live_mean_tpot_ms')))} |")
+    lines += ["", "| gain | simulated (req/s) | live, paired (req/s, 95 % CI) | share that survives live |",
+              "|---|---:|---:|---|"]
+    for g in summary["gains"]:
+        lg, lci = _num(g["live_gain"]), _num(g["live_ci"])
+        live = "–" if not math.isfinite(lg) else (f"{lg:+.3f}" if not math.isfinite(lci) else f"{lg:+.3f} ± {lci:.3f}")
+        lines.append(f"| {g['path']} − {g['over']} | {_num(g['sim_gain']):+.3f} | {live} | {g['verdict']} |")
+    return "\n".join(lines) + "\n"
+
+
+def _clean(v: Any) -> Any:
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    if isinstance(v, dict):
+        return {k: _clean(x) for k, x in v.items()}
+    if isinstance(v, list):
+        return [_clean(x) for x in v]
+    return v
+
+
+def write_twin(out_dir: Path, sim_rows: Sequence[Mapping[str, Any]], live_rows: Sequence[Mapping[str, Any]],
+               note: str = "") -> dict[str, Any]:
+    """twin.json (sim rows + summary) and the "Simulated twin" section of results.md (replaced
+    when there is one already)."""
+    summary = twin_summary(sim_rows, live_rows)
+    (out_dir / "twin.json").write_text(json.dumps(_clean({"rows": list(map(dict, sim_rows)), **summary}),
+                                                  indent=1, ensure_ascii=False) + "\n")
+    md_path = out_dir / "results.md"
+    md = md_path.read_text() if md_path.exists() else "# Live evaluation\n"
+    md = re.split(r"\n" + re.escape(SECTION) + r"\n", md, maxsplit=1)[0].rstrip("\n") + "\n\n"
+    md_path.write_text(md + twin_markdown(sim_rows, summary, note))
+    return summary
+
+
+def twin_of(out_dir: str | Path, log: Any = print) -> dict[str, Any]:
+    """The twin of a finished live run: its config (``.hydra/config.yaml``, else results.json's
+    meta), its window re-converted the same way, its rows from results.json."""
+    from batchpilot.policies.live_evaluation import scenario_trace
+
+    d = Path(out_dir)
+    res = json.loads((d / "results.json").read_text())
+    hcfg = d / ".hydra" / "config.yaml"
+    if hcfg.exists():
+        cfg = OmegaConf.load(hcfg)
+        scenario, slo = cfg.live_scenario, OmegaConf.to_container(cfg.slo, resolve=True)
+        headers = list(cfg.get("client", {}).get("headers") or [])
+        vargs = [*(cfg.get("gateway", {}).get("extra_vllm_args") or []), *scenario.vllm_args]
+        seed = int(cfg.get("seed", 0))
+    else:
+        scenario, slo, headers, seed = OmegaConf.create(res["meta"]["scenario"]), res["meta"]["slo"], [], 0
+        vargs = list(scenario.vllm_args)
+    tf = scenario_trace(scenario)
+    if len(tf) != int(res["meta"].get("requests_per_run", len(tf))):
+        raise ValueError(f"{d}: the window converts to {len(tf)} requests, the live run sent "
+                         f"{res['meta'].get('requests_per_run')}")
+    assert isinstance(slo, dict)
+    sc = OmegaConf.to_container(scenario, resolve=True)
+    assert isinstance(sc, dict)
+    rows = run_twin(tf, sc, slo, paths=[p for p in TWIN_POLICY if any(r["path"] == p for r in res["rows"])],
+                    vllm_args=vargs, priority=header_priority(headers, _serve_defaults()["default_priority"]),
+                    seed=seed, log=log)
+    summary = write_twin(d, rows, res["rows"])
+    return {"rows": rows, **summary}
+
+
+__all__ = [
+    "GAINS", "TARGET_SHARE", "TWIN_POLICY", "header_priority", "live_paired", "run_twin", "stream_from_records",
+    "survival", "twin_markdown", "twin_of", "twin_overrides", "twin_summary", "write_twin",
+]

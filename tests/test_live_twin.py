@@ -1,0 +1,133 @@
+"""The simulated twin of a live evaluation (issue 16): the same converted requests on the
+calibrated simulator, one row per path with every request accounted for, the share of the
+simulated gain that survives live (and "no simulated gain" instead of dividing by ~0), and the
+twin of a finished live run's folder. No vLLM."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from batchpilot.config import REPO_ROOT
+from batchpilot.policies.live_evaluation import scenario_trace
+from batchpilot.policies.live_twin import (
+    SECTION,
+    header_priority,
+    run_twin,
+    stream_from_records,
+    survival,
+    twin_of,
+    twin_overrides,
+    twin_summary,
+)
+
+SLO = {"ttft_ms": 1000.0, "tpot_ms": 100.0}
+
+
+def _scenario(name: str = "kv_tight", n: int = 16) -> dict:
+    sc = OmegaConf.to_container(OmegaConf.load(REPO_ROOT / "conf" / "live_scenario" / f"{name}.yaml"))
+    assert isinstance(sc, dict)
+    sc["max_requests"] = n
+    return sc
+
+
+def test_stream_is_the_converted_requests() -> None:
+    tf = scenario_trace(OmegaConf.create(_scenario(n=10)))
+    s = stream_from_records(tf.records, tf.chunk_tokens, priority=1, duration_s=tf.duration_s)
+    assert len(s) == 10
+    assert list(s.arrival_s) == [r["timestamp"] for r in tf.records]
+    assert list(s.prompt_len) == [r["input_length"] for r in tf.records]
+    assert list(s.output_len) == [r["output_length"] for r in tf.records]
+    assert set(s.priority.tolist()) == {1} and s.prefix_block_tokens == tf.chunk_tokens
+    assert [list(h) for h in s.prefix_hashes] == [r["hash_ids"] for r in tf.records]
+    assert header_priority(["x-priority=0", "x-batchpilot-key=k"], 1) == 0
+    assert header_priority([], 1) == 1
+
+
+def test_overrides_carry_the_kv_budget_and_scheduler() -> None:
+    ov = twin_overrides(_scenario(), SLO, ["--enforce-eager", "--block-size", "32", "--num-gpu-blocks-override", "96"])
+    for o in ("engine=sim", "model=tiny_llama", "hardware=cpu_tiny", "engine.block_size=32",
+              "engine.num_gpu_blocks_override=96", "engine.max_num_batched_tokens=2048", "slo.ttft_ms=1000.0"):
+        assert o in ov
+    assert not any("num_gpu_blocks_override" in o for o in twin_overrides(_scenario("steady"), SLO, []))
+
+
+def test_twin_of_a_small_scenario_accounts_for_every_request() -> None:
+    sc = _scenario(n=16)
+    tf = scenario_trace(OmegaConf.create(sc))
+    paths = ["vllm_direct", "static", "pid", "ppo"]
+    rows = run_twin(tf, sc, SLO, paths=paths, vllm_args=sc["vllm_args"], log=lambda m: None)
+    assert [r["path"] for r in rows] == paths
+    assert rows[0]["controller"] == "vllm_default (as shipped)"
+    for r in rows:
+        assert r["requests"] == 16 and r["accounted"] and r["completed"] + r["rejected"] == 16
+        assert r["error"] == "" and math.isfinite(r["request_goodput"]) and r["request_goodput"] >= 0
+        assert 0 < r["peak_kv_usage"] <= 1.0
+    # deterministic: the same twin twice gives the same numbers
+    again = run_twin(tf, sc, SLO, paths=["vllm_direct"], vllm_args=sc["vllm_args"], log=lambda m: None)
+    assert again[0]["request_goodput"] == rows[0]["request_goodput"]
+    with pytest.raises(ValueError, match="paths must be among"):
+        run_twin(tf, sc, SLO, paths=["best_static"], log=lambda m: None)
+
+
+def test_survival_share() -> None:
+    s = survival(0.5, 2.0, 0.4, 0.1)
+    assert s["share"] == pytest.approx(0.8) and s["target_met"] is True
+    assert s["share_lo"] == pytest.approx(0.6) and s["share_hi"] == pytest.approx(1.0)
+    assert "80% survives" in s["verdict"] and "met" in s["verdict"]
+    s = survival(0.5, 2.0, 0.1, 0.3)
+    assert s["share"] == pytest.approx(0.2) and s["target_met"] is False
+    assert "not met" in s["verdict"] and "includes 0" in s["verdict"]
+    # ~0 simulated gain (2 % of the reference's goodput): nothing to divide by
+    for sim_gain in (0.0, 0.03, -0.03, 1e-12):
+        s = survival(sim_gain, 2.0, 0.4, 0.1)
+        assert s["share"] is None and s["target_met"] is None
+        assert s["verdict"].startswith("no simulated gain to survive")
+    s = survival(-0.5, 2.0, 0.4, 0.1)
+    assert s["share"] is None and "predicts a loss" in s["verdict"]
+    assert survival(math.nan, 2.0, 0.4, 0.1)["verdict"] == "no simulated result"
+
+
+def test_summary_pairs_live_rounds() -> None:
+    sim = [{"path": "vllm_direct", "request_goodput": 2.0}, {"path": "pid", "request_goodput": 2.5},
+           {"path": "ppo", "request_goodput": 3.0}]
+    live = [{"path": p, "round": r, "request_goodput": g, "mean_tpot_ms": 5.0}
+            for r, gs in enumerate([(1.0, 1.2, 1.6), (2.0, 2.0, 2.4), (1.5, 1.6, 2.0)])
+            for p, g in zip(("vllm_direct", "pid", "ppo"), gs)]
+    s = twin_summary(sim, live)
+    g = {(x["path"], x["over"]): x for x in s["gains"]}
+    assert g[("ppo", "vllm_direct")]["sim_gain"] == pytest.approx(1.0)
+    assert g[("ppo", "vllm_direct")]["live_gain"] == pytest.approx(0.5)
+    assert g[("ppo", "vllm_direct")]["share"] == pytest.approx(0.5)
+    assert g[("ppo", "pid")]["live_gain"] == pytest.approx((0.4 + 0.4 + 0.4) / 3)
+    assert g[("ppo", "pid")]["live_ci"] == pytest.approx(0.0, abs=1e-9)
+    assert s["paths"]["ppo"]["live_mean"] == pytest.approx(2.0)
+
+
+def test_twin_of_a_finished_live_run(tmp_path: Path) -> None:
+    """A live folder (results.json with meta and rows, results.md) gains twin.json and one
+    "Simulated twin" section, replaced (not repeated) when computed again."""
+    sc = _scenario("steady", n=8)
+    tf = scenario_trace(OmegaConf.create(sc))
+    rows = [{"scenario": "steady", "path": p, "round": r, "request_goodput": 1.0 + 0.1 * r, "mean_tpot_ms": 5.0}
+            for r in range(2) for p in ("vllm_direct", "pid", "ppo")]
+    meta = {"scenario": sc, "slo": SLO, "requests_per_run": len(tf)}
+    (tmp_path / "results.json").write_text(json.dumps({"meta": meta, "rows": rows, "paired_differences": []}))
+    (tmp_path / "results.md").write_text("# Live evaluation\n\nlive table\n")
+    for _ in range(2):
+        out = twin_of(tmp_path, log=lambda m: None)
+    assert [r["path"] for r in out["rows"]] == ["vllm_direct", "pid", "ppo"]
+    md = (tmp_path / "results.md").read_text()
+    assert md.count(SECTION) == 1 and md.startswith("# Live evaluation") and "live table" in md
+    assert "share that survives live" in md
+    tj = json.loads((tmp_path / "twin.json").read_text())
+    assert len(tj["rows"]) == 3 and {(g["path"], g["over"]) for g in tj["gains"]} == {("ppo", "vllm_direct"),
+                                                                                      ("ppo", "pid")}
+    bad = dict(meta, requests_per_run=len(tf) + 1)
+    (tmp_path / "results.json").write_text(json.dumps({"meta": bad, "rows": rows}))
+    with pytest.raises(ValueError, match="converts to"):
+        twin_of(tmp_path, log=lambda m: None)
