@@ -216,7 +216,7 @@ def test_script_runs_and_logs_to_wandb_offline(tmp_path: Path) -> None:
     env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO_ROOT, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "| poisson | aimd | 3 |" in proc.stdout
+    assert "| poisson | llama3_8b/h100 | aimd | 3 |" in proc.stdout
     assert (tmp_path / "results.json").is_file() and (tmp_path / ".hydra" / "overrides.yaml").is_file()
     runs = list((tmp_path / "wandb").glob("offline-run-*"))
     assert runs and any(runs[0].glob("*.wandb"))
