@@ -125,6 +125,7 @@ class Gateway:
             for i, up in enumerate(upstreams)
         ]
         self._next_lane = 0  # round-robin among equally loaded lanes
+        self._canary_credit = 0.0  # fixed-share routing while a canary is on trial
         from batchpilot.serving.supervisor import Supervisor
 
         self.supervisor = Supervisor(cfg, self.lanes, self.metrics)
@@ -160,8 +161,19 @@ class Gateway:
     def pick_lane(self) -> Lane:
         """The least-loaded lane that admits now, else one restarting (requests queue for it).
         Ties go round-robin: at light load every lane is empty, and "the first of the least
-        loaded" sent all traffic to one upstream."""
+        loaded" sent all traffic to one upstream. While a canary policy is on trial its lanes
+        get exactly its share of requests (``PolicyManager.canary_lanes``)."""
         open_ = [ln for ln in self.lanes if ln.available]
+        canary = self.control.policies.canary_lanes(len(self.lanes)) if self.control is not None else None
+        if canary is not None and len(open_) > 1:
+            # A canary on trial gets a fixed share of requests, whatever its lanes' load.
+            self._canary_credit += self.control.policies.canary.share
+            to_canary = self._canary_credit >= 1.0
+            if to_canary:
+                self._canary_credit -= 1.0
+            side = [ln for ln in open_ if (ln.index in canary) == to_canary]
+            if side:
+                return min(side, key=lambda ln: ln.load)
         if len(open_) > 1:
             self._next_lane = (self._next_lane + 1) % len(open_)
             rotated = open_[self._next_lane:] + open_[:self._next_lane]

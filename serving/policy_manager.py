@@ -10,8 +10,8 @@ non-finite outputs gives way to PID, and the manager says so (``note``, the
 
 Canary: a newly loaded policy drives a share of traffic (that share of upstreams; with one
 upstream that share of control intervals) while the incumbent drives the rest; after
-``canary_min_intervals`` canary decisions it is promoted, unless its per-request SLO
-attainment fell more than ``canary_max_drop`` (relative) below the incumbent's, in which case
+``canary_min_intervals`` canary decisions and ``canary_min_requests`` requests a side it is
+promoted, unless its per-request SLO attainment fell more than ``canary_max_drop`` (relative) below the incumbent's, in which case
 it is rolled back. Attainment is per request (requests that met every SLO / requests that
 finished or were refused), not goodput: routing gives each lane a share of traffic that depends
 on its own cap, so a lane's goodput measures how much traffic it was sent as much as how well
@@ -54,10 +54,10 @@ class Canary:
         return self.met[side] / n if n else None
 
     def record(self, who: str, requests: int, met: int, *, min_intervals: int,
-               max_drop: float) -> tuple[bool, str] | None:
+               max_drop: float, min_requests: int = 1) -> tuple[bool, str] | None:
         """Add one interval of ``who`` ("canary" or anyone else: the incumbent): ``requests``
         finished or refused under its knobs, ``met`` of them within every SLO. Once the canary
-        has ``min_intervals`` intervals and both sides served requests: (promote?, why),
+        has ``min_intervals`` intervals and each side ``min_requests`` requests: (promote?, why),
         rolled back when its attainment is below ``(1 - max_drop)`` x the incumbent's."""
         side = "canary" if who == "canary" else "incumbent"
         requests, met = max(int(requests), 0), max(int(met), 0)
@@ -65,9 +65,9 @@ class Canary:
         self.requests[side] += requests
         self.met[side] += min(met, requests)
         cand, base = self.attainment("canary"), self.attainment("incumbent")
-        if self.intervals["canary"] < min_intervals or cand is None or base is None:
-            return None
         n_c, n_b = self.requests["canary"], self.requests["incumbent"]
+        if self.intervals["canary"] < min_intervals or cand is None or base is None or min(n_c, n_b) < min_requests:
+            return None
         if cand < (1.0 - max_drop) * base:
             return False, (f"canary SLO attainment {cand:.1%} ({n_c} requests) < {1 - max_drop:.0%} of the "
                            f"incumbent's {base:.1%} ({n_b} requests): rolled back")
@@ -171,6 +171,15 @@ class PolicyManager:
         assert self.policy is not None
         return self.policy.for_lane(lane_index), "policy"
 
+    def canary_lanes(self, num_lanes: int) -> set[int] | None:
+        """With several upstreams and a canary on trial: the lanes it drives (routing sends them
+        a fixed ``share`` of requests, so the verdict compares like with like: least-loaded
+        routing would send a bad canary less traffic and hide it). None otherwise."""
+        c = self.canary
+        if c is None or num_lanes < 2 or self.acting() != "policy":
+            return None
+        return set(range(max(1, math.ceil(c.share * num_lanes))))
+
     def _canary_drives(self, lane_index: int, num_lanes: int, tick: int) -> bool:
         share = self.canary.share if self.canary else 0.0
         if num_lanes > 1:
@@ -213,7 +222,7 @@ class PolicyManager:
         finished = round(snapshot.request_throughput * dt)
         met = round(snapshot.request_goodput * dt)
         verdict = c.record(who, finished + snapshot.rejected, met, min_intervals=self.cfg.canary_min_intervals,
-                           max_drop=self.cfg.canary_max_drop)
+                           max_drop=self.cfg.canary_max_drop, min_requests=self.cfg.canary_min_requests)
         if verdict is not None:
             self.end_canary(*verdict)
 

@@ -58,6 +58,9 @@ class ControlConfig:
     canary_share: float = 0.2
     #: Decisions by the canary before it is promoted.
     canary_min_intervals: int = 30
+    #: And requests each side finished or refused before a verdict: a slow canary finishes few,
+    #: and a verdict on its first two would miss the ones still queued behind them.
+    canary_min_requests: int = 20
     #: Roll back when the canary's per-request SLO attainment (met / finished or refused) is below
     #: ``(1 - canary_max_drop)`` x the incumbent's.
     canary_max_drop: float = 0.10

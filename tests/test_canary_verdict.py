@@ -75,3 +75,17 @@ def test_the_manager_counts_requests_from_the_snapshot_refusals_as_misses() -> N
                         knobs=Knobs(8))
     pm.record("policy", snap)
     assert pm.canary.requests["incumbent"] == 8 and pm.canary.met["incumbent"] == 4
+
+
+def test_no_verdict_on_a_handful_of_requests() -> None:
+    """A slow canary finishes few requests; the verdict waits for min_requests on each side
+    (the requests queued behind its first ones are the ones that miss)."""
+    c = Canary(policy=None, path="p", share=0.5)  # type: ignore[arg-type]
+    kw = {"min_intervals": 3, "max_drop": 0.1, "min_requests": 20}
+    for _ in range(30):
+        c.record("policy", 2, 2, **kw)
+        assert c.record("canary", 0, 0, **kw) is None  # nothing finished yet
+    assert c.record("canary", 3, 3, **kw) is None  # 3 met out of 3, but 3 < 20 requests
+    verdicts = [c.record("canary", 1, 0, **kw) for _ in range(17)]  # the queued ones, late
+    assert verdicts[:-1] == [None] * 16 and verdicts[-1] is not None
+    assert verdicts[-1][0] is False and "rolled back" in verdicts[-1][1]

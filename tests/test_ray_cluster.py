@@ -101,7 +101,8 @@ def test_matrix_on_ray_gives_the_serial_files(
     for name in ("results.md", "timelines.json", "best_static_search.json"):
         assert (on_ray / name).read_bytes() == (serial / name).read_bytes(), name
     a, b = (json.loads((d / "results.json").read_text()) for d in (serial, on_ray))
-    assert len(a) == 2 * 3 * 2
+    # 2 workloads x 2 seeds x (3 controllers + the best_static_hindsight bound)
+    assert len(a) == 2 * 2 * 4 and {r["policy"] for r in a} == {"pid", "best_static", "vllm_default", "best_static_hindsight"}
     assert [{k: v for k, v in r.items() if k != "wall_s"} for r in b] == [
         {k: v for k, v in r.items() if k != "wall_s"} for r in a
     ]
