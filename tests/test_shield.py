@@ -177,7 +177,7 @@ def test_overload_breach_sheds_instead_of_shrinking():
     assert d.knobs.batch_cap == 120 and d.breaker_level == 2 and d.shed_max_priority_kept == 0
     assert "breaker_shed" in d.interventions and "breaker_shrink" not in d.interventions
     # the same latency with no backlog is the engine's: shrink
-    d = shield(ROOMY).apply(Proposal(), Knobs(100), ShieldInputs(ttft_p99_ms=5000.0, demand=110, num_running=100), 1.0)
+    d = shield(ROOMY).apply(Proposal(), Knobs(100), ShieldInputs(ttft_p99_ms=5000.0, demand=100, num_running=100), 1.0)
     assert d.knobs.batch_cap == 70 and d.breaker_level == 1
     # a TPOT breach is always the engine's, backlog or not
     tpot = ShieldInputs(tpot_p99_ms=500.0, demand=400, num_running=100)
@@ -355,7 +355,7 @@ def test_snapshot_inputs_are_converted():
     )
     inp = ShieldInputs.from_snapshot(snap, num_kv_blocks_total=10_000)
     assert (inp.demand, inp.num_kv_blocks_used, inp.mean_context_len) == (50, 5000, 2048.0)
-    s = shield(ROOMY)
+    s = shield(ROOMY, overload_backlog_factor=1.0)  # 10 waiting <= 40 running: the engine's breach
     d = s.apply(Proposal(batch_cap=45), Knobs(40), snap, 1.0)  # p99 TTFT 5 s: breach
     assert d.knobs.batch_cap == 28 and d.breaker_level == 1
     assert s.predict_fraction(d.knobs) == pytest.approx(d.predicted_memory_fraction)

@@ -111,8 +111,9 @@ class ShieldConfig:
     breach_factor: float = 1.5
     breach_metrics: tuple[str, ...] = ("ttft", "tpot", "e2el")
     #: A TTFT/E2E breach while more than this x cap requests wait is overload (queueing): the
-    #: breaker sheds instead of shrinking the batch, which would only lengthen the queue.
-    overload_backlog_factor: float = 1.0
+    #: breaker sheds instead of shrinking the batch, which would only lengthen the queue. 0: any
+    #: backlog (= conf/shield/default.yaml; the code default was 1.0 while the file said 0).
+    overload_backlog_factor: float = 0.0
     #: Level-1 shrink factor of the cap.
     breaker_shrink: float = 0.7
     #: Seconds after a breaker shrink before the next one (latency windows need time to show it).
