@@ -12,6 +12,7 @@ What a run leaves in its Hydra output folder (``outputs/<date>/<time>/``, or
     best/                model.zip + vecnormalize.pkl of the best evaluation
     policy/              the exported best policy (manifest.json + policy.safetensors)
     comparison.json      policy vs baseline on every validation workload
+    policy_guards.json   action mode, the PID it corrects, the training range (for scripts/export.py)
 
 Algorithm: sb3-contrib ``MaskablePPO`` (the env's ``action_masks()`` switches off KV dtypes
 the engine cannot run, so they are never sampled) with separate actor/critic MLPs, on
@@ -344,11 +345,13 @@ def train(cfg: DictConfig) -> float:
         best_model, best_vecnorm = load_sb3(out_dir / "best" / "model.zip",
                                             out_dir / "best" / "vecnormalize.pkl" if tc.norm_obs else None)
         any_env = next(iter(suite.envs.values()))
+        guards = {"controller": controller_record(any_env), "observation_range": obs_range.as_dict()}
+        # Also beside the checkpoints, so scripts/export.py of any checkpoint records them too.
+        (out_dir / "policy_guards.json").write_text(json.dumps(guards) + "\n")
         train_config = {
             **config_dict,
             "observation_scales": observation_scales(plain, any_env),
-            "controller": controller_record(any_env),
-            "observation_range": obs_range.as_dict(),
+            **guards,
             "best_timesteps": best.timesteps,
         }
         policy_dir = export_policy(

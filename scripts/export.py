@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -37,12 +38,27 @@ def _training_config(cfg: DictConfig) -> tuple[dict[str, Any], str]:
     return {}, "none found"
 
 
+def _policy_guards(cfg: DictConfig) -> dict[str, Any]:
+    """The run's ``policy_guards.json`` (action mode, the PID a residual policy corrects, the
+    observation range seen in training), found beside the model or one folder up; {} if none."""
+    model_dir = Path(cfg.model_path).resolve().parent
+    for d in (model_dir, model_dir.parent):
+        path = d / "policy_guards.json"
+        if path.is_file():
+            log.info("policy guards: %s", path)
+            return dict(json.loads(path.read_text()))
+    log.warning("no policy_guards.json beside %s: the artifact has no training range (no hand-over "
+                "to PID out of range) and its action mode comes from the training config", cfg.model_path)
+    return {}
+
+
 def export(cfg: DictConfig) -> Path:
     from batchpilot.core.telemetry import FEATURE_NAMES
     from batchpilot.policies.export import export_policy, load_sb3
 
     train_cfg, source = _training_config(cfg)
     log.info("training config: %s", source)
+    train_cfg.update(_policy_guards(cfg))
     shield = train_cfg.get("shield") or OmegaConf.to_container(cfg.shield, resolve=True)
     slo = train_cfg.get("slo") or OmegaConf.to_container(cfg.slo, resolve=True)
     model, vecnorm = load_sb3(cfg.model_path, cfg.vecnorm_path)

@@ -347,6 +347,8 @@ def test_export_script_smoke(tmp_path: Path) -> None:
     (run / ".hydra" / "config.yaml").write_text(
         "seed: 7\nshield:\n  max_step_frac: 0.2\n  memory_ceiling: 0.75\n"
     )
+    guards = {"controller": {"action_mode": "absolute"}, "observation_range": {"low": [0.0] * N_FEAT, "high": [1.0] * N_FEAT}}
+    (run / "policy_guards.json").write_text(json.dumps(guards))
     root = Path(__file__).resolve().parents[1]
     r = subprocess.run(
         [
@@ -365,5 +367,6 @@ def test_export_script_smoke(tmp_path: Path) -> None:
     assert m["shield"] == {"max_step_frac": 0.2, "memory_ceiling": 0.75}
     assert m["slo"]["ttft_ms"] == 1000.0  # fallback from conf/slo/default.yaml
     assert m["training"]["config"]["seed"] == 7
+    assert {k: m["training"]["config"][k] for k in guards} == guards  # the run's policy guards
     assert m["observation"]["normalization"]["mean"] == venv.obs_rms.mean.tolist()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["art", "run"]  # no Hydra outputs/ litter

@@ -74,6 +74,10 @@ def test_multirun_wandb_offline_and_none(tmp_path: Path) -> None:
         summary = json.loads((job / "comparison.json").read_text())
         assert {r["controller"] for r in summary["rows"]} == {"pid", "ppo"}
         assert (job / "best" / "model.zip").is_file()
+        guards = json.loads((job / "policy_guards.json").read_text())  # for scripts/export.py
+        cfg = rt.manifest["training"]["config"]
+        assert guards["controller"] == cfg["controller"] and guards["observation_range"] == cfg["observation_range"]
+        assert cfg["controller"]["action_mode"] == "residual_pid" and len(cfg["observation_range"]["low"]) == rt.n_features
         assert list((job / "checkpoints").glob("model_*_steps.zip"))
     assert not (job_none / "wandb").exists()
     assert not (job_none / "tb").exists()
