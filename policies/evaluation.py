@@ -49,6 +49,7 @@ from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from batchpilot.config import CONF_DIR
+from batchpilot.core.engine import EngineCapabilities
 from batchpilot.core.knobs import BUCKETING_MODES, Knobs
 from batchpilot.envs.engines import build_engine
 from batchpilot.envs.workloads import build_workload
@@ -422,18 +423,41 @@ def trace_windows(
     return out
 
 
+def engine_capabilities(cfg: DictConfig) -> EngineCapabilities:
+    """What the configured engine can do (built once to ask, then closed)."""
+    engine = build_engine(cfg)
+    try:
+        return engine.capabilities()
+    finally:
+        engine.close()
+
+
+def plan_from_caps(
+    name: str, cfg: DictConfig, caps: EngineCapabilities, *, duration_s: float, num_requests: int, **extra: Any
+) -> WorkloadPlan:
+    """A plan with the engine's limits and KV dtypes, and an episode covering ``duration_s``."""
+    kv = {str(cfg.env.kv16_dtype), str(cfg.env.kv8_dtype), "auto"}
+    interval = float(cfg.env.interval_s)
+    return WorkloadPlan(
+        name=name,
+        cfg=cfg,
+        max_num_seqs=caps.max_num_seqs,
+        max_model_len=caps.max_model_len,
+        kv_runnable={d: caps.can_run(d) for d in kv},
+        kv_why_not={d: caps.why_not(d) for d in kv},
+        episode_s=max(1, math.ceil(duration_s / interval - 1e-9)) * interval,
+        num_requests=num_requests,
+        **extra,
+    )
+
+
 def _plan_from_cfg(
     cfg: DictConfig, label: str, ecfg: EvalConfig, deployment: Deployment | None, multiplier: float
 ) -> WorkloadPlan:
     if multiplier != 1.0:
         with open_dict(cfg):
             cfg.workload.rate_scale = float(cfg.workload.get("rate_scale", 1.0)) * multiplier
-    engine = build_engine(cfg)
-    try:
-        caps = engine.capabilities()
-    finally:
-        engine.close()
-    kv = {str(cfg.env.kv16_dtype), str(cfg.env.kv8_dtype), "auto"}
+    caps = engine_capabilities(cfg)
     windows: dict[int, float] = {}
     try:
         if cfg.workload.get("kind") == "trace" and ecfg.trace_windows:
@@ -446,20 +470,9 @@ def _plan_from_cfg(
         stream = build_workload(wl, np.random.default_rng(0), caps.max_model_len)
     except (OSError, ValueError) as e:
         raise EvaluationError(f"workload {label!r}: {e}") from e
-    interval = float(cfg.env.interval_s)
-    episode_s = max(1, math.ceil(stream.duration_s / interval - 1e-9)) * interval
-    return WorkloadPlan(
-        name=label,
-        cfg=cfg,
-        max_num_seqs=caps.max_num_seqs,
-        max_model_len=caps.max_model_len,
-        kv_runnable={d: caps.can_run(d) for d in kv},
-        kv_why_not={d: caps.why_not(d) for d in kv},
-        episode_s=episode_s,
-        num_requests=len(stream),
-        deployment=None if deployment is None else deployment.label,
-        rate_multiplier=multiplier,
-        windows=windows,
+    return plan_from_caps(
+        label, cfg, caps, duration_s=stream.duration_s, num_requests=len(stream),
+        deployment=None if deployment is None else deployment.label, rate_multiplier=multiplier, windows=windows,
     )
 
 

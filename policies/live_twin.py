@@ -152,14 +152,14 @@ def run_twin(tf: TimedTraceFile, scenario: Mapping[str, Any], slo: Mapping[str, 
              seed: int = 0, extra_overrides: Sequence[str] = (), policy_overrides: Mapping[str, Any] | None = None,
              log: Any = print) -> list[dict[str, Any]]:
     """One simulated episode per live path on the records of ``tf``; one row per path."""
-    from batchpilot.envs.engines import build_engine
     from batchpilot.policies.evaluation import (
         AS_SHIPPED_KEY,
         EvalConfig,
-        WorkloadPlan,
         compose_eval,
+        engine_capabilities,
         episode_config,
         make_controller,
+        plan_from_caps,
         policy_config,
         run_episode,
         start_knobs,
@@ -175,20 +175,9 @@ def run_twin(tf: TimedTraceFile, scenario: Mapping[str, Any], slo: Mapping[str, 
                  f"seeds=[{int(seed)}]"]
     cfg, _ = compose_eval(overrides)
     ecfg = EvalConfig.from_cfg(cfg)
-    engine = build_engine(cfg)
-    try:
-        caps = engine.capabilities()
-    finally:
-        engine.close()
-    kv = {str(cfg.env.kv16_dtype), str(cfg.env.kv8_dtype), "auto"}
-    interval = float(cfg.env.interval_s)
     duration = max(float(tf.duration_s), float(tf.records[-1]["timestamp"]))
-    plan = WorkloadPlan(
-        name=str(scenario.get("name", "scenario")), cfg=cfg, max_num_seqs=caps.max_num_seqs,
-        max_model_len=caps.max_model_len, kv_runnable={d: caps.can_run(d) for d in kv},
-        kv_why_not={d: caps.why_not(d) for d in kv},
-        episode_s=max(1, math.ceil(duration / interval - 1e-9)) * interval, num_requests=len(tf),
-    )
+    plan = plan_from_caps(str(scenario.get("name", "scenario")), cfg, engine_capabilities(cfg),
+                          duration_s=duration, num_requests=len(tf))
     rows = []
     for path, name in zip(paths, names):
         pol = policy_config(name, ecfg, plan)
