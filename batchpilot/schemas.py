@@ -106,6 +106,10 @@ class TrainConfig:
     progress_bar: bool = True
     slo_tolerance: float = 0.0
     baseline_prior_logit: float = 2.0
+    # Warm start: an exported policy folder (or its manifest.json); the actor and the observation
+    # normalisation are loaded from it, the critic and reward normalisation start fresh.
+    init_from: str | None = None
+    critic_warmup_steps: int = 0
     validation: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -130,6 +134,8 @@ class TrainConfig:
             raise ValueError(f"train.net_arch must list positive layer widths, got {list(self.net_arch)}")
         if self.n_steps < 2 or self.batch_size < 2:
             raise ValueError(f"train.n_steps and train.batch_size must be >= 2, got {self.n_steps}, {self.batch_size}")
+        if self.critic_warmup_steps < 0:
+            raise ValueError(f"train.critic_warmup_steps must be >= 0, got {self.critic_warmup_steps}")
         if "workloads" not in self.validation or "seeds" not in self.validation:
             raise ValueError("train.validation needs 'seeds' and 'workloads' (see conf/train/ppo.yaml)")
 
