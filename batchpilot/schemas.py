@@ -110,6 +110,8 @@ class TrainConfig:
     # normalisation are loaded from it, the critic and reward normalisation start fresh.
     init_from: str | None = None
     critic_warmup_steps: int = 0
+    # Which model is exported: "best" (by validation) or "final" (the last one learnt).
+    export_select: str = "best"
     validation: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -134,6 +136,8 @@ class TrainConfig:
             raise ValueError(f"train.net_arch must list positive layer widths, got {list(self.net_arch)}")
         if self.n_steps < 2 or self.batch_size < 2:
             raise ValueError(f"train.n_steps and train.batch_size must be >= 2, got {self.n_steps}, {self.batch_size}")
+        if self.export_select not in ("best", "final"):
+            raise ValueError(f"train.export_select must be best or final, got {self.export_select!r}")
         if self.critic_warmup_steps < 0:
             raise ValueError(f"train.critic_warmup_steps must be >= 0, got {self.critic_warmup_steps}")
         if "workloads" not in self.validation or "seeds" not in self.validation:
