@@ -13,6 +13,14 @@ What a run leaves in its Hydra output folder (``outputs/<date>/<time>/``, or
     policy/              the exported best policy (manifest.json + policy.safetensors)
     comparison.json      policy vs baseline on every validation workload
     policy_guards.json   action mode, the PID it corrects, the training range (for scripts/export.py)
+    final/               model.zip + vecnormalize.pkl of the last model (train.export_select=final)
+    init/                model.zip + vecnormalize.pkl as loaded, before any update (train.init_from)
+
+``train.init_from=<exported policy>`` starts from an exported policy instead of from scratch
+(``policies/warm_start.py``: actor and observation normalisation loaded, critic fresh), e.g. the
+live fine-tune ``engine=vllm train=finetune_live train.init_from=policies/pretrained``
+(docs/live_evaluation.md). ``train.validation.engine: sim`` runs the validation suite on the
+simulated twin of a live engine (same scheduler limits, the calibrated cpu_tiny profile).
 
 Algorithm: sb3-contrib ``MaskablePPO`` (the env's ``action_masks()`` switches off KV dtypes
 the engine cannot run, so they are never sampled) with separate actor/critic MLPs, on
@@ -192,6 +200,29 @@ def start_at_baseline(model: Any, logit: float) -> None:
             bias[off + idx] += logit
 
 
+def validation_base_cfg(plain: DictConfig, spec: Any) -> DictConfig:
+    """The config the validation suite's environments start from. ``train.validation.engine:
+    sim`` on a live run (``engine=vllm``) swaps in the simulator with the live engine's
+    scheduler limits (block size, token budget, sequences, KV block cap) on the calibrated
+    profile of its model/hardware (``model=tiny_llama hardware=cpu_tiny`` under engine=vllm):
+    the live engine's simulated twin, as ``policies/live_twin.py`` builds it. Validating live
+    would cost one wall second per simulated interval (16 min per evaluation with the default
+    suite) and a second vLLM engine in the process."""
+    engine = spec.get("engine") if hasattr(spec, "get") else None
+    if engine is None or engine == plain.engine.kind:
+        return plain
+    if engine != "sim":
+        raise ValueError(f"train.validation.engine must be null or sim, got {engine!r}")
+    twin = OmegaConf.create(OmegaConf.to_container(plain, resolve=True))
+    sim = OmegaConf.load(CONF_DIR / "engine" / "sim.yaml")
+    for key in ("block_size", "max_num_seqs", "max_num_batched_tokens", "num_gpu_blocks_override",
+                "kv_dtype", "enable_prefix_caching", "seed"):
+        if key in plain.engine and key in sim:
+            sim[key] = plain.engine[key]
+    twin.engine = sim
+    return twin
+
+
 # --- reporting -----------------------------------------------------------------------------
 def comparison_rows(policy: Results, baseline: Results, baseline_name: str) -> list[dict[str, Any]]:
     """Rows ``{workload, controller, <COMPARE_METRICS>}``, baseline then policy per workload,
@@ -272,6 +303,7 @@ def train(cfg: DictConfig) -> float:
     from stable_baselines3.common.callbacks import CallbackList, CheckpointCallback
     from stable_baselines3.common.utils import set_random_seed
 
+    from batchpilot.policies import warm_start as ws_mod
     from batchpilot.policies.export import export_policy, load_sb3
 
     t_start = time.perf_counter()
@@ -281,6 +313,18 @@ def train(cfg: DictConfig) -> float:
     out_dir = run_output_dir()
     # A plain, resolved copy: picklable for the workers, free of Hydra-only interpolations.
     plain = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
+    warm = None
+    if tc.init_from:
+        # Warm start: checked before any engine starts; the observation scales become the
+        # source policy's (features must mean what they meant to it).
+        warm = ws_mod.load_warm_start(tc.init_from)
+        ws_mod.check_compatible(warm, net_arch=tc.net_arch, activation=tc.activation,
+                                action_mode=str(plain.env.get("action_mode")), clip_obs=tc.clip_obs,
+                                norm_obs=tc.norm_obs)
+        changed = ws_mod.apply_observation_scales(warm, plain.env)
+        print(f"[train] warm start from {warm.artifact.path}: actor and observation normalisation loaded, "
+              f"critic and reward normalisation fresh"
+              + (f"; observation scales set to the policy's: {changed}" if changed else ""))
     config_dict: dict[str, Any] = OmegaConf.to_container(plain)  # type: ignore[assignment]
     torch.set_num_threads(tc.torch_threads)
     set_random_seed(seed)
@@ -291,7 +335,7 @@ def train(cfg: DictConfig) -> float:
         #    fixed validation workloads.
         venv = build_train_env(plain, tc, seed)
         run = start_wandb(lc, {**config_dict, "_job": job_info()}, out_dir)
-        suite = ValidationSuite(plain, tc.validation)
+        suite = ValidationSuite(validation_base_cfg(plain, tc.validation), tc.validation)
         baseline_name = str(tc.validation.get("baseline", "pid"))
         baseline_cfg = OmegaConf.load(CONF_DIR / "policy" / f"{baseline_name}.yaml")
         slo_ms = {"ttft": cfg.slo.ttft_ms, "tpot": cfg.slo.tpot_ms, "e2el": cfg.slo.e2el_ms}
@@ -302,7 +346,14 @@ def train(cfg: DictConfig) -> float:
 
         # 2. Model.
         model = build_model(venv, tc, seed)
-        if plain.env.get("action_mode") == "residual_pid":
+        if warm is not None:
+            ws_mod.load_actor(model, warm)
+            ws_mod.load_obs_normalization(venv, warm)
+            # The loaded model before any update (what a test or an audit compares with the source).
+            (out_dir / "init").mkdir(parents=True, exist_ok=True)
+            model.save(out_dir / "init" / "model.zip")
+            venv.save(str(out_dir / "init" / "vecnormalize.pkl"))
+        elif plain.env.get("action_mode") == "residual_pid":
             start_at_baseline(model, tc.baseline_prior_logit)
         model.set_logger(sb3_logger(out_dir, lc, verbose=False))
 
@@ -334,25 +385,50 @@ def train(cfg: DictConfig) -> float:
         if tc.eval_on_start:
             validation.init_callback(model)
             validation.evaluate()
-        model.learn(total_timesteps=tc.total_timesteps, callback=CallbackList(callbacks),
-                    progress_bar=tc.progress_bar)
+        remaining = tc.total_timesteps
+        warmup = min(tc.critic_warmup_steps, tc.total_timesteps - 1) if warm is not None else 0
+        if warmup > 0:
+            # Critic warm-up: the loaded actor frozen, the fresh critic fitted to this env.
+            t0 = time.perf_counter()
+            ws_mod.set_actor_trainable(model, False)
+            model.learn(total_timesteps=warmup, callback=CallbackList([EpisodeMetricsCallback(), obs_range]),
+                        progress_bar=False)
+            ws_mod.set_actor_trainable(model, True)
+            remaining -= warmup
+            print(f"[train] critic warm-up: {model.num_timesteps} steps, actor frozen ({time.perf_counter() - t0:.0f}s)")
+        model.learn(total_timesteps=remaining, callback=CallbackList(callbacks),
+                    progress_bar=tc.progress_bar, reset_num_timesteps=warmup == 0)
+        final_steps = model.num_timesteps
         validation.evaluate()  # the final model is a candidate too
         best = validation.best
         assert best is not None
         train_s = time.perf_counter() - t_start
+        if tc.export_select == "final":
+            (out_dir / "final").mkdir(parents=True, exist_ok=True)
+            model.save(out_dir / "final" / "model.zip")
+            venv.save(str(out_dir / "final" / "vecnormalize.pkl"))
+            chosen_dir, chosen = out_dir / "final", validation.history[-1]
+        else:
+            chosen_dir, chosen = out_dir / "best", best
 
-        # 5. Export the best model (reloaded from disk: what is exported is what was saved).
-        best_model, best_vecnorm = load_sb3(out_dir / "best" / "model.zip",
-                                            out_dir / "best" / "vecnormalize.pkl" if tc.norm_obs else None)
+        # 5. Export the chosen model (reloaded from disk: what is exported is what was saved).
+        best_model, best_vecnorm = load_sb3(chosen_dir / "model.zip",
+                                            chosen_dir / "vecnormalize.pkl" if tc.norm_obs else None)
         any_env = next(iter(suite.envs.values()))
-        guards = {"controller": controller_record(any_env), "observation_range": obs_range.as_dict()}
+        seen = obs_range.as_dict()
+        guards = {"controller": controller_record(any_env),
+                  "observation_range": ws_mod.merge_observation_range(warm, seen) if warm is not None else seen}
         # Also beside the checkpoints, so scripts/export.py of any checkpoint records them too.
         (out_dir / "policy_guards.json").write_text(json.dumps(guards) + "\n")
         train_config = {
             **config_dict,
             "observation_scales": observation_scales(plain, any_env),
             **guards,
-            "best_timesteps": best.timesteps,
+            "best_timesteps": chosen.timesteps,
+            "export_select": tc.export_select,
+            "final_timesteps": final_steps,
+            "train_seconds": train_s,
+            **({"init_from": warm.record} if warm is not None else {}),
         }
         policy_dir = export_policy(
             best_model, best_vecnorm, out_dir / "policy",
@@ -370,14 +446,16 @@ def train(cfg: DictConfig) -> float:
         deficit = slo_deficit(test_policy, test_baseline, tc.slo_tolerance)
         goodput = mean_over_workloads(test_policy, "request_goodput")
         base_goodput = mean_over_workloads(test_baseline, "request_goodput")
-        title = (f"best policy (step {best.timesteps}) vs {baseline_name} on the validation workloads, "
+        title = (f"exported policy ({tc.export_select}, step {chosen.timesteps}) vs {baseline_name} on the validation workloads, "
                  f"seeds {test_seeds} - trained {tc.total_timesteps} steps in {train_s / 60:.1f} min")
         md = print_comparison(rows, title)
         print(f"[train] on the selection seeds {list(suite.seeds)}: goodput ppo "
-              f"{mean_over_workloads(best.results, 'request_goodput'):.3f} vs {baseline_name} "
+              f"{mean_over_workloads(chosen.results, 'request_goodput'):.3f} vs {baseline_name} "
               f"{mean_over_workloads(baseline, 'request_goodput'):.3f}/s")
         summary = {
-            "best_timesteps": best.timesteps,
+            "best_timesteps": chosen.timesteps,
+            "export_select": tc.export_select,
+            "init_from": warm.record if warm is not None else None,
             "test_seeds": test_seeds,
             "mean_request_goodput": goodput,
             "baseline_mean_request_goodput": base_goodput,
@@ -386,7 +464,7 @@ def train(cfg: DictConfig) -> float:
             "train_seconds": train_s,
             "rows": rows,
             "markdown": md,
-            "selection_rows": comparison_rows(best.results, baseline, baseline_name),
+            "selection_rows": comparison_rows(chosen.results, baseline, baseline_name),
             "evaluations": [
                 {"timesteps": e.timesteps, "mean_request_goodput": mean_over_workloads(e.results, "request_goodput"),
                  "slo_deficit": slo_deficit(e.results, baseline, tc.slo_tolerance)}
@@ -398,7 +476,7 @@ def train(cfg: DictConfig) -> float:
         if run is not None:
             run.summary.update({k: v for k, v in summary.items()
                                 if k not in ("rows", "selection_rows", "markdown", "evaluations")})
-            run.log({"final/comparison": wandb_table(rows, best.timesteps)})
+            run.log({"final/comparison": wandb_table(rows, chosen.timesteps)})
             if lc.log_policy_artifact:
                 import wandb
 
