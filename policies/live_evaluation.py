@@ -251,9 +251,10 @@ def gateway_idle(gw: GatewayProcess) -> bool:
     return lane["in_flight"] == 0 and sum(lane["queue_depths"]) == 0 and lane["healthy"] and not lane["restarting"]
 
 
-def prepare_path(gw: GatewayProcess, path: str, timeout_s: float) -> None:
+def prepare_path(gw: GatewayProcess, path: str, timeout_s: float, policy_dir: str | None = None) -> None:
     """Put the gateway in the state a path starts from: start-up KV dtype and knobs, and the
-    path's controller (``static`` while ``vllm_direct`` runs)."""
+    path's controller (``static`` while ``vllm_direct`` runs). ``policy_dir``: a policy path's
+    artifact, loaded into the gateway first (``/admin/policy/reload``, no canary)."""
     init = gw.initial_knobs
     if gw.lane()["knobs_in_force"].get("kv_dtype") != init.get("kv_dtype"):
         gw.admin("kv_dtype", {"dtype": init["kv_dtype"], "force": True})
@@ -262,9 +263,11 @@ def prepare_path(gw: GatewayProcess, path: str, timeout_s: float) -> None:
     gw.admin("mode", {"mode": "static"})
     gw.admin("freeze", {"frozen": False, "force": True,
                         "knobs": {"batch_cap": init["batch_cap"], "bucketing": init["bucketing"]}})
-    mode = GATEWAY_MODE.get(path, "static")
+    if policy_dir is not None:
+        gw.admin("policy/reload", {"path": policy_dir, "canary_share": 0.0})
+    mode = "policy" if policy_dir is not None else GATEWAY_MODE.get(path, "static")
     out = gw.admin("mode", {"mode": mode})
-    if path == "ppo" and out.get("acting") != "policy":
+    if mode == "policy" and out.get("acting") != "policy":
         raise LiveEvaluationError(f"the gateway would not run the policy (acting={out.get('acting')}, "
                                   f"fallback: {out.get('fallback_reason')})")
 
@@ -380,11 +383,30 @@ def scenario_trace(scenario: DictConfig) -> TimedTraceFile:
     return convert_trace(path, str(s.format), opts)
 
 
+def policy_dirs(cfg: DictConfig) -> dict[str, str]:
+    """``policies``: more paths, each an exported policy the gateway runs in ``policy`` mode
+    (e.g. ``{ppo_finetuned: outputs/finetune_live/run/policy}``); with any, ``ppo`` reloads the
+    shipped policy before its runs. Folders are made absolute (the gateway runs elsewhere)."""
+    extra = {str(k): str(Path(str(v)).expanduser().resolve()) for k, v in (cfg.get("policies") or {}).items()}
+    clash = [k for k in extra if k in PATHS]
+    if clash:
+        raise LiveEvaluationError(f"policies may not redefine the built-in paths {clash}")
+    for name, d in extra.items():
+        if not (Path(d) / "manifest.json").is_file():
+            raise LiveEvaluationError(f"policies.{name}: {d} has no manifest.json (an exported policy folder)")
+    if extra:
+        from batchpilot.policies.ppo_controller import PRETRAINED_DIR
+
+        extra = {"ppo": str(PRETRAINED_DIR), **extra}
+    return extra
+
+
 def _check(cfg: DictConfig) -> list[str]:
     paths = list(cfg.paths)
-    bad = [p for p in paths if p not in PATHS]
+    known = (*PATHS, *policy_dirs(cfg))
+    bad = [p for p in paths if p not in known]
     if bad or len(set(paths)) != len(paths):
-        raise LiveEvaluationError(f"paths must be distinct names among {PATHS}, got {paths}")
+        raise LiveEvaluationError(f"paths must be distinct names among {tuple(dict.fromkeys(known))}, got {paths}")
     if int(cfg.rounds) < 1:
         raise LiveEvaluationError(f"rounds must be >= 1, got {cfg.rounds}")
     return paths
@@ -393,6 +415,7 @@ def _check(cfg: DictConfig) -> list[str]:
 def live_evaluate(cfg: DictConfig, model_dir: Path | None = None) -> dict[str, Any]:
     """Run the live evaluation ``cfg`` (conf/live_evaluate.yaml) and write its files."""
     paths = _check(cfg)
+    pdirs = policy_dirs(cfg)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per admin/metrics poll otherwise
     out_dir = Path(str(cfg.out_dir))
     runs_dir = out_dir / "runs"
@@ -427,7 +450,7 @@ def live_evaluate(cfg: DictConfig, model_dir: Path | None = None) -> dict[str, A
                                        for r in records], runs_dir / f"{name}.jsonl")
             wait_until(lambda: engine_idle(vllm_url) and gateway_idle(gw), cfg.gateway.settle_timeout_s,
                        "vLLM and the gateway idle before a run", alive=gw.exited)
-            prepare_path(gw, path, cfg.gateway.settle_timeout_s)
+            prepare_path(gw, path, cfg.gateway.settle_timeout_s, pdirs.get(path))
             sub = TimedTraceFile(records=tuple(records), chunk_tokens=tf.chunk_tokens, source=tf.source,
                                  clipped=tf.clipped, duration_s=tf.duration_s, summary=tf.summary)
             url = vllm_url if path == BASELINE else gw.url
@@ -477,7 +500,8 @@ def live_evaluate(cfg: DictConfig, model_dir: Path | None = None) -> dict[str, A
         assert isinstance(sc, dict)
         twin = run_twin(tf, sc, {"ttft_ms": cfg.slo.ttft_ms, "tpot_ms": cfg.slo.tpot_ms}, paths=paths,
                         vllm_args=[*cfg.gateway.extra_vllm_args, *scenario.vllm_args],
-                        priority=header_priority(client_cfg.get("headers"), 1), seed=int(cfg.seed))
+                        priority=header_priority(client_cfg.get("headers"), 1), seed=int(cfg.seed),
+                        policy_dirs={p: d for p, d in pdirs.items() if p != "ppo"})
         write_twin(out_dir, twin, rows)
         files["twin"] = out_dir / "twin.json"
     print(f"live_evaluate: {len(rows)} runs in {time.monotonic() - t_start:.0f} s; files in {out_dir}", flush=True)
@@ -489,7 +513,8 @@ def _meta(cfg: DictConfig, tf: TimedTraceFile, order: list[list[str]]) -> dict[s
     return {"scenario": OmegaConf.to_container(cfg.live_scenario, resolve=True), "trace": tf.summary,
             "requests_per_run": len(tf), "window_s": tf.duration_s, "order": order,
             "slo": {"ttft_ms": cfg.slo.ttft_ms, "tpot_ms": cfg.slo.tpot_ms},
-            "warmup_requests": int(cfg.warmup.requests), "host_cpus": os.cpu_count()}
+            "warmup_requests": int(cfg.warmup.requests), "host_cpus": os.cpu_count(),
+            "policies": policy_dirs(cfg)}
 
 
 # --- results out -----------------------------------------------------------------------------
@@ -533,8 +558,8 @@ def summary_table(rows: Sequence[Mapping[str, Any]], keys: Sequence[str] = TABLE
     return "\n".join(lines)
 
 
-def diff_table(diffs: Sequence[Mapping[str, Any]]) -> str:
-    lines = [f"| scenario | path | n | {diffs[0]['metric'] if diffs else 'goodput'} − {BASELINE} (paired) "
+def diff_table(diffs: Sequence[Mapping[str, Any]], baseline: str = BASELINE) -> str:
+    lines = [f"| scenario | path | n | {diffs[0]['metric'] if diffs else 'goodput'} − {baseline} (paired) "
              "| relative | 95 % CI excludes 0 |", "|---|---|---:|---:|---:|:-:|"]
     for d in diffs:
         m, h = d["mean_diff"], d["ci_half"]
@@ -578,9 +603,14 @@ def write_results(rows: Sequence[Mapping[str, Any]], out_dir: Path, *, meta: Map
     out_dir.mkdir(parents=True, exist_ok=True)
     clean = [{k: _clean(r.get(k)) for k in LIVE_ROW_KEYS} for r in rows]
     diffs = paired_differences(rows)
+    # Policy paths beyond the shipped one (``policies``): also paired to ``ppo``.
+    extra = [p for p in dict.fromkeys(r["path"] for r in rows) if p not in PATHS]
+    to_ppo = ([d for d in paired_differences(rows, baseline="ppo") if d["path"] in extra]
+              if extra and any(r["path"] == "ppo" for r in rows) else [])
     files = {"json": out_dir / "results.json", "csv": out_dir / "results.csv", "md": out_dir / "results.md"}
     files["json"].write_text(json.dumps({"meta": dict(meta or {}), "rows": clean,
-                                         "paired_differences": [{k: _clean(v) for k, v in d.items()} for d in diffs]},
+                                         "paired_differences": [{k: _clean(v) for k, v in d.items()} for d in diffs],
+                                         "paired_to_ppo": [{k: _clean(v) for k, v in d.items()} for d in to_ppo]},
                                         indent=1) + "\n")
     with files["csv"].open("w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(LIVE_ROW_KEYS))
@@ -594,6 +624,9 @@ def write_results(rows: Sequence[Mapping[str, Any]], out_dir: Path, *, meta: Map
     md += ["Mean ± 95 % CI over rounds (t-interval):", "", summary_table(rows), ""]
     if diffs:
         md += ["Paired per-round difference to vllm_direct (request goodput, req/s):", "", diff_table(diffs), ""]
+    if to_ppo:
+        md += ["Paired per-round difference to ppo, the shipped policy (request goodput, req/s):", "",
+               diff_table(to_ppo, baseline="ppo"), ""]
     files["md"].write_text("\n".join(md))
     if plots and rows:
         files["plot"] = plot_goodput(rows, out_dir)

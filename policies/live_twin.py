@@ -150,8 +150,10 @@ def _replay_env(cfg: DictConfig, records: Sequence[Mapping[str, Any]], chunk_tok
 def run_twin(tf: TimedTraceFile, scenario: Mapping[str, Any], slo: Mapping[str, Any], *,
              paths: Sequence[str] = tuple(TWIN_POLICY), vllm_args: Sequence[Any] = (), priority: int | None = None,
              seed: int = 0, extra_overrides: Sequence[str] = (), policy_overrides: Mapping[str, Any] | None = None,
-             log: Any = print) -> list[dict[str, Any]]:
-    """One simulated episode per live path on the records of ``tf``; one row per path."""
+             policy_dirs: Mapping[str, str] | None = None, log: Any = print) -> list[dict[str, Any]]:
+    """One simulated episode per live path on the records of ``tf``; one row per path.
+    ``policy_dirs``: more paths, each an exported policy folder run as the ``ppo`` controller
+    (the live evaluation's ``policies``, e.g. a fine-tuned policy beside the shipped one)."""
     from batchpilot.policies.evaluation import (
         AS_SHIPPED_KEY,
         EvalConfig,
@@ -165,13 +167,15 @@ def run_twin(tf: TimedTraceFile, scenario: Mapping[str, Any], slo: Mapping[str, 
         start_knobs,
     )
 
-    bad = [p for p in paths if p not in TWIN_POLICY]
+    extra = dict(policy_dirs or {})
+    bad = [p for p in paths if p not in TWIN_POLICY and p not in extra]
     if bad:
-        raise ValueError(f"paths must be among {tuple(TWIN_POLICY)}, got {list(paths)}")
+        raise ValueError(f"paths must be among {(*TWIN_POLICY, *extra)}, got {list(paths)}")
     sd = _serve_defaults()
     prio = sd["default_priority"] if priority is None else int(priority)
-    names = [TWIN_POLICY[p] for p in paths]
-    overrides = [*twin_overrides(scenario, slo, vllm_args, extra_overrides), f"policies=[{','.join(names)}]",
+    names = [TWIN_POLICY.get(p, "ppo") for p in paths]
+    overrides = [*twin_overrides(scenario, slo, vllm_args, extra_overrides),
+                 f"policies=[{','.join(dict.fromkeys(names))}]",
                  f"seeds=[{int(seed)}]"]
     cfg, _ = compose_eval(overrides)
     ecfg = EvalConfig.from_cfg(cfg)
@@ -184,6 +188,8 @@ def run_twin(tf: TimedTraceFile, scenario: Mapping[str, Any], slo: Mapping[str, 
         if name == "pid":  # the gateway's PID starts from its start-up cap, not pid.yaml's
             pol["initial_batch_cap"] = int(sd["control"]["initial_batch_cap"])
         pol.update((policy_overrides or {}).get(path, {}))
+        if path in extra:
+            pol["path"] = str(extra[path])
         knobs = start_knobs(pol, plan)
         as_shipped = bool(pol.get(AS_SHIPPED_KEY, False))
         env = _replay_env(episode_config(plan, knobs, as_shipped), tf.records, tf.chunk_tokens, prio, duration)
