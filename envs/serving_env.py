@@ -58,6 +58,7 @@ from batchpilot.core.admission import Admission, AdmissionConfig
 from batchpilot.core.control import guard
 from batchpilot.core.engine import KV_DTYPES_8BIT, Engine, EngineError, RequestRejected, StepResult
 from batchpilot.core.knobs import Knobs, Proposal
+from batchpilot.core.plant import BreakerTrip, actuate
 from batchpilot.core.residual import ACTION_MODES, ResidualPID, residual_pid_config
 from batchpilot.core.shield import Shield, ShieldConfig
 from batchpilot.core.telemetry import FEATURE_NAMES, OBS_HIGH, OBS_LOW, SLO, Snapshot, Telemetry
@@ -75,6 +76,48 @@ def _shift_stream(stream: RequestStream, t0: float) -> RequestStream:
         priority=stream.priority, prefix_hashes=stream.prefix_hashes,
         prefix_block_tokens=stream.prefix_block_tokens, id_prefix=stream.id_prefix, info=stream.info,
     )
+
+
+class EnginePlant:
+    """The environment's engine side as the plant a decision acts on (``batchpilot.core.plant``;
+    the gateway's is a lane). A restart blocks: the engine is down for the model's restart time
+    in engine time (the simulator) or really restarts (a live engine), and the intervals go on."""
+
+    def __init__(self, env: "ServingEnv") -> None:
+        self.env = env
+
+    def capabilities(self):
+        return self.env.engine.capabilities()
+
+    def set_knobs(self, knobs: Knobs) -> None:
+        env = self.env
+        env.knobs = knobs
+        env.admission.set_knobs(knobs)
+        env.engine.set_max_active(knobs.batch_cap)
+
+    def shed(self, max_priority_kept: int) -> int:
+        env = self.env
+        out = env.admission.shed(max_priority_kept, env.engine.now)
+        for rej in out:
+            env._on_rejected(rej)
+        return len(out)
+
+    def switch_kv_dtype(self, dtype: str) -> bool:
+        self._restart(dtype)
+        self.env._dtype_switches += 1
+        self.env.telemetry.on_dtype_switch(self.env.engine.now)
+        return True
+
+    def restart(self, cause: str) -> bool:
+        self._restart(None)
+        self.env._breaker_restarts += 1
+        return True
+
+    def _restart(self, dtype: str | None) -> None:
+        env = self.env
+        env.engine.restart(dtype)  # charges (sim) or takes (live) the restart time
+        # Capacity may change with the dtype: the shield predicts with the new layout.
+        env.shield.update_memory_model(env.engine.memory_model())
 
 
 def slo_from_cfg(node: Any) -> SLO:
@@ -180,10 +223,7 @@ class ServingEnv(gym.Env):
             self.telemetry.on_shield_intervention(len(decision.interventions))
         error = None
         try:
-            self._apply_knobs(decision.knobs)
-            if decision.shed_below_priority is not None:
-                for rej in self.admission.shed(decision.shed_below_priority, self.engine.now):
-                    self._on_rejected(rej)
+            actuate(decision, self.knobs, self._plant, self._trip, restart_on_trip=self.shield_cfg.breaker_restart)
             t_end = self._interval_start + self.interval_s
             self._run_until(t_end)
         except EngineError as exc:  # expected backend failure: end the episode, keep training
@@ -244,6 +284,7 @@ class ServingEnv(gym.Env):
             preemptions=float(self._preemptions),
             shield_interventions=float(self.shield_interventions),
             dtype_switches=float(self._dtype_switches),
+            breaker_restarts=float(self._breaker_restarts),
         )
         return m
 
@@ -281,22 +322,14 @@ class ServingEnv(gym.Env):
         self._rejections: list = []
         self._preemptions = 0
         self._dtype_switches = 0
+        self._breaker_restarts = 0
+        self._plant = EnginePlant(self)
+        self._trip = BreakerTrip()
         self._peak_kv = 0.0
         self.shield_interventions = 0
         self._last_snapshot = self._snapshot_peek()
         if self.residual is not None:
             self.residual.reset(self.knobs)
-
-    def _apply_knobs(self, knobs: Knobs) -> None:
-        if knobs.kv_dtype != self.knobs.kv_dtype:
-            self.engine.restart(knobs.kv_dtype)  # charges (sim) or takes (live) restart time
-            self._dtype_switches += 1
-            self.telemetry.on_dtype_switch(self.engine.now)
-            # Capacity changed with the dtype: the shield must predict with the new layout.
-            self.shield.update_memory_model(self.engine.memory_model())
-        self.knobs = knobs
-        self.admission.set_knobs(knobs)
-        self.engine.set_max_active(knobs.batch_cap)
 
     def _run_until(self, t_end: float) -> None:
         """Arrivals → admission → engine, until the engine clock reaches ``t_end``."""

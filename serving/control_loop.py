@@ -27,11 +27,13 @@ from batchpilot.core.control import control_step
 from batchpilot.core.controller import Controller
 from batchpilot.core.engine import KV_DTYPES_8BIT, KV_DTYPES_16BIT, EngineCapabilities, MemoryModel, ModelMemory
 from batchpilot.core.knobs import Knobs, Proposal
+from batchpilot.core.plant import BreakerTrip, actuate
 from batchpilot.core.shield import INTERVENTION_KINDS, Decision, Shield, ShieldConfig, ShieldInputs
 from batchpilot.core.telemetry import Snapshot
 from batchpilot.core.vllm_cpu import cpu_kv8_unavailable_reason
 from batchpilot.metrics import parse_vllm_metrics
 from batchpilot.policies.controllers import build_controller
+from batchpilot.serving.actuation import LanePlant
 from batchpilot.serving.lanes import Lane
 from batchpilot.serving.policy_manager import PolicyManager
 from batchpilot.serving.upstream import UpstreamDown
@@ -154,7 +156,9 @@ class LaneControl:
     #: Intervals in a row without the upstream's counters (failed /metrics scrape or down).
     stale_intervals: int = 0
     last_snapshot: Snapshot | None = None
-    breaker_restart_done: bool = False
+    #: The lane as the plant decisions act on (``serving/actuation.py``), and its breaker trip.
+    plant: Any = None
+    trip: BreakerTrip = field(default_factory=BreakerTrip)
     last_decision: dict[str, Any] = field(default_factory=dict)
     #: Who set the knobs the last interval ran under: a snapshot measures the interval that
     #: just ended, so its goodput is that decision's, not the one about to be taken.
@@ -212,6 +216,8 @@ class ControlLoop:
                 pid=build_controller(pid_node, cfg.max_num_seqs, slo_ms),
                 static=static,
             )
+            ctl = self.lane_ctl[ln.index]
+            ctl.plant = LanePlant(gw, ln, lambda c=ctl: c.shield.capabilities, self._note)
             self._use_memory_model(ln, self.lane_ctl[ln.index], mem)
         caps = self.lane_ctl[gw.lanes[0].index].shield.capabilities
         self.policies = PolicyManager(cfg.control, gw.metrics, max_num_seqs=cfg.max_num_seqs,
@@ -479,42 +485,13 @@ class ControlLoop:
         for a in dec.alerts:
             mt.alerts.inc()
             self._note(f"shield alert on {lane.name}: {a}")
-        new = dec.knobs
-        # KV dtype: restart a managed upstream (drained, one at a time), else recommend.
-        want = new.kv_dtype
-        if want != lane.knobs.kv_dtype:
-            new = new.with_(kv_dtype=lane.knobs.kv_dtype)  # in force only once the restart is done
-            guard = self.gw.quality
-            if want in KV_DTYPES_8BIT and guard is not None and guard.blocks_8bit:
-                pass  # the quality guard keeps 16-bit
-            elif lane.upstream.managed is not None:
-                self._note(f"{who} switches {lane.name} KV cache to {want}: restarting it")
-                self.gw.supervisor.spawn(self.gw.supervisor.restart(lane, cause="kv_dtype", kv_dtype=want), "batchpilot-restart")
-            else:
-                mt.kv_recommendation.labels(lane.name, want).set(1)
-                log.info("recommend kv_cache_dtype=%s for %s (not managed: not applied)", want, lane.name)
-        lane.set_knobs(new)
-        # Breaker levels 2 and 3.
-        prev = lane.breaker_level
+        plant = ctl.plant
+        plant.acting = who
+        done = actuate(dec, lane.knobs, plant, ctl.trip, restart_on_trip=ctl.shield.cfg.breaker_restart)
+        if done.restart == "advised" and not ctl.shield.cfg.breaker_restart:
+            self._note(f"breaker level 3 on {lane.name}: restart recommended (shield.breaker_restart is off)")
         lane.breaker_level = dec.breaker_level
         mt.breaker_level.labels(lane.name).set(dec.breaker_level)
-        if dec.breaker_level >= 2:
-            lane.shed_fraction = self.cfg.breaker.shed_fraction
-            if prev < 2:
-                n = lane.shed_queued(dec.shed_max_priority_kept)
-                self._note(f"breaker level 2 on {lane.name}: shed {n} queued low-priority requests, "
-                           f"rejecting {lane.shed_fraction:.0%} of low-priority arrivals")
-        else:
-            lane.shed_fraction = 0.0
-        if dec.recommend_restart and self.cfg.breaker.restart and not ctl.breaker_restart_done:
-            if lane.upstream.managed is not None:
-                ctl.breaker_restart_done = True
-                self._note(f"breaker level 3 on {lane.name}: restarting it (core requests stay queued)")
-                self.gw.supervisor.spawn(self.gw.supervisor.restart(lane, cause="breaker"), "batchpilot-restart")
-            else:
-                self._note(f"breaker level 3 on {lane.name}: restart recommended (not managed)")
-        if dec.breaker_level == 0:
-            ctl.breaker_restart_done = False
         # The quality guard's fallback to 16-bit.
         guard = self.gw.quality
         if guard is not None and guard.blocks_8bit and lane.knobs.kv_dtype in KV_DTYPES_8BIT \

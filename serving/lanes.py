@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import random
 import re
 import time
 from dataclasses import dataclass, field
@@ -67,7 +66,6 @@ class Lane:
     retry_after_s: int = 1
     waiters: dict[str, asyncio.Future] = field(default_factory=dict)
     breaker_level: int = 0
-    shed_fraction: float = 0.0
     #: Set while a controller's dtype choice waits for a restart, or when it is only recommended.
     num_finished: int = 0
     #: What the upstream reported since the last control tick that counts as running out of
@@ -138,10 +136,6 @@ class Lane:
         full queue, shedding or timeout; on cancellation (client gone) the request leaves the
         queue."""
         now = time.monotonic()
-        if self.breaker_level >= 2 and req.priority > 0 and random.random() < self.shed_fraction:
-            self._count_rejected("shed_low_priority")
-            raise Refused("shed_low_priority", REJECT_MESSAGE["shed_low_priority"], status=429,
-                          retry_after=self.retry_after_s)
         self.telemetry.on_arrival(now, req.prompt_len)
         rej = self.admission.submit(req, now)
         if rej is not None:
@@ -199,12 +193,11 @@ class Lane:
         self._publish_queue()
 
     def shed_queued(self, max_priority_kept: int | None) -> int:
-        """Breaker level 2: reject queued requests below the kept priority."""
+        """Breaker level 2 (each decision at that level): reject queued requests above the kept
+        priority; arrivals queue and meet the next decision's shed unless a slot frees first."""
         out = self.admission.shed(max_priority_kept, time.monotonic())
         for rej in out:
             self._fail_waiter(rej)
-        # Arrivals are shed by share (``shed_fraction``), not wholesale: lift the blanket ban.
-        self.admission.max_priority_kept = None
         return len(out)
 
     def fail_all_waiting(self, reason: str, message: str) -> None:

@@ -224,3 +224,38 @@ def test_the_gateway_counts_and_shows_intervals_the_policy_hands_to_pid() -> Non
     st = loop.policies.status()["out_of_range"]
     assert st["intervals"] == 4 and st["last_features"]
     assert gw.metrics.policy_fallbacks.labels("out_of_range")._value.get() == before + 4
+
+
+def test_an_engine_that_keeps_failing_walks_the_breaker_to_one_restart() -> None:
+    """OOM reports at every interval: shrink to the minimum (level 1), shed (level 2), then
+    restart the managed upstream once (level 3, ``batchpilot.core.plant.actuate``)."""
+    from types import SimpleNamespace
+
+    gw, loop = _gateway("pid", {"kind": "pid"})
+    lane = gw.lanes[0]
+    ctl = loop.lane_ctl[lane.index]
+    lane.upstream.managed = SimpleNamespace(alive=lambda: True, proc=SimpleNamespace(returncode=None))
+    causes: list[str] = []
+
+    async def restart(ln, *, cause: str, kv_dtype: str | None = None, drain: bool = True) -> bool:
+        causes.append(cause)
+        return True
+
+    gw.supervisor.restart = restart  # type: ignore[method-assign]
+    text = _metrics_text(recorded_trace()[0])
+
+    async def metrics(timeout_s: float = 2.0) -> str:
+        return text
+
+    lane.upstream.metrics_text = metrics  # type: ignore[method-assign]
+    levels = []
+    for i in range(80):  # ticks further apart than the breaker's cooldown
+        lane.report_oom("error_answer", "answered 500 naming out-of-memory: CUDA out of memory")
+        asyncio.run(loop.tick(lane, now=5000.0 + 3.0 * i))
+        levels.append(ctl.last_decision["breaker_level"])
+        if levels[-1] == 3 and len(levels) > 2 and levels[-2] == 3:
+            break
+    assert levels[0] == 1 and 2 in levels and levels[-1] == 3, levels
+    assert lane.knobs.batch_cap == ctl.shield.cfg.min_batch
+    assert causes == ["breaker"]  # once per trip, not at every decision at level 3
+    assert any("breaker level 3 on vllm0: restarting it" in e for e in loop.events)

@@ -1,6 +1,8 @@
 """The circuit breaker's levels on a live gateway: with a TPOT objective no engine can meet, the
-breaker shrinks the cap (level 1) down to the minimum, sheds low-priority load (level 2), and
-restarts the managed upstream (level 3), while core requests (priority 0) are all served."""
+breaker shrinks the cap (level 1) down to the minimum and sheds queued low-priority load at every
+decision (level 2), while core requests (priority 0) are all served. It never restarts the
+engine for it: a restart cannot make a slow engine fast (level 3, a restart, is for an engine
+that keeps failing — out of memory, preemption storms — tests/test_control_loop.py)."""
 
 from __future__ import annotations
 
@@ -17,8 +19,8 @@ pytestmark = [pytest.mark.live, pytest.mark.slow, pytest.mark.timeout(900)]
 @pytest.fixture(scope="module")
 def gw() -> RunningGateway:
     # TPOT <= 0.01 ms: every finished request breaches it, an "engine" breach (the batch's
-    # fault, not queueing), which is what walks the breaker up to a restart. A small starting
-    # cap and a short cooldown get there in seconds.
+    # fault, not queueing), which walks the breaker down to the minimum cap and shedding. A
+    # small starting cap and a short cooldown get there in seconds.
     with running_gateway("slo.tpot_ms=0.01", "serve.control.initial_batch_cap=4", "serve.control.interval_s=0.5",
                          "shield.breaker_cooldown_s=0.5", "serve.request_timeout_s=120") as g:
         yield g
@@ -47,7 +49,7 @@ async def _mixed_load(url: str, seconds: float, rate: float) -> list[tuple[int, 
     return list(zip(prios, results))
 
 
-def test_breaker_walks_to_restart_and_keeps_core_requests(gw: RunningGateway) -> None:
+def test_breaker_shrinks_and_sheds_keeps_core_requests_and_never_restarts_for_latency(gw: RunningGateway) -> None:
     results = asyncio.run(_mixed_load(gw.url, 25.0, 6.0))
     with open(gw.log_path) as f:
         log = f.read()
@@ -57,11 +59,12 @@ def test_breaker_walks_to_restart_and_keeps_core_requests(gw: RunningGateway) ->
     shed = [o for o in low if o.status == 429]
     assert shed and all(o.reason == "shed_low_priority" and o.retry_after for o in shed), [(o.status, o.reason) for o in low]
     assert all(o.status in (200, 429) for o in low), [(o.status, o.reason) for o in low]
-    assert "breaker level 3 on vllm0: restarting it" in log, log[-3000:]
-    assert gw.metric("batchpilot:upstream_restarts_total", cause="breaker") >= 1
+    assert "breaker level 2 on vllm0: shed" in log, log[-3000:]
+    assert "breaker level 3" not in log and not gw.metric("batchpilot:upstream_restarts_total", cause="breaker")
     assert gw.metric("batchpilot:shield_interventions_total", kind="breaker_shrink") >= 1
+    assert gw.metric("batchpilot:shield_interventions_total", kind="breaker_shed") >= 1
     assert gw.metric("batchpilot:requests_rejected_total", reason="shed_low_priority") == len(shed)
-    # After the restart the upstream serves again.
+    # The upstream serves on.
     r = httpx.post(f"{gw.url}/v1/completions", json={"prompt": "after", "max_tokens": 2},
                    headers=_headers(0), timeout=120)
     assert r.status_code == 200, r.text

@@ -198,22 +198,30 @@ def test_breaker_cooldown_holds_cap():
     assert s.apply(Proposal(), Knobs(70), SLOW, 12.5).knobs.batch_cap == 49
 
 
-def test_breaker_alert_after_three_failed_adjustments_then_shed_and_restart():
-    s = shield(ROOMY, alert_after=3, restart_after=3)
+STORM = ShieldInputs(preemptions=50)  # >= preemption_storm (10): the engine itself fails
+
+
+def _walk(s: Shield, inputs: ShieldInputs, n: int) -> tuple[list[int], list[int], list[bool], list[str]]:
     cap, caps_seen, levels, alerts, texts = 20, [], [], [], []
-    for t in range(13):
-        d = s.apply(Proposal(batch_cap=cap + 5), Knobs(cap), SLOW, float(t))
+    for t in range(n):
+        d = s.apply(Proposal(batch_cap=cap + 5), Knobs(cap), inputs, float(t))
         cap = d.knobs.batch_cap
         caps_seen.append(cap)
         levels.append(d.breaker_level)
         alerts.append(bool(d.alerts))
         texts.extend(d.alerts)
+    return caps_seen, levels, alerts, texts
+
+
+def test_breaker_alert_after_three_failed_adjustments_then_shed_and_restart():
+    s = shield(ROOMY, alert_after=3, restart_after=3)
+    caps_seen, levels, alerts, texts = _walk(s, STORM, 13)
     # level 1 cuts 20 -> 14 -> 10 -> 7 -> 5 -> 4 -> 3 -> 2 -> 1, then level 2 at min_batch
     assert caps_seen[:8] == [14, 10, 7, 5, 4, 3, 2, 1]
     assert alerts[:3] == [False, False, False] and all(alerts[3:])
     assert levels[:8] == [1] * 8 and levels[8:11] == [2, 2, 2] and levels[11:] == [3, 3]
     assert s.num_interventions["breaker_shed"] == 5
-    d = s.apply(Proposal(), Knobs(1), SLOW, 20.0)
+    d = s.apply(Proposal(), Knobs(1), STORM, 20.0)
     assert d.shed_max_priority_kept == 0 and d.recommend_restart
     # the restart alert is raised once, on entering level 3, not on every decision after
     assert sum("restart" in a for a in texts + d.alerts) == 1
@@ -221,6 +229,16 @@ def test_breaker_alert_after_three_failed_adjustments_then_shed_and_restart():
     for t in range(3):
         d = s.apply(Proposal(batch_cap=2), Knobs(1), CALM, 30.0 + t)
     assert d.breaker_level == 0 and d.shed_max_priority_kept is None and d.knobs.batch_cap == 2
+
+
+def test_a_latency_breach_at_min_batch_sheds_and_alerts_but_never_restarts():
+    """A restart cannot make a slow engine meet its objective; it only takes it down."""
+    s = shield(ROOMY, alert_after=3, restart_after=3)
+    caps_seen, levels, alerts, texts = _walk(s, ShieldInputs(tpot_p99_ms=500.0), 20)
+    assert caps_seen[-1] == 1 and max(levels) == 2 and levels[-1] == 2
+    assert all(alerts[3:]) and not any("restart" in a for a in texts)
+    d = s.apply(Proposal(), Knobs(1), ShieldInputs(tpot_p99_ms=500.0), 30.0)
+    assert not d.recommend_restart and d.shed_max_priority_kept == 0
 
 
 def test_breaker_recovers_after_clean_intervals():
@@ -359,7 +377,7 @@ def test_snapshot_inputs_are_converted():
     d = s.apply(Proposal(batch_cap=45), Knobs(40), snap, 1.0)  # p99 TTFT 5 s: breach
     assert d.knobs.batch_cap == 28 and d.breaker_level == 1
     assert s.predict_fraction(d.knobs) == pytest.approx(d.predicted_memory_fraction)
-    assert d.shed_below_priority is None
+    assert d.shed_max_priority_kept is None
 
 
 @pytest.mark.parametrize("start, lo, hi", [(200, 1, 64), (2, 8, 256)])

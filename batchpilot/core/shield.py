@@ -21,8 +21,12 @@ no policy can take the service outside these limits:
   ``breach_factor`` x SLO that the engine causes, level 1 shrinks the cap by ``breaker_shrink`` (x0.7, itself within the
   30 % step); if that would go below ``min_batch``, level 2 also sheds low-priority load in
   admission; after ``alert_after`` (3) adjustments in a row that leave the breach in place an
-  alert is raised; when ``restart_after`` more cuts at level 2 (shedding on) still leave it,
-  level 3 recommends an engine restart. A TTFT/E2E breach with a backlog bigger than the batch
+  alert is raised; when ``restart_after`` more cuts at level 2 (shedding on) still leave the
+  engine *failing* (OOM, preemption storm), level 3 restarts it (``breaker_restart``; else
+  recommends it). A latency breach at ``min_batch`` stays at level 2 with the alert: a restart
+  cannot make a slow engine fast, it only takes it down (DeepSeek-V3: 600 s). What each level
+  does to the engine is ``batchpilot.core.plant.actuate``, the same in the environment and the
+  gateway. A TTFT/E2E breach with a backlog bigger than the batch
   is overload, not an engine problem (TTFT counts the admission queue): shrinking the batch
   would lengthen the queue and spiral down, so the breaker goes straight to level 2 (shed) and
   leaves the cap to the controller.
@@ -120,8 +124,13 @@ class ShieldConfig:
     breaker_cooldown_s: float = 2.0
     #: Alert after this many breaker adjustments in a row that did not clear the breach.
     alert_after: int = 3
-    #: Level 3 (recommend restart) after this many failed adjustments at level 2 (shedding on).
+    #: Level 3 (restart the engine) after this many failed adjustments at level 2 (shedding on),
+    #: counted only while the engine itself fails (out of memory, preemption storm): a restart
+    #: cannot make a slow engine meet a latency objective, it only takes it down.
     restart_after: int = 3
+    #: Whether level 3 restarts the engine (the environment's, a managed upstream); false: the
+    #: restart is only recommended (alert, status).
+    breaker_restart: bool = True
     #: Clean decisions in a row before the breaker resets to level 0 (and shedding stops).
     recover_after: int = 3
     #: Level 2 keeps requests with priority <= this (0 = core) and sheds the rest.
@@ -233,11 +242,6 @@ class Decision:
     @property
     def num_interventions(self) -> int:
         return len(self.interventions)
-
-    @property
-    def shed_below_priority(self) -> int | None:
-        """Alias of ``shed_max_priority_kept`` (what ``Admission.shed`` takes)."""
-        return self.shed_max_priority_kept
 
 
 class Shield:
@@ -521,13 +525,14 @@ class Shield:
 
     def _breached(self, inputs: ShieldInputs, cur: int) -> tuple[str, str] | None:
         """(why, kind) when the last interval counts as a breach, else None. ``kind`` is
-        "engine" (the batch is too big for the engine: OOM, preemption storm, TPOT, or a
-        TTFT/E2E breach without a backlog) or "overload" (a TTFT/E2E breach while more requests
+        "failure" (the engine itself fails: out of memory, a preemption storm; only these walk
+        the breaker to level 3, a restart), "engine" (the batch is too big for the engine's
+        latency: TPOT, or a TTFT/E2E breach without a backlog) or "overload" (a TTFT/E2E breach while more requests
         wait than run: the latency is queueing, and a smaller batch would only lengthen it)."""
         if inputs.oom:
-            return f"engine out of memory ({self.oom_reason or 'reported by its engine'})", "engine"
+            return f"engine out of memory ({self.oom_reason or 'reported by its engine'})", "failure"
         if inputs.preemptions >= self.cfg.preemption_storm:
-            return f"preemption storm ({inputs.preemptions} >= {self.cfg.preemption_storm})", "engine"
+            return f"preemption storm ({inputs.preemptions} >= {self.cfg.preemption_storm})", "failure"
         slo_ms = {"ttft": self.slo.ttft_ms, "tpot": self.slo.tpot_ms, "e2el": self.slo.e2el_ms}
         seen = {"ttft": inputs.ttft_p99_ms, "tpot": inputs.tpot_p99_ms, "e2el": inputs.e2el_p99_ms}
         found: tuple[str, str] | None = None
@@ -554,7 +559,7 @@ class Shield:
             if self.breaker_level and self.num_clean_in_row >= cfg.recover_after:
                 self.breaker_level = 0
                 self.num_failed_sheds = 0
-            if self.breaker_level and self.last_breach_kind == "engine":
+            if self.breaker_level and self.last_breach_kind != "overload":
                 why["breaker_hold"] = f"breaker level {self.breaker_level} recovering; cap held at {cur}"
                 return self.breaker_level, cur
             return self.breaker_level, None
@@ -582,8 +587,8 @@ class Shield:
             why["breaker_shrink"] = f"{reason}; batch_cap {cur} -> {shrink}"
         else:
             shrink = cfg.min_batch
-            if self.breaker_level >= 2:
-                self.num_failed_sheds += 1  # shedding was already on and the breach persists
+            if self.breaker_level >= 2 and kind == "failure":
+                self.num_failed_sheds += 1  # shedding was already on and the engine still fails
             self.breaker_level = max(self.breaker_level, 2)
             why["breaker_shed"] = (
                 f"{reason} at min_batch={cfg.min_batch}; shedding priority > {cfg.shed_max_priority_kept}"

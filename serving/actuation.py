@@ -1,0 +1,72 @@
+"""A gateway lane as the plant a decision acts on (``batchpilot.core.plant``; the environment's
+is ``EnginePlant`` in ``envs/serving_env.py``). ``actuate`` decides what happens; this says how
+it happens in front of one upstream ``vllm serve``:
+
+* knobs: admission's cap and bucketing, published as gauges;
+* shed: queued requests above the kept priority get 429 + ``Retry-After`` ("shed_low_priority");
+* a KV switch restarts a managed upstream in the background (drained first, one lane at a time,
+  by the supervisor) and the new dtype is in force once it is up; an unmanaged upstream is only
+  advised (log + ``batchpilot:kv_dtype_recommended``); the quality guard's block on 8-bit wins;
+* a breaker restart (level 3) restarts a managed upstream (core requests stay queued); an
+  unmanaged one is advised in the log and the events.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Callable
+
+from batchpilot.core.engine import KV_DTYPES_8BIT, EngineCapabilities
+from batchpilot.core.knobs import Knobs
+from batchpilot.serving.lanes import Lane
+
+if TYPE_CHECKING:
+    from batchpilot.serving.gateway import Gateway
+
+log = logging.getLogger(__name__)
+
+
+class LanePlant:
+    """One lane's engine side, for ``actuate``. ``acting`` names the controller whose decision
+    is carried out (for the events)."""
+
+    def __init__(self, gw: "Gateway", lane: Lane, caps: Callable[[], EngineCapabilities], note: Callable[[str], None]) -> None:
+        self.gw = gw
+        self.lane = lane
+        self._caps = caps
+        self._note = note
+        self.acting = "controller"
+
+    def capabilities(self) -> EngineCapabilities:
+        return self._caps()
+
+    def set_knobs(self, knobs: Knobs) -> None:
+        self.lane.set_knobs(knobs)
+
+    def shed(self, max_priority_kept: int) -> int:
+        n = self.lane.shed_queued(max_priority_kept)
+        if n:
+            self._note(f"breaker level 2 on {self.lane.name}: shed {n} queued requests of priority > {max_priority_kept}")
+        return n
+
+    def switch_kv_dtype(self, dtype: str) -> bool:
+        lane, guard = self.lane, self.gw.quality
+        if dtype in KV_DTYPES_8BIT and guard is not None and guard.blocks_8bit:
+            return False  # the quality guard keeps 16-bit
+        if lane.upstream.managed is not None:
+            self._note(f"{self.acting} switches {lane.name} KV cache to {dtype}: restarting it")
+            self.gw.supervisor.spawn(self.gw.supervisor.restart(lane, cause="kv_dtype", kv_dtype=dtype),
+                                     "batchpilot-restart")
+        else:
+            self.gw.metrics.kv_recommendation.labels(lane.name, dtype).set(1)
+            log.info("recommend kv_cache_dtype=%s for %s (not managed: not applied)", dtype, lane.name)
+        return False  # in force only once the restart is done
+
+    def restart(self, cause: str) -> bool:
+        lane = self.lane
+        if lane.upstream.managed is None:
+            self._note(f"breaker level 3 on {lane.name}: restart recommended (not managed)")
+            return False
+        self._note(f"breaker level 3 on {lane.name}: restarting it (core requests stay queued)")
+        self.gw.supervisor.spawn(self.gw.supervisor.restart(lane, cause=cause), "batchpilot-restart")
+        return True
