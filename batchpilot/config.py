@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import fields
+import dataclasses
+import typing
 from pathlib import Path
 from typing import Any, Mapping, Sequence, TypeVar
 
@@ -32,33 +33,15 @@ def load_config(overrides: Sequence[str] = (), config_name: str = "config") -> D
         return compose(config_name=config_name, overrides=list(overrides))
 
 
-def config_fields(cls: type, node: Any, where: str, drop: Sequence[str] = ()) -> dict[str, Any]:
-    """A config node (DictConfig or mapping) as plain keyword arguments for dataclass ``cls``.
-
-    Unknown keys raise, naming ``where`` and the known keys, so a typo in YAML never falls back
-    to a default silently. ``drop`` names keys that select the class rather than configure it
-    (e.g. ``kind``)."""
-    if isinstance(node, DictConfig):
-        data = OmegaConf.to_container(node, resolve=True)
-    else:
-        data = dict(node or {})
-    if not isinstance(data, dict):
-        raise TypeError(f"{where}: expected a mapping, got {type(node).__name__}")
-    for key in drop:
-        data.pop(key, None)
-    known = {f.name for f in fields(cls)}
-    unknown = set(data) - known
-    if unknown:
-        raise ValueError(f"unknown keys {sorted(unknown)} in {where}; known: {sorted(known)}")
-    return data
-
-
 class ConfigError(ValueError):
     """A config mapping built in code that does not fit its schema (OmegaConf's message: the
     key, the value, the dataclass)."""
 
 
-def _plain(node: Any) -> dict[str, Any]:
+def plain(node: Any) -> dict[str, Any]:
+    """A config node (DictConfig, resolved, or mapping) as a plain dict. A group file read
+    without Hydra (``OmegaConf.load(conf/policy/pid.yaml)``) still holds its defaults list, the
+    schema it extends: that ``defaults`` key is left out (no config dataclass has such a field)."""
     if node is None:
         return {}
     if isinstance(node, DictConfig):
@@ -68,6 +51,8 @@ def _plain(node: Any) -> dict[str, Any]:
     else:
         raise TypeError(f"expected a config mapping, got {type(node).__name__}")
     assert isinstance(data, dict)
+    if isinstance(data.get("defaults"), list):
+        del data["defaults"]
     return data  # type: ignore[return-value]
 
 
@@ -76,8 +61,18 @@ def schema_node(cls: type) -> DictConfig:
     even for a frozen dataclass: a composed config may be edited in code (``cfg.train.n_envs = 1``);
     the object built from it stays frozen."""
     node = OmegaConf.structured(cls)
-    OmegaConf.set_readonly(node, False)
+    _writable(node)
     return node
+
+
+def _writable(node: DictConfig) -> None:
+    """Clear the read-only flag of ``node`` and of every nested dataclass node (a frozen one,
+    e.g. ``AdmissionConfig`` inside ``ServeConfig``, sets its own)."""
+    OmegaConf.set_readonly(node, False)
+    for key in node.keys():
+        child = node._get_node(key)
+        if isinstance(child, DictConfig):
+            _writable(child)
 
 
 def from_node(cls: type[T], node: Any, drop: Sequence[str] = ()) -> T:
@@ -87,7 +82,7 @@ def from_node(cls: type[T], node: Any, drop: Sequence[str] = ()) -> T:
     gets the same checks: an unknown key or a wrong type raises OmegaConf's error naming the
     key (``ConfigKeyError`` / ``ValidationError``); ``__post_init__`` then runs the domain
     checks. Both raise ``ConfigError`` (a ``ValueError``). ``drop`` names keys that select the class rather than configure it (``kind``)."""
-    data = _plain(node)
+    data = plain(node)
     for key in drop:
         data.pop(key, None)
     try:
@@ -95,3 +90,26 @@ def from_node(cls: type[T], node: Any, drop: Sequence[str] = ()) -> T:
     except (ConfigKeyError, ValidationError) as exc:
         raise ConfigError(f"{cls.__name__}: {exc}") from None
     return OmegaConf.to_object(conf)  # type: ignore[return-value]
+
+
+def node_schema(cls: type, name: str, *, extra: Sequence[tuple[str, Any, Any]] = (),
+                exclude: Sequence[str] = ()) -> type:
+    """The schema of a config node that is dataclass ``cls`` plus keys that are not its fields:
+    a dataclass named ``name`` with ``extra`` first (``(key, type, default or dataclasses.field)``;
+    e.g. ``kind``, which selects the class) and then ``cls``'s init fields less ``exclude`` (keys
+    filled from elsewhere, e.g. a PID's ``slo_ms`` from the top config's SLO). Derived from
+    ``cls``, so each field keeps its one declaration, type and default; ``from_node(cls, node,
+    drop=...)`` builds ``cls`` from such a node."""
+    hints = typing.get_type_hints(cls)
+    fields: list[tuple[str, Any, Any]] = list(extra)
+    for f in dataclasses.fields(cls):
+        if not f.init or f.name in exclude:
+            continue
+        if f.default_factory is not dataclasses.MISSING:
+            spec = dataclasses.field(default_factory=f.default_factory)
+        elif f.default is not dataclasses.MISSING:
+            spec = dataclasses.field(default=f.default)
+        else:
+            spec = dataclasses.field()
+        fields.append((f.name, hints[f.name], spec))
+    return dataclasses.make_dataclass(name, fields)

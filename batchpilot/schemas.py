@@ -6,38 +6,59 @@ of the wrong type fails at compose time with Hydra's message naming the key. The
 the one declaration of each group's fields and types; domain checks (ranges, names) stay in its
 ``__post_init__`` / ``check`` and run when ``from_node`` builds the object.
 
-Registered (``register()``; ``batchpilot.config.load_config`` and every ``@hydra.main`` app in
-``scripts/`` call it before composing):
+Registered (``register()``; ``batchpilot.config.load_config``, ``compose_eval`` in
+policies/evaluation.py and every ``@hydra.main`` app in ``scripts/`` import this module, which
+calls it, before composing):
 
-============================  ==============================================  =====================
-store entry                   dataclass                                       extended by
-============================  ==============================================  =====================
-``shield/schema``             ``batchpilot.core.shield.ShieldConfig``        conf/shield/*.yaml
-``slo/schema``                ``batchpilot.core.telemetry.SLO``              conf/slo/*.yaml
-``schema/admission``          ``batchpilot.core.admission.AdmissionConfig``  conf/env ``admission``, conf/serve ``admission``
-``schema/reward``             ``RewardConfig`` (here)                         conf/env ``reward``
-``train/schema``              ``TrainConfig`` (here)                          conf/train/*.yaml
-``logger/schema``             ``LoggerConfig`` (here)                         conf/logger/*.yaml
-============================  ==============================================  =====================
+==============================  ================================================  ==================================
+store entry                     dataclass                                         extended by
+==============================  ================================================  ==================================
+``shield/schema``               ``batchpilot.core.shield.ShieldConfig``           conf/shield/*.yaml
+``slo/schema``                  ``batchpilot.core.telemetry.SLO``                 conf/slo/*.yaml
+``schema/admission``            ``batchpilot.core.admission.AdmissionConfig``     conf/env ``admission``
+``schema/reward``               ``RewardConfig`` (here)                           conf/env ``reward``
+``train/schema``                ``TrainConfig`` (here)                            conf/train/*.yaml
+``logger/schema``               ``LoggerConfig`` (here)                           conf/logger/*.yaml
+``hardware/schema``             ``batchpilot.core.specs.HardwareSpec``            conf/hardware/*.yaml
+``model/schema``                ``batchpilot.core.specs.ModelSpec``               conf/model/*.yaml
+``engine/schema_sim``           ``SimEngineConfig`` (here)                        conf/engine/sim.yaml
+``schema/vllm_engine``          ``VLLMEngineNode``: ``VLLMEngineConfig`` + kind,  conf/engine/vllm.yaml ``engine``
+                                warmup (``EngineWarmupConfig``)
+``policy/schema_pid``           ``PIDPolicyNode``: ``core.pid.PIDConfig`` + kind  conf/policy/pid.yaml
+``policy/schema_aimd``          ``AIMDPolicyNode``: ``AIMDConfig`` + kind         conf/policy/aimd.yaml
+``policy/schema_static``        ``StaticPolicyNode``: ``StaticConfig`` + kind,    conf/policy/static.yaml,
+                                name                                              vllm_default.yaml
+``policy/schema_ppo``           ``PPOPolicyNode``: ``PPOPolicyConfig`` + kind     conf/policy/ppo.yaml
+``serve/schema``                ``ServeNode``: ``ServeConfig`` less its secrets   conf/serve/default.yaml
+``schema/gateway_bench``        ``GatewayBenchConfig`` (here)                     conf/bench.yaml ``gateway_bench``
+``schema/client_bench``         ``ClientBenchConfig`` (here)                      conf/bench.yaml ``client_bench``
+==============================  ================================================  ==================================
 
-This module sits with ``batchpilot/config.py`` at the top of the core (tests/test_imports.py):
-it imports only the core, so the dataclasses of groups that training reads (reward, train,
-logger) are declared here and re-exported by ``envs/reward.py`` and ``policies/training.py``.
+A ``...Node`` schema is derived from its dataclass by ``batchpilot.config.node_schema`` (the
+dataclass's fields, types and defaults, plus the keys that select the class, ``kind`` / ``name``,
+or that its caller reads, the vLLM engine's ``warmup``); PID's and AIMD's leave out ``slo_ms`` and
+``tpot_slo_ms``, which ``build_controller`` fills from the top config's ``slo``. The objects
+are built from the dataclass itself with ``from_node(cls, node, drop=(...))``.
+
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hmac
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from hydra.core.config_store import ConfigStore
 
-from batchpilot.config import from_node, schema_node
+from batchpilot.config import from_node, node_schema, plain, schema_node
 from batchpilot.core.admission import AdmissionConfig
+from batchpilot.core.engine import KV_DTYPES_ALL
+from batchpilot.core.pid import PIDConfig, check_common
 from batchpilot.core.shield import ShieldConfig
+from batchpilot.core.specs import HardwareSpec, ModelSpec
 from batchpilot.core.telemetry import SLO
 
 
@@ -170,6 +191,491 @@ class LoggerConfig:
         return from_node(cls, node)
 
 
+# --- engine ----------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class SimEngineConfig:
+    """Scheduler and memory settings of the simulated vLLM engine (``conf/engine/sim.yaml``)."""
+
+    kind: str = "sim"
+    #: Tokens per KV block (vLLM ``--block-size``).
+    block_size: int = 16
+    #: Most requests running at once (vLLM ``--max-num-seqs``).
+    max_num_seqs: int = 256
+    #: Token budget of one iteration (vLLM ``--max-num-batched-tokens``).
+    max_num_batched_tokens: int = 8192
+    #: Share of device memory for weights + activations + KV.
+    gpu_memory_utilization: float = 0.9
+    kv_dtype: str = "auto"
+    enable_prefix_caching: bool = True
+    #: Activation workspace per rank, GB; ``None`` = estimate from the token budget and model.
+    activation_workspace_gb: float | None = None
+    #: Cap on KV blocks, as vLLM's ``num_gpu_blocks_override``; ``None`` = from memory.
+    num_gpu_blocks_override: int | None = None
+    #: ``requeue``: restart preempts everything in flight by recompute; ``drain``: finish the
+    #: running requests first (no admissions), then restart.
+    restart_mode: str = "requeue"
+    #: The simulator is deterministic; kept so runs record the seed they were made with.
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        def bad(name: str, fix: str) -> ValueError:
+            return ValueError(f"engine.{name}={getattr(self, name)!r} is invalid: {fix}")
+
+        if self.kind != "sim":
+            raise bad("kind", "must be 'sim' for SimEngine")
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise bad(name, "must be a positive integer")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise bad("max_num_batched_tokens", f"must be >= max_num_seqs={self.max_num_seqs} (as vLLM requires)")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise bad("gpu_memory_utilization", "must be in (0, 1]")
+        if self.kv_dtype not in KV_DTYPES_ALL:
+            raise bad("kv_dtype", f"use one of {KV_DTYPES_ALL}")
+        if self.activation_workspace_gb is not None and self.activation_workspace_gb < 0:
+            raise bad("activation_workspace_gb", "must be >= 0 GB or null (estimate)")
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
+            raise bad("num_gpu_blocks_override", "must be a positive block count or null")
+        if self.restart_mode not in ("requeue", "drain"):
+            raise bad("restart_mode", "use 'requeue' or 'drain'")
+
+    @classmethod
+    def from_cfg(cls, cfg: Any) -> "SimEngineConfig":
+        """Build from the Hydra ``engine`` node (or a mapping: unknown keys and wrong types raise)."""
+        return from_node(cls, cfg)
+
+
+@dataclass(slots=True)
+class VLLMEngineConfig:
+    """Settings of the live engine (``conf/engine/vllm.yaml``'s ``engine`` node, less ``kind`` and
+    ``warmup``: ``VLLMEngineNode`` is that node's schema)."""
+
+    #: Model folder or hub id; ``None`` builds and uses the tiny random Llama (no download).
+    model: str | None = None
+    #: The engine's own batch limit; keep it large and cap the batch with admission.
+    max_num_seqs: int = 256
+    #: Token budget per iteration (chunked prefill splits longer prompts).
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+    #: Tokens per KV block. vLLM's CPU attention needs a multiple of 32.
+    block_size: int = 32
+    kv_dtype: str = "auto"
+    #: Number of KV blocks (of ``kv_dtype``); ``None`` sizes the cache from memory.
+    num_gpu_blocks_override: int | None = None
+    #: CPU only: memory reserved for the KV cache (``VLLM_CPU_KVCACHE_SPACE`` wins when set).
+    kv_cache_space_gib: float = 1.0
+    #: GPU only: share of device memory vLLM may use.
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+    #: What a restart does with requests in flight: finish them first, or move them over.
+    on_restart: str = "requeue"
+    seed: int = 0
+    enforce_eager: bool = True
+    #: Weights/activations dtype ("auto" = the model's).
+    dtype: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.on_restart not in ("drain", "requeue"):
+            raise ValueError(f"engine.on_restart={self.on_restart!r}: use 'drain' or 'requeue'")
+        if self.kv_dtype not in KV_DTYPES_ALL:
+            raise ValueError(f"engine.kv_dtype={self.kv_dtype!r} is not one of {KV_DTYPES_ALL}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"engine.{name}={getattr(self, name)} must be >= 1")
+        if self.num_gpu_blocks_override is not None:
+            need = -(-self.max_model_len // self.block_size) + 1  # one request + the null block
+            if self.num_gpu_blocks_override < need:
+                raise ValueError(
+                    f"engine.num_gpu_blocks_override={self.num_gpu_blocks_override} cannot hold one "
+                    f"request of max_model_len={self.max_model_len} "
+                    f"(needs >= {need} blocks of {self.block_size}); raise it or lower "
+                    "max_model_len"
+                )
+
+
+@dataclass(frozen=True, slots=True)
+class EngineWarmupConfig:
+    """``engine.warmup`` of ``conf/engine/vllm.yaml``: varied traffic before measuring
+    (``envs.vllm_engine.warm_up``; a fresh vllm-cpu engine runs ~3x slower through its first
+    minute). Read by the evaluation and the calibration, not by the engine."""
+
+    seconds: float = 60.0
+    max_batch: int = 64
+    max_prompt_len: int = 1024
+    max_output_len: int = 128
+
+    def __post_init__(self) -> None:
+        if self.seconds < 0:
+            raise ValueError(f"engine.warmup.seconds must be >= 0, got {self.seconds}")
+        for name in ("max_batch", "max_prompt_len", "max_output_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"engine.warmup.{name} must be >= 1, got {getattr(self, name)}")
+
+
+#: ``conf/engine/vllm.yaml``'s ``engine`` node: ``VLLMEngineConfig`` plus ``kind`` and ``warmup``.
+VLLMEngineNode = node_schema(VLLMEngineConfig, "VLLMEngineNode", extra=[
+    ("kind", str, "vllm"),
+    ("warmup", EngineWarmupConfig, field(default_factory=EngineWarmupConfig)),
+])
+
+
+# --- policy: AIMD ------------------------------------------------------------------------------
+@dataclass(slots=True)
+class AIMDConfig:
+    """Additive increase / multiplicative decrease on the cap (``conf/policy/aimd.yaml``)."""
+
+    metric: str = "ttft"
+    slo_ms: float = 1000.0
+    #: A breach is P99 above target_frac x SLO.
+    target_frac: float = 1.0
+    additive_increase: int = 4
+    multiplicative_decrease: float = 0.75
+    #: Treat preemptions in the interval as a breach too (memory pressure).
+    decrease_on_preemption: bool = True
+    #: As PIDConfig.queue_aware: judge the SLO on TPOT while the backlog exceeds the cap.
+    queue_aware: bool = True
+    tpot_slo_ms: float | None = 100.0
+    initial_batch_cap: int = 32
+    min_batch: int = 1
+    max_batch: int = 256
+    bucketing: str = "fifo"
+
+    def __post_init__(self) -> None:
+        check_common("aimd", {"metric": self.metric, "bucketing": self.bucketing})
+        if self.additive_increase < 1 or not 0 < self.multiplicative_decrease < 1:
+            raise ValueError(
+                f"aimd: need additive_increase >= 1 and 0 < multiplicative_decrease < 1, got "
+                f"{self.additive_increase}, {self.multiplicative_decrease}"
+            )
+        if not 1 <= self.min_batch <= self.initial_batch_cap <= self.max_batch:
+            raise ValueError("aimd: need 1 <= min_batch <= initial_batch_cap <= max_batch")
+
+
+# --- policy: static ----------------------------------------------------------------------------
+@dataclass(slots=True)
+class StaticConfig:
+    """Fixed knobs (``conf/policy/static.yaml``; ``vllm_default.yaml`` = vLLM's defaults).
+    ``batch_cap: null`` means the engine's ``max_num_seqs``."""
+
+    batch_cap: int | None = 64
+    bucketing: str = "fifo"
+    kv_dtype: str = "auto"
+
+    def __post_init__(self) -> None:
+        check_common("static", {"bucketing": self.bucketing})
+        if self.batch_cap is not None and self.batch_cap < 1:
+            raise ValueError(f"static.batch_cap must be >= 1 or null, got {self.batch_cap}")
+
+
+@dataclass(frozen=True, slots=True)
+class PPOPolicyConfig:
+    """``conf/policy/ppo.yaml`` (``policies/ppo_controller.py build_ppo_controller``)."""
+
+    #: Artifact folder; None = the shipped policy in policies/pretrained/.
+    path: str | None = None
+    #: KV dtypes the engine can run ({dtype: true/false}); None = only the 16-bit dtype.
+    kv_runnable: dict[str, bool] | None = None
+    #: The engine's max_model_len (normalises prompt lengths); None = the one recorded at training.
+    max_model_len: int | None = None
+    #: Widening of the training range beyond which an observation hands the interval to PID.
+    ood_margin: float = 0.25
+
+    def __post_init__(self) -> None:
+        if self.ood_margin < 0:
+            raise ValueError(f"policy.ood_margin must be >= 0, got {self.ood_margin}")
+
+
+#: Keys a policy file has besides its controller's fields: ``kind`` selects the builder
+#: (``policies/controllers.py build_controller``), ``name`` labels a static controller.
+_SLO_FILLED = ("slo_ms", "tpot_slo_ms")  # build_controller fills these from the top config's slo
+PIDPolicyNode = node_schema(PIDConfig, "PIDPolicyNode", extra=[("kind", str, "pid")], exclude=_SLO_FILLED)
+AIMDPolicyNode = node_schema(AIMDConfig, "AIMDPolicyNode", extra=[("kind", str, "aimd")], exclude=_SLO_FILLED)
+StaticPolicyNode = node_schema(StaticConfig, "StaticPolicyNode", extra=[("kind", str, "static"), ("name", str, "static")])
+PPOPolicyNode = node_schema(PPOPolicyConfig, "PPOPolicyNode", extra=[("kind", str, "ppo")])
+
+
+# --- serve -----------------------------------------------------------------------------------
+ControlMode = Literal["policy", "pid", "static", "shadow"]
+CONTROL_MODES: tuple[str, ...] = ("policy", "pid", "static", "shadow")
+TOKENIZER_MODES: tuple[str, ...] = ("auto", "local", "upstream", "chars")
+
+
+def _read_secret(path: str | None, key: str) -> str | None:
+    """The stripped text of a secret file, or None without a path; a clear error otherwise."""
+    if not path:
+        return None
+    try:
+        return open(path, encoding="utf-8").read().strip() or None
+    except OSError as exc:
+        raise ValueError(f"{key}={path!r} cannot be read: {exc.strerror}") from None
+
+
+@dataclass(slots=True)
+class ControlConfig:
+    """The control loop."""
+
+    #: policy: the exported PPO policy acts; pid / static: the baseline acts; shadow: PID acts and
+    #: the policy's decisions are only logged and compared.
+    mode: str = "pid"
+    #: Seconds between decisions.
+    interval_s: float = 1.0
+    #: Sliding window of the latency percentiles.
+    window_s: float = 10.0
+    #: Exported policy folder; None = ``policies/pretrained`` when it exists.
+    policy_dir: str | None = None
+    initial_batch_cap: int = 64
+    initial_bucketing: str = "fifo"
+    #: Observation scales (as in training: conf/env ``rate_scale`` / ``token_rate_scale``).
+    rate_scale: float = 30.0
+    token_rate_scale: float = 6000.0
+    #: Share of traffic a canary policy drives: that share of upstreams, or with one upstream
+    #: that share of control intervals.
+    canary_share: float = 0.2
+    #: Decisions by the canary before it is promoted.
+    canary_min_intervals: int = 30
+    #: And requests each side finished or refused before a verdict: a slow canary finishes few,
+    #: and a verdict on its first two would miss the ones still queued behind them.
+    canary_min_requests: int = 20
+    #: Roll back when the canary's per-request SLO attainment (met / finished or refused) is below
+    #: ``(1 - canary_max_drop)`` x the incumbent's.
+    canary_max_drop: float = 0.10
+    #: Intervals without the upstream's /metrics never raise the cap; after this many in a row
+    #: the cap heads for ``safe_batch_cap`` (within the step limit) and an alert is raised.
+    stale_limit: int = 3
+    safe_batch_cap: int = 16
+
+    def __post_init__(self) -> None:
+        if self.mode not in CONTROL_MODES:
+            raise ValueError(f"serve.control.mode={self.mode!r}; one of {CONTROL_MODES}")
+        if not self.interval_s > 0:
+            raise ValueError(f"serve.control.interval_s must be > 0, got {self.interval_s}")
+        if not 0.0 <= self.canary_share <= 1.0:
+            raise ValueError(f"serve.control.canary_share must be in [0, 1], got {self.canary_share}")
+        if not 0.0 < self.canary_max_drop < 1.0:
+            raise ValueError(f"serve.control.canary_max_drop must be in (0, 1), got {self.canary_max_drop}")
+        if self.initial_batch_cap < 1:
+            raise ValueError(f"serve.control.initial_batch_cap must be >= 1, got {self.initial_batch_cap}")
+        if self.stale_limit < 1 or self.safe_batch_cap < 1:
+            raise ValueError("serve.control.stale_limit and serve.control.safe_batch_cap must be >= 1, got "
+                             f"{self.stale_limit}, {self.safe_batch_cap}")
+
+
+@dataclass(slots=True)
+class BreakerConfig:
+    """What the gateway does at each breaker level (level 1's shrink is the shield's)."""
+
+    #: Level 2: share of low-priority arrivals rejected ("shed_low_priority").
+    shed_fraction: float = 0.5
+    #: Level 3: restart a managed upstream (queued core requests wait for it).
+    restart: bool = True
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.shed_fraction <= 1.0:
+            raise ValueError(f"serve.breaker.shed_fraction must be in [0, 1], got {self.shed_fraction}")
+
+
+@dataclass(slots=True)
+class QualityGuardConfig:
+    """The guide's QuantizationMonitor: replay a sample of requests on a 16-bit reference."""
+
+    enabled: bool = True
+    sample_share: float = 0.05
+    #: Output-diff rate above which the gateway falls back to 16-bit KV.
+    threshold: float = 0.05
+    #: Samples needed before the rate is trusted.
+    min_samples: int = 20
+    #: Sliding window of samples.
+    window: int = 200
+    #: Greedy tokens compared per sample.
+    max_tokens: int = 16
+    #: A 16-bit vLLM server to replay on; None = no replay (the guard only reports).
+    reference_url: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("sample_share", "threshold"):
+            v = getattr(self, name)
+            if not 0.0 <= v <= 1.0:
+                raise ValueError(f"serve.quality_guard.{name} must be in [0, 1], got {v}")
+        if self.min_samples < 1 or self.window < self.min_samples:
+            raise ValueError(
+                f"serve.quality_guard needs 1 <= min_samples <= window, got {self.min_samples}, {self.window}"
+            )
+
+
+@dataclass(slots=True)
+class WarmupConfig:
+    """Prompt prefixes sent after each (re)start so the prefix cache starts warm."""
+
+    prompts: list[str] = field(default_factory=list)
+    max_tokens: int = 1
+
+
+@dataclass(slots=True)
+class ServeConfig:
+    """The gateway (``serve`` node; its schema, ``ServeNode``, leaves out the two secrets)."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    #: Start and own ``vllm serve`` processes (True) or use ``upstreams`` (False).
+    managed: bool = False
+    upstreams: list[str] = field(default_factory=list)
+    num_managed: int = 1
+    #: Model folder for managed engines; None = the built-in tiny model.
+    model: str | None = None
+    served_model_name: str | None = None
+    #: First port of managed engines; 0 = free ports.
+    managed_port_base: int = 0
+    max_num_seqs: int = 256
+    max_model_len: int = 2048
+    kv_cache_space_gib: int = 1
+    kv_dtype: str = "auto"
+    kv8_dtype: str = "fp8"
+    #: KV dtypes the operator of unmanaged upstreams says they can be switched to (the gateway
+    #: only recommends a switch there); None = only the dtype each upstream runs.
+    upstream_kv_dtypes: list[str] | None = None
+    extra_vllm_args: list[str] = field(default_factory=lambda: ["--enforce-eager"])
+    #: Tensor-parallel ranks the model is split over (sizes the per-rank KV and weights of the
+    #: memory model); None = ``--tensor-parallel-size`` in ``extra_vllm_args``, else 1.
+    tensor_parallel: int | None = None
+    startup_timeout_s: float = 300.0
+    auto_restart: bool = True
+    health_interval_s: float = 0.5
+    #: One /health probe may take this long: a CPU engine busy generating starves the API
+    #: server's process, and a 1 s limit declared a live, busy upstream dead.
+    health_timeout_s: float = 5.0
+    #: A managed upstream whose process is alive is restarted only after this many failed
+    #: probes in a row spanning at least ``health_grace_s`` (a dead process: at once).
+    health_failures: int = 3
+    health_grace_s: float = 15.0
+    request_timeout_s: float = 60.0
+    retry_after_s: int = 1
+    #: Request bodies above this are refused with 413 (before they are read when declared).
+    max_body_bytes: int = 8 * 1024 * 1024
+    #: A request body must arrive within this (else 408); headers within ``header_timeout_s``
+    #: (else the connection is closed).
+    body_timeout_s: float = 30.0
+    header_timeout_s: float = 10.0
+    priority_header: str = "x-priority"
+    default_priority: int = 1
+    #: Header carrying a trusted key; only requests with one may ask for a priority above the
+    #: default (0 = core, never shed). Keys: ``$BATCHPILOT_TRUSTED_KEYS`` (comma-separated) or
+    #: ``trusted_keys_file`` (one per line).
+    trusted_key_header: str = "x-batchpilot-key"
+    trusted_keys_file: str | None = None
+    #: How prompt length is counted: a local tokenizer, the upstream's /tokenize, or chars / 4.
+    tokenizer: str = "auto"
+    #: File holding the admin API's bearer token (``$BATCHPILOT_ADMIN_TOKEN`` wins). Never the
+    #: token itself: config values land in Hydra's config dump and on the command line.
+    admin_token_file: str | None = None
+    #: Folder for the managed engines' logs; None = a private temporary folder (mode 0700).
+    log_dir: str | None = None
+    log_level: str = "info"
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    control: ControlConfig = field(default_factory=ControlConfig)
+    breaker: BreakerConfig = field(default_factory=BreakerConfig)
+    quality_guard: QualityGuardConfig = field(default_factory=QualityGuardConfig)
+    warmup: WarmupConfig = field(default_factory=WarmupConfig)
+    #: Secrets, read in ``__post_init__`` from the environment or the files above; never config.
+    admin_token: str | None = field(default=None, repr=False)
+    trusted_keys: tuple[str, ...] = field(default=(), repr=False)
+
+    def __post_init__(self) -> None:
+        if not self.managed and not self.upstreams:
+            raise ValueError(
+                "serve: no upstream. Set serve.managed=true (start vllm serve on the tiny model) "
+                "or serve.upstreams=[http://127.0.0.1:8001,...]"
+            )
+        if self.managed and self.upstreams:
+            raise ValueError("serve.managed=true and serve.upstreams are exclusive; set one of them")
+        if self.num_managed < 1:
+            raise ValueError(f"serve.num_managed must be >= 1, got {self.num_managed}")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"serve.port={self.port} is not a port number")
+        if self.tokenizer not in TOKENIZER_MODES:
+            raise ValueError(f"serve.tokenizer={self.tokenizer!r}; one of {TOKENIZER_MODES}")
+        if not self.request_timeout_s > 0:
+            raise ValueError(f"serve.request_timeout_s must be > 0, got {self.request_timeout_s}")
+        if self.max_num_seqs < 1 or self.max_model_len < 1:
+            raise ValueError("serve.max_num_seqs and serve.max_model_len must be >= 1")
+        self.upstreams = [u.rstrip("/") for u in self.upstreams]
+        for u in self.upstreams:
+            if not u.startswith(("http://", "https://")):
+                raise ValueError(f"serve.upstreams entry {u!r} must start with http:// or https://")
+        for name in ("health_timeout_s", "health_grace_s", "body_timeout_s", "header_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"serve.{name} must be > 0, got {getattr(self, name)}")
+        if self.health_failures < 1:
+            raise ValueError(f"serve.health_failures must be >= 1, got {self.health_failures}")
+        if self.max_body_bytes < 1024:
+            raise ValueError(f"serve.max_body_bytes must be >= 1024, got {self.max_body_bytes}")
+        if self.default_priority < 0:
+            raise ValueError(f"serve.default_priority must be >= 0, got {self.default_priority}")
+        self.priority_header = self.priority_header.lower()
+        self.trusted_key_header = self.trusted_key_header.lower()
+        self.admin_token = os.environ.get("BATCHPILOT_ADMIN_TOKEN") or _read_secret(self.admin_token_file,
+                                                                                     "serve.admin_token_file")
+        keys = os.environ.get("BATCHPILOT_TRUSTED_KEYS", "").split(",")
+        if self.trusted_keys_file:
+            keys += (_read_secret(self.trusted_keys_file, "serve.trusted_keys_file") or "").splitlines()
+        self.trusted_keys = tuple(k.strip() for k in keys if k.strip())
+
+    def is_trusted(self, key: str | None) -> bool:
+        """Whether ``key`` is one of the trusted keys (compared in constant time)."""
+        if not key:
+            return False
+        given = key.encode()
+        return any(hmac.compare_digest(given, k.encode()) for k in self.trusted_keys)
+
+    @classmethod
+    def from_cfg(cls, node: Any) -> "ServeConfig":
+        """From the ``serve`` config node (DictConfig or mapping; unknown keys and wrong types raise)."""
+        data = plain(node)
+        if "admin_token" in data or "trusted_keys" in data:
+            raise ValueError(
+                "serve.admin_token / serve.trusted_keys are not read from the config: config values land in "
+                "Hydra's config dump and on the command line. Export BATCHPILOT_ADMIN_TOKEN / "
+                "BATCHPILOT_TRUSTED_KEYS, or set serve.admin_token_file / serve.trusted_keys_file")
+        return from_node(cls, data)
+
+
+#: ``conf/serve/default.yaml``: ``ServeConfig`` without ``admin_token`` / ``trusted_keys``, which
+#: are read from the environment or files, never from the config.
+ServeNode = node_schema(ServeConfig, "ServeNode", exclude=("admin_token", "trusted_keys"))
+
+
+# --- benchmarks (conf/bench.yaml) ------------------------------------------------------------
+@dataclass(slots=True)
+class GatewayBenchConfig:
+    """The ``gateway_bench`` node of ``conf/bench.yaml`` (``scripts/bench.py target=gateway``)."""
+
+    rate: float = 20.0  # pairs per second
+    num_pairs: int = 1500
+    warmup_pairs: int = 50
+    max_tokens: int = 1
+    prompt: str = "The quick brown fox jumps over the lazy dog."
+    control_mode: str = "pid"
+    #: Extra ``scripts/serve.py`` overrides for the gateway under test (e.g. to switch off the
+    #: control loop and health probes and see what they cost: ``serve.control.interval_s=3600``).
+    serve_overrides: list[str] = field(default_factory=list)
+
+    @classmethod
+    def from_cfg(cls, cfg: Any) -> "GatewayBenchConfig":
+        return from_node(cls, cfg.get("gateway_bench") if hasattr(cfg, "get") else None)
+
+
+@dataclass(slots=True)
+class ClientBenchConfig:
+    """The ``client_bench`` node of ``conf/bench.yaml`` (``scripts/bench.py target=http_client``)."""
+
+    rounds: int = 20
+    calls_per_round: int = 200
+    warmup_calls: int = 200
+
+    @classmethod
+    def from_cfg(cls, node: Any) -> "ClientBenchConfig":
+        return from_node(cls, node)
+
+
 # --- registration ---------------------------------------------------------------------------
 #: (group, name, dataclass) of every stored schema.
 SCHEMAS: tuple[tuple[str, str, type], ...] = (
@@ -179,6 +685,17 @@ SCHEMAS: tuple[tuple[str, str, type], ...] = (
     ("schema", "reward", RewardConfig),
     ("train", "schema", TrainConfig),
     ("logger", "schema", LoggerConfig),
+    ("hardware", "schema", HardwareSpec),
+    ("model", "schema", ModelSpec),
+    ("engine", "schema_sim", SimEngineConfig),
+    ("schema", "vllm_engine", VLLMEngineNode),
+    ("policy", "schema_pid", PIDPolicyNode),
+    ("policy", "schema_aimd", AIMDPolicyNode),
+    ("policy", "schema_static", StaticPolicyNode),
+    ("policy", "schema_ppo", PPOPolicyNode),
+    ("serve", "schema", ServeNode),
+    ("schema", "gateway_bench", GatewayBenchConfig),
+    ("schema", "client_bench", ClientBenchConfig),
 )
 
 

@@ -28,10 +28,8 @@ from __future__ import annotations
 import heapq
 import math
 from collections import OrderedDict, deque
-from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
-from batchpilot.config import config_fields
 from batchpilot.core.engine import (
     KV_DTYPES_ALL,
     DtypeUnavailable,
@@ -46,62 +44,10 @@ from batchpilot.core.engine import (
 )
 from batchpilot.envs.specs import HardwareSpec, ModelSpec
 from batchpilot.envs.step_time import StepTimeModel
+from batchpilot.schemas import SimEngineConfig  # declared there (the engine/schema_sim schema); re-exported
 
 #: Fixed CUDA-graph / NCCL / allocator reserve added to the activation estimate, bytes.
 _RESERVE_BYTES = 0.5e9
-
-
-@dataclass(frozen=True, slots=True)
-class SimEngineConfig:
-    """Scheduler and memory settings of the simulated vLLM engine (``conf/engine/sim.yaml``)."""
-
-    kind: Literal["sim"] = "sim"
-    #: Tokens per KV block (vLLM ``--block-size``).
-    block_size: int = 16
-    #: Most requests running at once (vLLM ``--max-num-seqs``).
-    max_num_seqs: int = 256
-    #: Token budget of one iteration (vLLM ``--max-num-batched-tokens``).
-    max_num_batched_tokens: int = 8192
-    #: Share of device memory for weights + activations + KV.
-    gpu_memory_utilization: float = 0.9
-    kv_dtype: str = "auto"
-    enable_prefix_caching: bool = True
-    #: Activation workspace per rank, GB; ``None`` = estimate from the token budget and model.
-    activation_workspace_gb: float | None = None
-    #: Cap on KV blocks, as vLLM's ``num_gpu_blocks_override``; ``None`` = from memory.
-    num_gpu_blocks_override: int | None = None
-    #: ``requeue``: restart preempts everything in flight by recompute; ``drain``: finish the
-    #: running requests first (no admissions), then restart.
-    restart_mode: Literal["requeue", "drain"] = "requeue"
-    #: The simulator is deterministic; kept so runs record the seed they were made with.
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        def bad(name: str, fix: str) -> ValueError:
-            return ValueError(f"SimEngineConfig.{name}={getattr(self, name)!r} is invalid: {fix}")
-
-        if self.kind != "sim":
-            raise bad("kind", "must be 'sim' for SimEngine")
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                raise bad(name, "must be a positive integer")
-        if self.max_num_batched_tokens < self.max_num_seqs:
-            raise bad("max_num_batched_tokens", f"must be >= max_num_seqs={self.max_num_seqs} (as vLLM requires)")
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise bad("gpu_memory_utilization", "must be in (0, 1]")
-        if self.kv_dtype not in KV_DTYPES_ALL:
-            raise bad("kv_dtype", f"use one of {KV_DTYPES_ALL}")
-        if self.activation_workspace_gb is not None and self.activation_workspace_gb < 0:
-            raise bad("activation_workspace_gb", "must be >= 0 GB or null (estimate)")
-        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
-            raise bad("num_gpu_blocks_override", "must be a positive block count or null")
-        if self.restart_mode not in ("requeue", "drain"):
-            raise bad("restart_mode", "use 'requeue' or 'drain'")
-
-    @classmethod
-    def from_cfg(cls, cfg: Any) -> "SimEngineConfig":
-        """Build from the Hydra ``engine`` node; unknown keys raise."""
-        return cls(**config_fields(cls, cfg, "engine (SimEngineConfig)"))
 
 
 class _Seq:

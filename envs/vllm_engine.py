@@ -33,10 +33,11 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Literal, Mapping
+from typing import Any
 
 import numpy as np
 
+from batchpilot.config import from_node
 from batchpilot.core.engine import (
     KV_DTYPES_16BIT,
     KV_DTYPES_ALL,
@@ -54,61 +55,9 @@ from batchpilot.core.engine import (
     merge_into,
 )
 from batchpilot.core.vllm_cpu import cpu_simd_flags, small_machine_omp_defaults
+from batchpilot.schemas import VLLMEngineConfig  # declared there (schema/vllm_engine); re-exported
 
 _GiB = 1 << 30
-
-
-@dataclass(slots=True)
-class VLLMEngineConfig:
-    """Settings of the live engine (``conf/engine/vllm.yaml``)."""
-
-    #: Model folder or hub id; ``None`` builds and uses the tiny random Llama (no download).
-    model: str | None = None
-    #: The engine's own batch limit; keep it large and cap the batch with admission.
-    max_num_seqs: int = 256
-    #: Token budget per iteration (chunked prefill splits longer prompts).
-    max_num_batched_tokens: int = 2048
-    max_model_len: int = 2048
-    #: Tokens per KV block. vLLM's CPU attention needs a multiple of 32.
-    block_size: int = 32
-    kv_dtype: str = "auto"
-    #: Number of KV blocks (of ``kv_dtype``); ``None`` sizes the cache from memory.
-    num_gpu_blocks_override: int | None = None
-    #: CPU only: memory reserved for the KV cache (``VLLM_CPU_KVCACHE_SPACE`` wins when set).
-    kv_cache_space_gib: float = 1.0
-    #: GPU only: share of device memory vLLM may use.
-    gpu_memory_utilization: float = 0.9
-    enable_prefix_caching: bool = True
-    #: What a restart does with requests in flight: finish them first, or move them over.
-    on_restart: Literal["drain", "requeue"] = "requeue"
-    seed: int = 0
-    enforce_eager: bool = True
-    #: Weights/activations dtype ("auto" = the model's).
-    dtype: str = "auto"
-
-    def __post_init__(self) -> None:
-        if self.on_restart not in ("drain", "requeue"):
-            raise ValueError(f"on_restart={self.on_restart!r}: use 'drain' or 'requeue'")
-        if self.kv_dtype not in KV_DTYPES_ALL:
-            raise ValueError(f"kv_dtype={self.kv_dtype!r} is not one of {KV_DTYPES_ALL}")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
-        if self.num_gpu_blocks_override is not None:
-            need = -(-self.max_model_len // self.block_size) + 1  # one request + the null block
-            if self.num_gpu_blocks_override < need:
-                raise ValueError(
-                    f"num_gpu_blocks_override={self.num_gpu_blocks_override} cannot hold one "
-                    f"request of max_model_len={self.max_model_len} "
-                    f"(needs >= {need} blocks of {self.block_size}); raise it or lower "
-                    "max_model_len"
-                )
-
-    @classmethod
-    def from_mapping(cls, cfg: Mapping[str, Any]) -> "VLLMEngineConfig":
-        """Build from ``cfg.engine`` (Hydra), ignoring keys other components own."""
-        names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in cfg.items() if k in names})
 
 
 @dataclass(slots=True)
@@ -160,15 +109,13 @@ class VLLMEngine(Engine):
 
     @classmethod
     def from_cfg(cls, cfg: Any) -> "VLLMEngine":
-        """From the composed Hydra config (uses ``cfg.engine``) or the engine group alone."""
-        from omegaconf import DictConfig, OmegaConf
-
+        """From the composed Hydra config (uses ``cfg.engine``) or the engine node alone (its
+        ``kind`` and ``warmup`` are the callers'; other unknown keys and wrong types raise)."""
         node = cfg.engine if "engine" in cfg else cfg
-        data = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else node
-        kind = data.get("kind", "vllm")
+        kind = node.get("kind", "vllm")
         if kind != "vllm":
             raise ValueError(f"engine kind {kind!r} is not 'vllm'")
-        return cls(VLLMEngineConfig.from_mapping(data))
+        return cls(from_node(VLLMEngineConfig, node, drop=("kind", "warmup")))
 
     # ------------------------------------------------------------------ building
     def _build(self) -> None:

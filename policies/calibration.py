@@ -403,6 +403,7 @@ def _yaml_value(v: Any) -> str:
 def profile_yaml(hw: HardwareSpec, header: Iterable[str]) -> str:
     """The profile as ``conf/hardware/*.yaml`` text, ``header`` lines as comments on top."""
     lines = [f"# {h}".rstrip() for h in header]
+    lines += ["defaults:", "  - schema", "  - _self_", ""]  # hardware/schema: HardwareSpec, checked at compose
     d = asdict(hw)
     lines += [f"{k}: {_yaml_value(d[k])}" for k in _PROFILE_FIELDS]
     return "\n".join(lines) + "\n"

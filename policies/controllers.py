@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass
 from typing import Any, Callable
 
-from batchpilot.config import config_fields
+from batchpilot.config import from_node, plain
 from batchpilot.core.controller import Controller
 from batchpilot.core.knobs import Knobs, Proposal
 from batchpilot.core.pid import (  # noqa: F401  (re-exported: the baselines live together here)
@@ -26,44 +25,14 @@ from batchpilot.core.pid import (  # noqa: F401  (re-exported: the baselines liv
     steering_metric,
 )
 from batchpilot.core.telemetry import Snapshot
+from batchpilot.schemas import AIMDConfig, StaticConfig  # declared there (policy/schema_aimd, schema_static)
 
 
 def _node(cfg: Any) -> dict[str, Any]:
-    return dict(cfg or {})
+    return plain(cfg)
 
 
 # --- AIMD --------------------------------------------------------------------------------
-@dataclass(slots=True)
-class AIMDConfig:
-    """Additive increase / multiplicative decrease on the cap (``conf/policy/aimd.yaml``)."""
-
-    metric: str = "ttft"
-    slo_ms: float = 1000.0
-    #: A breach is P99 above target_frac x SLO.
-    target_frac: float = 1.0
-    additive_increase: int = 4
-    multiplicative_decrease: float = 0.75
-    #: Treat preemptions in the interval as a breach too (memory pressure).
-    decrease_on_preemption: bool = True
-    #: As PIDConfig.queue_aware: judge the SLO on TPOT while the backlog exceeds the cap.
-    queue_aware: bool = True
-    tpot_slo_ms: float | None = 100.0
-    initial_batch_cap: int = 32
-    min_batch: int = 1
-    max_batch: int = 256
-    bucketing: str = "fifo"
-
-    def __post_init__(self) -> None:
-        check_common("aimd", {"metric": self.metric, "bucketing": self.bucketing})
-        if self.additive_increase < 1 or not 0 < self.multiplicative_decrease < 1:
-            raise ValueError(
-                f"aimd: need additive_increase >= 1 and 0 < multiplicative_decrease < 1, got "
-                f"{self.additive_increase}, {self.multiplicative_decrease}"
-            )
-        if not 1 <= self.min_batch <= self.initial_batch_cap <= self.max_batch:
-            raise ValueError("aimd: need 1 <= min_batch <= initial_batch_cap <= max_batch")
-
-
 class AIMDController:
     """+a per interval while the SLO holds and requests wait; x b on a breach."""
 
@@ -91,21 +60,6 @@ class AIMDController:
 
 
 # --- static ------------------------------------------------------------------------------
-@dataclass(slots=True)
-class StaticConfig:
-    """Fixed knobs (``conf/policy/static.yaml``; ``vllm_default.yaml`` = vLLM's defaults).
-    ``batch_cap: null`` means the engine's ``max_num_seqs``."""
-
-    batch_cap: int | None = 64
-    bucketing: str = "fifo"
-    kv_dtype: str = "auto"
-
-    def __post_init__(self) -> None:
-        check_common("static", {"bucketing": self.bucketing})
-        if self.batch_cap is not None and self.batch_cap < 1:
-            raise ValueError(f"static.batch_cap must be >= 1 or null, got {self.batch_cap}")
-
-
 class StaticController:
     """Always proposes the same knobs (the shield still walks the cap there within its step)."""
 
@@ -131,10 +85,6 @@ def register_controller(kind: str, builder: Callable[[Any, int], Controller]) ->
     CONTROLLER_BUILDERS[kind] = builder
 
 
-def _fields(cls: type, d: dict[str, Any], kind: str, drop: tuple[str, ...] = ("kind", "name")) -> dict[str, Any]:
-    return config_fields(cls, d, f"policy {kind}", drop=drop)
-
-
 def _bounded(cls: type, d: dict[str, Any], max_num_seqs: int) -> dict[str, Any]:
     """``d`` with max_batch and initial_batch_cap (the dataclass defaults when unset) capped
     at the engine's ``max_num_seqs``."""
@@ -144,17 +94,21 @@ def _bounded(cls: type, d: dict[str, Any], max_num_seqs: int) -> dict[str, Any]:
     return d
 
 
+#: Policy-file keys that select or label the controller rather than configure it.
+_SELECTORS = ("kind", "name")
+
+
 def _build_pid(cfg: Any, max_num_seqs: int) -> Controller:
-    return PIDController(PIDConfig(**_bounded(PIDConfig, _fields(PIDConfig, _node(cfg), "pid"), max_num_seqs)))
+    return PIDController(from_node(PIDConfig, _bounded(PIDConfig, _node(cfg), max_num_seqs), drop=_SELECTORS))
 
 
 def _build_aimd(cfg: Any, max_num_seqs: int) -> Controller:
-    return AIMDController(AIMDConfig(**_bounded(AIMDConfig, _fields(AIMDConfig, _node(cfg), "aimd"), max_num_seqs)))
+    return AIMDController(from_node(AIMDConfig, _bounded(AIMDConfig, _node(cfg), max_num_seqs), drop=_SELECTORS))
 
 
 def _build_static(cfg: Any, max_num_seqs: int) -> Controller:
     d = _node(cfg)
-    sc = StaticConfig(**_fields(StaticConfig, d, "static"))
+    sc = from_node(StaticConfig, d, drop=_SELECTORS)
     cap = max_num_seqs if sc.batch_cap is None else min(sc.batch_cap, max_num_seqs)
     return StaticController(Knobs(cap, sc.bucketing, sc.kv_dtype), name=str(d.get("name", "static")))
 

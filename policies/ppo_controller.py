@@ -26,12 +26,14 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from batchpilot.config import from_node
 from batchpilot.core.actions import action_mask, action_to_proposal
 from batchpilot.core.knobs import Knobs, Proposal
 from batchpilot.core.residual import ACTION_MODES, ResidualPID, residual_pid_config
 from batchpilot.core.telemetry import FEATURE_NAMES, SLO, Snapshot, observation_from_snapshot
 from batchpilot.policies.artifact import PolicyLoadError
 from batchpilot.policies.runtime import PolicyRuntime
+from batchpilot.schemas import PPOPolicyConfig
 
 #: The shipped default policy (what ``policy=ppo`` means when no path is given).
 PRETRAINED_DIR = Path(__file__).resolve().parent / "pretrained"
@@ -195,16 +197,12 @@ def _observation_range(node: Any, path: Path, margin: float) -> tuple[np.ndarray
 
 
 def build_ppo_controller(cfg_policy: Any, max_num_seqs: int) -> PPOController:
-    """``build_controller`` entry for ``kind: ppo`` (``conf/policy/ppo.yaml``)."""
-    d = dict(cfg_policy or {})
-    unknown = set(d) - {"kind", "name", "path", "kv_runnable", "max_model_len", "ood_margin"}
-    if unknown:
-        raise ValueError(f"policy ppo: unknown keys {sorted(unknown)} (see conf/policy/ppo.yaml)")
-    kv = d.get("kv_runnable")
+    """``build_controller`` entry for ``kind: ppo`` (``conf/policy/ppo.yaml``; ``PPOPolicyConfig``)."""
+    pc = from_node(PPOPolicyConfig, cfg_policy, drop=("kind", "name"))
     return PPOController.from_dir(
-        d.get("path"),
+        pc.path,
         max_num_seqs=max_num_seqs,
-        max_model_len=d.get("max_model_len"),
-        kv_runnable=None if kv is None else {str(k): bool(v) for k, v in dict(kv).items()},
-        ood_margin=float(d.get("ood_margin", 0.25)),
+        max_model_len=pc.max_model_len,
+        kv_runnable=None if pc.kv_runnable is None else dict(pc.kv_runnable),
+        ood_margin=pc.ood_margin,
     )

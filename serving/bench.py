@@ -25,33 +25,12 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 import numpy as np
 
-from batchpilot.config import config_fields
-
-
-@dataclass(slots=True)
-class GatewayBenchConfig:
-    """The optional ``gateway_bench`` node of the bench config."""
-
-    rate: float = 20.0  # pairs per second
-    num_pairs: int = 1500
-    warmup_pairs: int = 50
-    max_tokens: int = 1
-    prompt: str = "The quick brown fox jumps over the lazy dog."
-    control_mode: str = "pid"
-    #: Extra ``scripts/serve.py`` overrides for the gateway under test (e.g. to switch off the
-    #: control loop and health probes and see what they cost: ``serve.control.interval_s=3600``).
-    serve_overrides: list[str] = field(default_factory=list)
-
-    @classmethod
-    def from_cfg(cls, cfg: Any) -> "GatewayBenchConfig":
-        node = cfg.get("gateway_bench") if hasattr(cfg, "get") else None
-        return cls(**config_fields(cls, node, "gateway_bench"))
+from batchpilot.schemas import GatewayBenchConfig  # declared there (schema/gateway_bench); re-exported
 
 
 def _wait(url: str, path: str, timeout_s: float, proc: subprocess.Popen) -> None:

@@ -11,26 +11,16 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
 import numpy as np
 
-from batchpilot.config import config_fields
+from batchpilot.schemas import ClientBenchConfig  # declared there (schema/client_bench); re-exported
 
 _BODY = b'{"model":"tiny","prompt":"The quick brown fox jumps over the lazy dog.","max_tokens":1}'
 _ANSWER = (b'{"id":"cmpl-1","object":"text_completion","created":1,"model":"tiny","choices":[{"index":0,'
            b'"text":" the","logprobs":null,"finish_reason":"length"}],"usage":{"prompt_tokens":11,'
            b'"total_tokens":12,"completion_tokens":1}}')
-
-
-@dataclass(slots=True)
-class ClientBenchConfig:
-    """The optional ``client_bench`` node of the bench config."""
-
-    rounds: int = 20
-    calls_per_round: int = 200
-    warmup_calls: int = 200
 
 
 class _FixedUpstream:
@@ -129,7 +119,7 @@ async def _run(cfg: ClientBenchConfig, port: int) -> dict[str, list[float]]:
 
 def bench_http_client(node: Any) -> dict[str, Any]:
     """Per-call latency of each client (p50/p99, µs) and aiohttp's extra p50 cost over http1."""
-    cfg = ClientBenchConfig(**config_fields(ClientBenchConfig, node or {}, "client_bench"))
+    cfg = ClientBenchConfig.from_cfg(node)
     with _FixedUpstream() as up:
         res = asyncio.run(_run(cfg, up.port))
     a, h = np.array(res["aiohttp_rounds"]), np.array(res["http1_rounds"])

@@ -5,22 +5,41 @@ anything runs, with Hydra's message naming the key."""
 from __future__ import annotations
 
 import shutil
+import typing
 from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from hydra.errors import ConfigCompositionException
+from omegaconf import OmegaConf
 
-from batchpilot.config import CONF_DIR, load_config
+from batchpilot.config import CONF_DIR, from_node, load_config
 from batchpilot.core.admission import AdmissionConfig
 from batchpilot.core.shield import ShieldConfig
 from batchpilot.core.telemetry import SLO
 from batchpilot.envs.serving_env import slo_from_cfg
-from batchpilot.schemas import SCHEMAS, LoggerConfig, RewardConfig, TrainConfig
+from batchpilot.envs.sim_engine import SimEngine
+from batchpilot.envs.specs import HardwareSpec, ModelSpec
+from batchpilot.policies.controllers import build_controller
+from batchpilot.schemas import (
+    SCHEMAS,
+    AIMDConfig,
+    ClientBenchConfig,
+    EngineWarmupConfig,
+    GatewayBenchConfig,
+    LoggerConfig,
+    PPOPolicyConfig,
+    RewardConfig,
+    SimEngineConfig,
+    StaticConfig,
+    TrainConfig,
+    VLLMEngineConfig,
+)
+from batchpilot.serving.settings import ServeConfig
 
-#: (file under conf/, config to compose, line as shipped, its mistyped-key and wrong-type
-#: versions, the node the key lives in).
+#: (file under conf/, config to compose (name, or (name, overrides)), line as shipped, its
+#: mistyped-key and wrong-type versions, the node the key lives in).
 CASES = [
     ("shield/default.yaml", "config", "min_step: 1", "min_stepp: 1", "min_step: one", "shield"),
     ("slo/default.yaml", "config", "ttft_ms: 1000.0", "ttft_mss: 1000.0", "ttft_ms: fast", "slo"),
@@ -32,10 +51,42 @@ CASES = [
     ("train/ppo.yaml", "config", "n_epochs: 10", "n_epoch: 10", "n_epochs: ten", "train"),
     ("logger/wandb.yaml", "config", "tensorboard: true", "tensorbord: true", "tensorboard: maybe",
      "logger"),
+    ("hardware/h100.yaml", "config", "peak_tflops: 989.0", "peak_tflop: 989.0", "peak_tflops: fast", "hardware"),
+    ("hardware/cpu_tiny.yaml", ("config", ["engine=vllm"]), "roofline_p: 1", "rooflinep: 1", "roofline_p: soft",
+     "hardware"),
+    ("model/llama3_8b.yaml", "config", "num_layers: 32", "num_layer: 32", "num_layers: many", "model"),
+    ("model/deepseek_v3.yaml", ("evaluate", ["model=deepseek_v3"]), "kv_latent_dim: 576", "kv_latent: 576",
+     "kv_latent_dim: mla", "model"),
+    ("engine/sim.yaml", "config", "block_size: 16", "block_sz: 16", "block_size: big", "engine"),
+    ("engine/vllm.yaml", ("config", ["engine=vllm"]), "max_num_seqs: 256", "max_num_seq: 256",
+     "max_num_seqs: lots", "engine"),
+    ("engine/vllm.yaml", ("evaluate", ["engine=vllm"]), "seconds: 60", "second: 60", "seconds: long",
+     "engine.warmup"),
+    ("policy/pid.yaml", "config", "kp: 1.0", "kpp: 1.0", "kp: strong", "policy"),
+    ("policy/aimd.yaml", ("config", ["policy=aimd"]), "additive_increase: 4", "additive_inc: 4",
+     "additive_increase: four", "policy"),
+    ("policy/static.yaml", ("config", ["policy=static"]), "batch_cap: 64", "batch_capp: 64", "batch_cap: big",
+     "policy"),
+    ("policy/vllm_default.yaml", ("config", ["policy=vllm_default"]), "batch_cap: null", "batchcap: null",
+     "batch_cap: all", "policy"),
+    ("policy/ppo.yaml", ("config", ["policy=ppo"]), "ood_margin: 0.25", "ood_margn: 0.25", "ood_margin: wide",
+     "policy"),
+    ("serve/default.yaml", "serve_app", "port: 8000", "prot: 8000", "port: http", "serve"),
+    ("serve/default.yaml", "serve_app", "interval_s: 1.0", "interval_sec: 1.0", "interval_s: soon",
+     "serve.control"),
+    ("serve/default.yaml", "serve_app", "shed_fraction: 0.5", "shed_frac: 0.5", "shed_fraction: half",
+     "serve.breaker"),
+    ("serve/default.yaml", "serve_app", "min_samples: 20", "min_sample: 20", "min_samples: few",
+     "serve.quality_guard"),
+    ("serve/default.yaml", "serve_app", "prompts: []", "prompt: []", "prompts: 5", "serve.warmup"),
+    ("bench.yaml", "bench", "num_pairs: 1500", "num_pair: 1500", "num_pairs: many", "gateway_bench"),
+    ("bench.yaml", "bench", "calls_per_round: 200", "calls_per_rnd: 200", "calls_per_round: lots",
+     "client_bench"),
 ]
 
 
-def _compose_edited(tmp_path: Path, rel: str, config: str, old: str, new: str) -> None:
+def _compose_edited(tmp_path: Path, rel: str, config: str | tuple[str, list[str]], old: str, new: str) -> None:
+    name, overrides = (config, []) if isinstance(config, str) else config
     conf = tmp_path / "conf"
     shutil.copytree(CONF_DIR, conf)
     path = conf / rel
@@ -44,7 +95,7 @@ def _compose_edited(tmp_path: Path, rel: str, config: str, old: str, new: str) -
     path.write_text(text.replace(old, new, 1))
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
-        compose(config_name=config)
+        compose(config_name=name, overrides=overrides)
 
 
 @pytest.mark.parametrize("rel,config,old,typo,wrong_type,key", CASES, ids=[c[0] + ":" + c[2].split(":")[0] for c in CASES])
@@ -70,6 +121,37 @@ def test_a_wrong_type_on_the_command_line_fails_naming_the_key() -> None:
         load_config(["env.admission.max_queue_len=many"])
 
 
+@pytest.mark.parametrize("config,overrides,key", [
+    ("config", ["hardware.memory_gb=lots"], "hardware.memory_gb"),
+    ("config", ["model.tensor_parallel=two"], "model.tensor_parallel"),
+    ("config", ["engine.max_num_seqs=all"], "engine.max_num_seqs"),
+    ("config", ["engine=vllm", "engine.kv_cache_space_gib=big"], "engine.kv_cache_space_gib"),
+    ("config", ["engine=vllm", "engine.warmup.max_batch=big"], "engine.warmup.max_batch"),
+    ("config", ["policy.settle_s=soon"], "policy.settle_s"),
+    ("serve_app", ["policy=ppo", "policy.ood_margin=wide"], "policy.ood_margin"),
+    ("serve_app", ["serve.control.interval_s=soon"], "serve.control.interval_s"),
+    ("serve_app", ["serve.quality_guard.enabled=perhaps"], "serve.quality_guard.enabled"),
+    ("serve_app", ["serve.port=http"], "serve.port"),
+    ("bench", ["gateway_bench.rate=fast"], "gateway_bench.rate"),
+    ("bench", ["client_bench.rounds=many"], "client_bench.rounds"),
+])
+def test_a_wrong_type_on_the_command_line_fails_in_every_group(config, overrides, key) -> None:
+    with pytest.raises(ConfigCompositionException, match=key.replace(".", r"\.")):
+        load_config(overrides, config_name=config)
+
+
+@pytest.mark.parametrize("config,overrides,key", [
+    ("config", ["hardware.memory_gbb=80"], "hardware"),
+    ("config", ["engine=vllm", "engine.max_seqs=8"], "engine"),
+    ("config", ["policy.kpp=1.0"], "policy"),
+    ("serve_app", ["serve.control.intervals=1.0"], "serve.control"),
+    ("bench", ["gateway_bench.pairs=10"], "gateway_bench"),
+])
+def test_a_mistyped_key_on_the_command_line_fails_in_every_group(config, overrides, key) -> None:
+    with pytest.raises(ConfigCompositionException, match=f"{key}"):
+        load_config(overrides, config_name=config)
+
+
 def test_a_key_added_on_the_command_line_fails_when_built() -> None:
     """``+shield.x=1`` is Hydra's explicit "add this key" (struct mode lets it through); building
     the object merges into the schema again and names it."""
@@ -91,6 +173,77 @@ def test_the_shipped_configs_build_their_objects() -> None:
     assert ShieldConfig.from_cfg(serve.shield).breaker_shrink == 0.8
 
 
+@pytest.mark.parametrize("group", ["hardware", "model"])
+def test_every_shipped_hardware_and_model_composes_and_builds(group) -> None:
+    cls = {"hardware": HardwareSpec, "model": ModelSpec}[group]
+    for path in sorted((CONF_DIR / group).glob("*.yaml")):
+        spec = cls.from_cfg(load_config([f"{group}={path.stem}"])[group])
+        assert spec.name == path.stem
+
+
+def test_the_shipped_engines_policies_serve_and_bench_configs_build() -> None:
+    cfg = load_config()
+    assert SimEngine.from_cfg(cfg).cfg == SimEngineConfig()
+    live = load_config(["engine=vllm"])
+    assert (live.model.name, live.hardware.name) == ("tiny_llama", "cpu_tiny")
+    assert from_node(VLLMEngineConfig, live.engine, drop=("kind", "warmup")) == VLLMEngineConfig()
+    assert from_node(EngineWarmupConfig, live.engine.warmup).seconds == 60
+    slo = {"ttft": 1000.0, "tpot": 100.0, "e2el": None}
+    for name in ("pid", "aimd", "static", "vllm_default", "ppo"):
+        node = load_config([f"policy={name}"]).policy
+        assert build_controller(node, 256, slo_ms=slo) is not None
+    pid = build_controller(load_config().policy, 256, slo_ms={"ttft": 500.0, "tpot": 40.0, "e2el": None})
+    assert (pid.cfg.slo_ms, pid.cfg.tpot_slo_ms) == (40.0, 40.0)  # the SLO still comes from the slo group
+    serve = ServeConfig.from_cfg(load_config(["serve.managed=true"], config_name="serve_app").serve)
+    assert serve.control.interval_s == 1.0 and serve.admission.max_queue_len == 4096
+    bench = load_config(config_name="bench")
+    assert GatewayBenchConfig.from_cfg(bench) == GatewayBenchConfig()
+    assert ClientBenchConfig.from_cfg(bench.client_bench) == ClientBenchConfig()
+    for name in ("evaluate", "evaluate_matrix", "calibrate", "live_evaluate"):
+        load_config(config_name=name)
+
+
+def _file_keys(path: Path, node: str | None = None) -> dict:
+    data = OmegaConf.to_container(OmegaConf.load(path))
+    data.pop("defaults", None)
+    return data[node] if node else data
+
+
+def _agree(yaml: dict, cls: type, where: str) -> None:
+    defaults = OmegaConf.to_container(OmegaConf.structured(cls))
+    for key, value in yaml.items():
+        assert key in defaults, f"{where}.{key} is not a field of {cls.__name__}"
+        if isinstance(value, dict) and isinstance(defaults[key], dict):
+            _agree(value, typing.get_type_hints(cls)[key], f"{where}.{key}")
+        else:
+            assert defaults[key] == value, f"{where}.{key}: {value!r} in the YAML, {defaults[key]!r} in {cls.__name__}"
+
+
+def test_the_shipped_defaults_are_the_dataclass_defaults() -> None:
+    """One source for every default: where a group file spells out the settings a dataclass
+    defaults to (the gateway's fallback PID, an engine built in code, ServeConfig.from_cfg({...}))
+    the two agree."""
+    vllm = _file_keys(CONF_DIR / "engine" / "vllm.yaml", "engine")
+    warmup = vllm.pop("warmup")
+    vllm.pop("kind")
+    cases = [
+        (_file_keys(CONF_DIR / "engine" / "sim.yaml"), SimEngineConfig, "engine"),
+        (vllm, VLLMEngineConfig, "engine"),
+        (warmup, EngineWarmupConfig, "engine.warmup"),
+        ({k: v for k, v in _file_keys(CONF_DIR / "policy" / "aimd.yaml").items() if k != "kind"}, AIMDConfig, "policy"),
+        ({k: v for k, v in _file_keys(CONF_DIR / "policy" / "static.yaml").items() if k not in ("kind", "name")},
+         StaticConfig, "policy"),
+        ({k: v for k, v in _file_keys(CONF_DIR / "policy" / "ppo.yaml").items() if k != "kind"}, PPOPolicyConfig,
+         "policy"),
+        (_file_keys(CONF_DIR / "serve" / "default.yaml"), ServeConfig, "serve"),
+        (_file_keys(CONF_DIR / "bench.yaml", "gateway_bench"), GatewayBenchConfig, "gateway_bench"),
+        (_file_keys(CONF_DIR / "bench.yaml", "client_bench"), ClientBenchConfig, "client_bench"),
+        (_file_keys(CONF_DIR / "env" / "default.yaml", "admission"), AdmissionConfig, "env.admission"),
+    ]
+    for yaml, cls, where in cases:
+        _agree(yaml, cls, where)
+
+
 def test_env_and_serve_spell_admission_alike() -> None:
     """One AdmissionConfig schema for training and serving: the same keys, the same settings."""
     env = load_config().env.admission
@@ -100,11 +253,28 @@ def test_env_and_serve_spell_admission_alike() -> None:
 
 
 def test_every_schema_is_extended_by_its_group() -> None:
-    """Each stored schema is used: a group schema by every file of the group."""
+    """Each stored schema is used, and every file of a group with a schema extends one: its own
+    group's (``- schema``, ``- schema_<kind>``), a ``/schema/...@`` node, or another file of the
+    group that does (``train/finetune_live`` extends ``ppo``)."""
     for group, name, _cls in SCHEMAS:
         if group == "schema":
             users = [p for p in CONF_DIR.rglob("*.yaml") if f"/schema/{name}@" in p.read_text()]
             assert users, f"no config extends schema/{name}"
         else:
-            for path in sorted((CONF_DIR / group).glob("*.yaml")):
-                assert f"- {name}\n" in path.read_text(), f"{path} does not extend {group}/{name}"
+            users = [p for p in (CONF_DIR / group).glob("*.yaml") if f"- {name}\n" in p.read_text()]
+            assert users, f"no config extends {group}/{name}"
+    for group in sorted({g for g, _, _ in SCHEMAS if g != "schema"}):
+        files = sorted((CONF_DIR / group).glob("*.yaml"))
+        for path in files:
+            entries = OmegaConf.load(path).get("defaults") or []
+            names = [str(e) for e in entries]
+            ok = any(e.startswith("schema") or e.startswith("/schema/") or e in {f.stem for f in files}
+                     for e in names)
+            assert ok, f"{path} extends no schema (defaults: {names})"
+
+
+def test_the_secrets_are_not_config_keys() -> None:
+    """serve.admin_token / serve.trusted_keys stay out of the serve schema (read from the
+    environment or files), so setting one fails at compose time."""
+    with pytest.raises(ConfigCompositionException, match="admin_token"):
+        load_config(["serve.admin_token=x"], config_name="serve_app")

@@ -21,7 +21,7 @@ def test_serve_config_validates_with_clear_errors() -> None:
         ServeConfig.from_cfg({})
     with pytest.raises(ValueError, match="exclusive"):
         ServeConfig.from_cfg({"managed": True, "upstreams": ["http://127.0.0.1:1"]})
-    with pytest.raises(ValueError, match="unknown keys"):
+    with pytest.raises(ValueError, match="Key 'prot' not in 'ServeConfig'"):
         ServeConfig.from_cfg({"managed": True, "prot": 1})
     with pytest.raises(ValueError, match="serve.control.mode"):
         ServeConfig.from_cfg({"managed": True, "control": {"mode": "ppo"}})

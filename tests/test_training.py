@@ -167,5 +167,5 @@ def test_ppo_controller_sees_the_training_observation() -> None:
 def test_ppo_controller_bad_artifact_raises(tmp_path: Path) -> None:
     with pytest.raises(PolicyLoadError):
         build_controller({"kind": "ppo", "path": str(tmp_path)}, 256)
-    with pytest.raises(ValueError, match="unknown keys"):
+    with pytest.raises(ValueError, match="Key 'pth' not in 'PPOPolicyConfig'"):
         build_controller({"kind": "ppo", "pth": "x"}, 256)
