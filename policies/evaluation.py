@@ -55,6 +55,7 @@ from batchpilot.envs.engines import build_engine
 from batchpilot.envs.workloads import build_workload
 from batchpilot.policies.controllers import CONTROLLER_BUILDERS, Controller, build_controller
 from batchpilot.policies.eval_report import ROW_KEYS, Timeline
+from batchpilot.schemas import LAUNCHERS, LauncherConfig  # noqa: F401  (declared there: launcher/schema)
 
 BEST_STATIC = "best_static"
 #: The grid's best point on the scored seeds themselves: an upper bound, not a baseline.
@@ -101,46 +102,12 @@ class BestStaticConfig:
             raise EvaluationError(f"best_static.tune_seeds must be a non-empty list of distinct ints, got {list(self.tune_seeds)}")
 
 
-LAUNCHERS = ("serial", "ray")
-
-
-@dataclass(frozen=True, slots=True)
-class LauncherConfig:
-    """Where the cells run (``conf/launcher/<kind>.yaml``)."""
-
-    kind: str = "serial"
-    #: Ray cluster to join (``auto``, ``HOST:6379``, ``ray://HOST:10001``); None = start a
-    #: local one for the run.
-    address: str | None = None
-    #: CPUs of a local cluster started for the run (None = all of this machine's).
-    num_cpus: int | None = None
-    #: CPUs Ray reserves per cell: a simulator episode is single-threaded.
-    cpus_per_cell: float = 1.0
-    #: Further ``ray.init`` keyword arguments (e.g. ``runtime_env``, ``object_store_memory``).
-    init: Mapping[str, Any] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        if self.kind not in LAUNCHERS:
-            raise EvaluationError(f"launcher.kind must be one of {LAUNCHERS}, got {self.kind!r}")
-        if self.cpus_per_cell <= 0:
-            raise EvaluationError(f"launcher.cpus_per_cell must be > 0, got {self.cpus_per_cell}")
-        if self.num_cpus is not None and self.num_cpus < 1:
-            raise EvaluationError(f"launcher.num_cpus must be >= 1 or null, got {self.num_cpus}")
-
-    @classmethod
-    def from_node(cls, node: Any) -> "LauncherConfig":
-        d = dict(OmegaConf.to_container(node, resolve=True)) if node is not None else {}  # type: ignore[arg-type]
-        unknown = set(d) - {"kind", "address", "num_cpus", "cpus_per_cell", "init"}
-        if unknown:
-            raise EvaluationError(f"launcher: unknown keys {sorted(unknown)} (conf/launcher/*.yaml)")
-        addr = d.get("address")
-        return cls(
-            kind=str(d.get("kind", "serial")),
-            address=None if addr in (None, "") else str(addr),
-            num_cpus=None if d.get("num_cpus") is None else int(d["num_cpus"]),
-            cpus_per_cell=float(d.get("cpus_per_cell", 1.0)),
-            init=dict(d.get("init") or {}),
-        )
+def _launcher(node: Any) -> LauncherConfig:
+    """``launcher`` (``conf/launcher/*.yaml``, checked against ``launcher/schema`` at compose)."""
+    try:
+        return LauncherConfig.from_cfg(node)
+    except ValueError as e:
+        raise EvaluationError(str(e)) from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -293,7 +260,7 @@ class EvalConfig:
             trace_windows=bool(cfg.get("trace_windows", True)),
             trace_window_stride_s=None if stride is None else float(stride),
             plots=bool(cfg.get("plots", True)),
-            launcher=LauncherConfig.from_node(cfg.get("launcher")),
+            launcher=_launcher(cfg.get("launcher")),
         )
 
 

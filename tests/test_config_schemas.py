@@ -28,6 +28,7 @@ from batchpilot.schemas import (
     ClientBenchConfig,
     EngineWarmupConfig,
     GatewayBenchConfig,
+    LauncherConfig,
     LoggerConfig,
     PPOPolicyConfig,
     RewardConfig,
@@ -82,6 +83,8 @@ CASES = [
     ("bench.yaml", "bench", "num_pairs: 1500", "num_pair: 1500", "num_pairs: many", "gateway_bench"),
     ("bench.yaml", "bench", "calls_per_round: 200", "calls_per_rnd: 200", "calls_per_round: lots",
      "client_bench"),
+    ("launcher/ray.yaml", ("evaluate", ["launcher=ray"]), "cpus_per_cell: 1", "cpus_per_cel: 1",
+     "cpus_per_cell: one", "launcher"),
 ]
 
 
@@ -134,6 +137,7 @@ def test_a_wrong_type_on_the_command_line_fails_naming_the_key() -> None:
     ("serve_app", ["serve.port=http"], "serve.port"),
     ("bench", ["gateway_bench.rate=fast"], "gateway_bench.rate"),
     ("bench", ["client_bench.rounds=many"], "client_bench.rounds"),
+    ("evaluate", ["launcher=ray", "launcher.num_cpus=all"], "launcher.num_cpus"),
 ])
 def test_a_wrong_type_on_the_command_line_fails_in_every_group(config, overrides, key) -> None:
     with pytest.raises(ConfigCompositionException, match=key.replace(".", r"\.")):
@@ -201,6 +205,8 @@ def test_the_shipped_engines_policies_serve_and_bench_configs_build() -> None:
     assert ClientBenchConfig.from_cfg(bench.client_bench) == ClientBenchConfig()
     for name in ("evaluate", "evaluate_matrix", "calibrate", "live_evaluate"):
         load_config(config_name=name)
+    for kind in ("serial", "ray"):
+        assert LauncherConfig.from_cfg(load_config([f"launcher={kind}"], config_name="evaluate").launcher).kind == kind
 
 
 def _file_keys(path: Path, node: str | None = None) -> dict:
@@ -239,6 +245,7 @@ def test_the_shipped_defaults_are_the_dataclass_defaults() -> None:
         (_file_keys(CONF_DIR / "bench.yaml", "gateway_bench"), GatewayBenchConfig, "gateway_bench"),
         (_file_keys(CONF_DIR / "bench.yaml", "client_bench"), ClientBenchConfig, "client_bench"),
         (_file_keys(CONF_DIR / "env" / "default.yaml", "admission"), AdmissionConfig, "env.admission"),
+        (_file_keys(CONF_DIR / "launcher" / "serial.yaml"), LauncherConfig, "launcher"),
     ]
     for yaml, cls, where in cases:
         _agree(yaml, cls, where)
