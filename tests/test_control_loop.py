@@ -126,8 +126,8 @@ def test_an_operator_kv_switch_goes_through_the_shield_unless_forced() -> None:
     lane = gw.lanes[0]
     ctl = loop.lane_ctl[lane.index]
     ctl.shield.capabilities.kv_dtypes["fp8"] = None  # as if its operator declared fp8
-    with pytest.raises(ValueError, match=r"shield refuses.*after the last one"):
-        loop.force_kv_dtype("fp8")  # the shield's dwell time runs from start-up
+    with pytest.raises(ValueError, match=r"shield refuses.*does not repay"):
+        loop.force_kv_dtype("fp8")  # no demand: nothing repays the restart
     assert gw.metrics.admin_overrides.labels("kv_dtype")._value.get() == 0
     out = loop.force_kv_dtype("fp8", force=True)
     assert out["forced"] and out["upstreams"] == {"vllm0": "recommended (not managed)"}

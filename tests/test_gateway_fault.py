@@ -89,7 +89,7 @@ def test_kv_dtype_switch_restarts_managed_upstream_drained(gw: RunningGateway) -
 
     wait_ready(gw.url, 240)
     why = cpu_kv8_unavailable_reason()
-    # An operator override: the shield alone would refuse it (dwell time since start-up).
+    # An operator override: the shield alone would refuse it (an idle engine gains nothing).
     r = httpx.post(f"{gw.url}/admin/kv_dtype", json={"dtype": "fp8", "force": True}, headers=AUTH, timeout=30)
     if why is not None:  # this CPU cannot: the switch is refused with the reason, nothing restarts
         assert r.status_code == 400 and "AVX-512 or AMX" in r.json()["error"]["message"], r.text

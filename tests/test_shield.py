@@ -123,23 +123,23 @@ def test_dtype_unavailable_reports_engine_reason():
 def test_dtype_dwell_gain_and_memory_gates():
     s = shield(min_dtype_dwell_s=600, dtype_restart_s=60, dtype_gain_horizon_s=600)
     busy = ShieldInputs(demand=150)
-    d = s.apply(Proposal(kv_dtype="fp8"), Knobs(80), busy, 100.0)
-    assert d.knobs.kv_dtype == "auto" and "dtype_dwell" in d.interventions
     # light load: auto already fits the demand, no gain to repay the restart
-    d = s.apply(Proposal(kv_dtype="fp8"), Knobs(40), ShieldInputs(demand=50), 700.0)
+    d = s.apply(Proposal(kv_dtype="fp8"), Knobs(40), ShieldInputs(demand=50), 100.0)
     assert d.knobs.kv_dtype == "auto" and "dtype_not_worth" in d.interventions
-    # heavy load: 80 -> 150 in flight, +87 % x 600 s repays 60 s
-    d = s.apply(Proposal(batch_cap=104, kv_dtype="fp8"), Knobs(80), busy, 700.0)
+    # heavy load: 80 -> 150 in flight, +87 % x 600 s repays 60 s; no switch yet, so no dwell
+    d = s.apply(Proposal(batch_cap=104, kv_dtype="fp8"), Knobs(80), busy, 100.0)
     assert d.knobs == Knobs(104, "fifo", "fp8") and d.dtype_switched and d.interventions == {}
     assert d.predicted_memory_fraction == pytest.approx((480 + 104 * 2) / 1000)
-    d = s.apply(Proposal(kv_dtype="auto"), Knobs(60, "fifo", "fp8"), ShieldInputs(demand=60), 800.0)
-    assert d.knobs.kv_dtype == "fp8" and "dtype_dwell" in d.interventions
+    d = s.apply(Proposal(kv_dtype="auto"), Knobs(60, "fifo", "fp8"), ShieldInputs(demand=60), 200.0)
+    assert d.knobs.kv_dtype == "fp8" and "dtype_dwell" in d.interventions  # 100 s after the switch
     # back to 16 bit at cap 120: auto allows 80 < 120 - 36, refused for memory
-    d = s.apply(Proposal(kv_dtype="auto"), Knobs(120, "fifo", "fp8"), ShieldInputs(demand=120), 1400.0)
+    d = s.apply(Proposal(kv_dtype="auto"), Knobs(120, "fifo", "fp8"), ShieldInputs(demand=120), 800.0)
     assert d.knobs.kv_dtype == "fp8" and "dtype_memory" in d.interventions
     # back to 16 bit when it costs no throughput
-    d = s.apply(Proposal(batch_cap=60, kv_dtype="auto"), Knobs(60, "fifo", "fp8"), ShieldInputs(demand=60), 1400.0)
+    d = s.apply(Proposal(batch_cap=60, kv_dtype="auto"), Knobs(60, "fifo", "fp8"), ShieldInputs(demand=60), 800.0)
     assert d.knobs == Knobs(60, "fifo", "auto") and d.dtype_switched
+    d = s.apply(Proposal(batch_cap=104, kv_dtype="fp8"), Knobs(80), busy, 900.0)
+    assert d.knobs.kv_dtype == "auto" and "dtype_dwell" in d.interventions  # between switches
 
 
 def test_invalid_proposal_fields_are_kept_and_reported():

@@ -14,7 +14,7 @@ no policy can take the service outside these limits:
   (80 %) of the engine's budget. When the current setting is already above it, the cap moves
   down (as far as the step allows), never up;
 * **KV dtype**: switches (an engine restart in vLLM) only after ``min_dtype_dwell_s`` since the
-  last one, only to a runnable dtype (refusals carry the engine's reason), and only when the
+  last switch (none yet at start-up: the first needs only the gain check), only to a runnable dtype (refusals carry the engine's reason), and only when the
   predicted gain pays for the restart (see ``Shield._dtype_gate``);
 * **circuit breaker** (graded): on an OOM (``report_oom``: the gateway's upstream answered
   with an out-of-memory error or its engine process exited), a preemption storm or P99 latency above
@@ -291,8 +291,10 @@ class Shield:
         self.pending_oom = self.pending_oom or reason
 
     def reset(self, now: float) -> None:
-        """Start of an episode / a fresh engine: no breaker, no calibration, dwell counts from now."""
-        self.last_dtype_switch = now
+        """Start of an episode / a fresh engine: no breaker, no calibration, no switch yet (the
+        dwell is the time *between* switches: the first one needs only the gain check; a dwell
+        counted from start-up refused every switch in a training episode shorter than it)."""
+        self.last_dtype_switch = -math.inf
         self.pending_oom: str | None = None
         self.breaker_level = 0
         self.num_breached_in_row = 0
