@@ -710,6 +710,31 @@ class LauncherConfig:
     def from_cfg(cls, node: Any) -> "LauncherConfig":
         return from_node(cls, node)
 
+
+# --- live evaluation scenario (conf/live_scenario) ------------------------------------------
+@dataclass(frozen=True, slots=True)
+class LiveScenarioConfig:
+    """``conf/live_scenario/<name>.yaml``: the trace window a live evaluation replays
+    (``policies/live_evaluation.py scenario_trace``, ``policies/live_twin.py``). A schema only:
+    those read the composed node, and every field is required (no default), so each scenario
+    file names every key and no default can disagree with one."""
+
+    name: str
+    #: Trace file, relative to the repository root; ``format``: azure | mooncake | burstgpt.
+    trace: str
+    format: str
+    start_s: float
+    duration_s: float | None
+    time_scale: float
+    spread_quantum_s: float | None
+    max_requests: int | None
+    max_prompt_len: int | None
+    max_output_len: int | None
+    max_model_len: int
+    chunk_tokens: int
+    #: Appended to the managed vLLM's arguments.
+    vllm_args: list[str]
+
 # --- registration ---------------------------------------------------------------------------
 #: (group, name, dataclass) of every stored schema.
 SCHEMAS: tuple[tuple[str, str, type], ...] = (
@@ -731,6 +756,7 @@ SCHEMAS: tuple[tuple[str, str, type], ...] = (
     ("schema", "gateway_bench", GatewayBenchConfig),
     ("schema", "client_bench", ClientBenchConfig),
     ("launcher", "schema", LauncherConfig),
+    ("live_scenario", "schema", LiveScenarioConfig),
 )
 
 

@@ -29,6 +29,7 @@ from batchpilot.schemas import (
     EngineWarmupConfig,
     GatewayBenchConfig,
     LauncherConfig,
+    LiveScenarioConfig,
     LoggerConfig,
     PPOPolicyConfig,
     RewardConfig,
@@ -85,6 +86,8 @@ CASES = [
      "client_bench"),
     ("launcher/ray.yaml", ("evaluate", ["launcher=ray"]), "cpus_per_cell: 1", "cpus_per_cel: 1",
      "cpus_per_cell: one", "launcher"),
+    ("live_scenario/kv_tight.yaml", ("live_evaluate", ["live_scenario=kv_tight"]), "time_scale: 2.0",
+     "timescale: 2.0", "time_scale: fast", "live_scenario"),
 ]
 
 
@@ -138,6 +141,7 @@ def test_a_wrong_type_on_the_command_line_fails_naming_the_key() -> None:
     ("bench", ["gateway_bench.rate=fast"], "gateway_bench.rate"),
     ("bench", ["client_bench.rounds=many"], "client_bench.rounds"),
     ("evaluate", ["launcher=ray", "launcher.num_cpus=all"], "launcher.num_cpus"),
+    ("live_evaluate", ["live_scenario.max_model_len=long"], "live_scenario.max_model_len"),
 ])
 def test_a_wrong_type_on_the_command_line_fails_in_every_group(config, overrides, key) -> None:
     with pytest.raises(ConfigCompositionException, match=key.replace(".", r"\.")):
@@ -205,6 +209,10 @@ def test_the_shipped_engines_policies_serve_and_bench_configs_build() -> None:
     assert ClientBenchConfig.from_cfg(bench.client_bench) == ClientBenchConfig()
     for name in ("evaluate", "evaluate_matrix", "calibrate", "live_evaluate"):
         load_config(config_name=name)
+    for path in sorted((CONF_DIR / "live_scenario").glob("*.yaml")):
+        node = load_config([f"live_scenario={path.stem}"], config_name="live_evaluate").live_scenario
+        assert not OmegaConf.missing_keys(node), f"{path} leaves out {OmegaConf.missing_keys(node)}"
+        assert from_node(LiveScenarioConfig, node).name == path.stem
     for kind in ("serial", "ray"):
         assert LauncherConfig.from_cfg(load_config([f"launcher={kind}"], config_name="evaluate").launcher).kind == kind
 
