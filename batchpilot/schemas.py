@@ -15,8 +15,9 @@ store entry                     dataclass                                       
 ==============================  ================================================  ==================================
 ``shield/schema``               ``batchpilot.core.shield.ShieldConfig``           conf/shield/*.yaml
 ``slo/schema``                  ``batchpilot.core.telemetry.SLO``                 conf/slo/*.yaml
-``schema/admission``            ``batchpilot.core.admission.AdmissionConfig``     conf/env ``admission``
-``schema/reward``               ``RewardConfig`` (here)                           conf/env ``reward``
+``env/schema``                  ``EnvNode`` (here; a schema: ``admission`` is     conf/env/default.yaml
+                                ``core.admission.AdmissionConfig``, ``reward``
+                                ``RewardConfig``)
 ``train/schema``                ``TrainConfig`` (here)                            conf/train/*.yaml
 ``logger/schema``               ``LoggerConfig`` (here)                           conf/logger/*.yaml
 ``hardware/schema``             ``batchpilot.core.specs.HardwareSpec``            conf/hardware/*.yaml
@@ -190,6 +191,38 @@ class LoggerConfig:
     def from_cfg(cls, node: Any) -> "LoggerConfig":
         return from_node(cls, node)
 
+
+
+# --- env (conf/env) ----------------------------------------------------------------------------
+@dataclass(slots=True)
+class EnvNode:
+    """``conf/env/default.yaml``: ``ServingEnv``'s settings (``envs/serving_env.py`` reads the
+    node and checks the values; this is its schema). The top-level keys are required (no
+    default here, so none can disagree with the file); ``admission`` and ``reward`` are their
+    dataclasses, the same ``AdmissionConfig`` the gateway's ``serve.admission`` is."""
+
+    #: Engine seconds per step (one control interval) and per episode (truncation).
+    interval_s: float
+    episode_s: float
+    #: Sliding window of the latency percentiles.
+    telemetry_window_s: float
+    initial_batch_cap: int
+    initial_bucketing: str
+    #: What the actions "16-bit" and "8-bit" mean.
+    kv16_dtype: str
+    kv8_dtype: str
+    #: residual_pid | absolute (``batchpilot.core.residual.ACTION_MODES``).
+    action_mode: str
+    #: Admit a request only if the memory model predicts it fits beside what is in flight.
+    memory_admission: bool
+    #: Observation scales: requests/s and output tokens/s.
+    rate_scale: float
+    token_rate_scale: float
+    #: At the last step, let requests in flight finish (at most drain_timeout_s).
+    drain_on_truncate: bool
+    drain_timeout_s: float
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
 
 # --- engine ----------------------------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
@@ -461,20 +494,6 @@ class ControlConfig:
 
 
 @dataclass(slots=True)
-class BreakerConfig:
-    """What the gateway does at each breaker level (level 1's shrink is the shield's)."""
-
-    #: Level 2: share of low-priority arrivals rejected ("shed_low_priority").
-    shed_fraction: float = 0.5
-    #: Level 3: restart a managed upstream (queued core requests wait for it).
-    restart: bool = True
-
-    def __post_init__(self) -> None:
-        if not 0.0 <= self.shed_fraction <= 1.0:
-            raise ValueError(f"serve.breaker.shed_fraction must be in [0, 1], got {self.shed_fraction}")
-
-
-@dataclass(slots=True)
 class QualityGuardConfig:
     """The guide's QuantizationMonitor: replay a sample of requests on a 16-bit reference."""
 
@@ -572,7 +591,6 @@ class ServeConfig:
     log_level: str = "info"
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     control: ControlConfig = field(default_factory=ControlConfig)
-    breaker: BreakerConfig = field(default_factory=BreakerConfig)
     quality_guard: QualityGuardConfig = field(default_factory=QualityGuardConfig)
     warmup: WarmupConfig = field(default_factory=WarmupConfig)
     #: Secrets, read in ``__post_init__`` from the environment or the files above; never config.
@@ -740,8 +758,7 @@ class LiveScenarioConfig:
 SCHEMAS: tuple[tuple[str, str, type], ...] = (
     ("shield", "schema", ShieldConfig),
     ("slo", "schema", SLO),
-    ("schema", "admission", AdmissionConfig),
-    ("schema", "reward", RewardConfig),
+    ("env", "schema", EnvNode),
     ("train", "schema", TrainConfig),
     ("logger", "schema", LoggerConfig),
     ("hardware", "schema", HardwareSpec),

@@ -11,7 +11,6 @@ from __future__ import annotations
 from batchpilot.schemas import (
     CONTROL_MODES,
     TOKENIZER_MODES,
-    BreakerConfig,
     ControlConfig,
     ControlMode,
     QualityGuardConfig,
@@ -19,5 +18,5 @@ from batchpilot.schemas import (
     WarmupConfig,
 )
 
-__all__ = ["CONTROL_MODES", "TOKENIZER_MODES", "BreakerConfig", "ControlConfig", "ControlMode", "QualityGuardConfig",
+__all__ = ["CONTROL_MODES", "TOKENIZER_MODES", "ControlConfig", "ControlMode", "QualityGuardConfig",
            "ServeConfig", "WarmupConfig"]

@@ -76,8 +76,6 @@ CASES = [
     ("serve/default.yaml", "serve_app", "port: 8000", "prot: 8000", "port: http", "serve"),
     ("serve/default.yaml", "serve_app", "interval_s: 1.0", "interval_sec: 1.0", "interval_s: soon",
      "serve.control"),
-    ("serve/default.yaml", "serve_app", "shed_fraction: 0.5", "shed_frac: 0.5", "shed_fraction: half",
-     "serve.breaker"),
     ("serve/default.yaml", "serve_app", "min_samples: 20", "min_sample: 20", "min_samples: few",
      "serve.quality_guard"),
     ("serve/default.yaml", "serve_app", "prompts: []", "prompt: []", "prompts: 5", "serve.warmup"),
