@@ -53,6 +53,9 @@ CASES = [
     ("train/ppo.yaml", "config", "n_epochs: 10", "n_epoch: 10", "n_epochs: ten", "train"),
     ("logger/wandb.yaml", "config", "tensorboard: true", "tensorbord: true", "tensorboard: maybe",
      "logger"),
+    ("env/default.yaml", "config", "episode_s: 120.0", "episode_sec: 120.0", "episode_s: long", "env"),
+    ("env/default.yaml", "config", "memory_admission: true", "memory_admision: true", "memory_admission: often",
+     "env"),
     ("hardware/h100.yaml", "config", "peak_tflops: 989.0", "peak_tflop: 989.0", "peak_tflops: fast", "hardware"),
     ("hardware/cpu_tiny.yaml", ("config", ["engine=vllm"]), "roofline_p: 1", "rooflinep: 1", "roofline_p: soft",
      "hardware"),
@@ -126,6 +129,7 @@ def test_a_wrong_type_on_the_command_line_fails_naming_the_key() -> None:
 
 
 @pytest.mark.parametrize("config,overrides,key", [
+    ("config", ["env.interval_s=soon"], "env.interval_s"),
     ("config", ["hardware.memory_gb=lots"], "hardware.memory_gb"),
     ("config", ["model.tensor_parallel=two"], "model.tensor_parallel"),
     ("config", ["engine.max_num_seqs=all"], "engine.max_num_seqs"),
@@ -189,6 +193,7 @@ def test_every_shipped_hardware_and_model_composes_and_builds(group) -> None:
 
 def test_the_shipped_engines_policies_serve_and_bench_configs_build() -> None:
     cfg = load_config()
+    assert not OmegaConf.missing_keys(cfg.env)  # env/schema's top-level keys are required
     assert SimEngine.from_cfg(cfg).cfg == SimEngineConfig()
     live = load_config(["engine=vllm"])
     assert (live.model.name, live.hardware.name) == ("tiny_llama", "cpu_tiny")
