@@ -33,13 +33,18 @@ store entry                     dataclass                                       
 ``serve/schema``                ``ServeNode``: ``ServeConfig`` less its secrets   conf/serve/default.yaml
 ``schema/gateway_bench``        ``GatewayBenchConfig`` (here)                     conf/bench.yaml ``gateway_bench``
 ``schema/client_bench``         ``ClientBenchConfig`` (here)                      conf/bench.yaml ``client_bench``
+``launcher/schema``             ``LauncherConfig`` (here)                         conf/launcher/*.yaml
+``live_scenario/schema``        ``LiveScenarioConfig`` (here; a schema only)      conf/live_scenario/*.yaml
 ==============================  ================================================  ==================================
 
-A ``...Node`` schema is derived from its dataclass by ``batchpilot.config.node_schema`` (the
+``VLLMEngineNode``, the ``...PolicyNode`` schemas and ``ServeNode`` are derived from their dataclass
+by ``batchpilot.config.node_schema`` (the
 dataclass's fields, types and defaults, plus the keys that select the class, ``kind`` / ``name``,
 or that its caller reads, the vLLM engine's ``warmup``); PID's and AIMD's leave out ``slo_ms`` and
 ``tpot_slo_ms``, which ``build_controller`` fills from the top config's ``slo``. The objects
-are built from the dataclass itself with ``from_node(cls, node, drop=(...))``.
+are built from the dataclass itself with ``from_node(cls, node, drop=(...))``. ``EnvNode`` and
+``LiveScenarioConfig`` are schemas only (their readers take the composed node); their
+top-level keys are required, so they hold no default that could disagree with the file.
 
 """
 
@@ -418,9 +423,11 @@ class PPOPolicyConfig:
             raise ValueError(f"policy.ood_margin must be >= 0, got {self.ood_margin}")
 
 
-#: Keys a policy file has besides its controller's fields: ``kind`` selects the builder
-#: (``policies/controllers.py build_controller``), ``name`` labels a static controller.
-_SLO_FILLED = ("slo_ms", "tpot_slo_ms")  # build_controller fills these from the top config's slo
+# The conf/policy files' schemas: the controller's dataclass plus ``kind``, which selects the
+# builder (``policies/controllers.py build_controller``), and a static controller's ``name``.
+# PID's and AIMD's leave out the SLO fields: build_controller fills them from the top config's
+# ``slo`` group, and a schema default there would hide the SLO.
+_SLO_FILLED = ("slo_ms", "tpot_slo_ms")
 PIDPolicyNode = node_schema(PIDConfig, "PIDPolicyNode", extra=[("kind", str, "pid")], exclude=_SLO_FILLED)
 AIMDPolicyNode = node_schema(AIMDConfig, "AIMDPolicyNode", extra=[("kind", str, "aimd")], exclude=_SLO_FILLED)
 StaticPolicyNode = node_schema(StaticConfig, "StaticPolicyNode", extra=[("kind", str, "static"), ("name", str, "static")])
