@@ -418,10 +418,6 @@ class PPOPolicyConfig:
     #: Widening of the training range beyond which an observation hands the interval to PID.
     ood_margin: float = 0.25
 
-    def __post_init__(self) -> None:
-        if self.ood_margin < 0:
-            raise ValueError(f"policy.ood_margin must be >= 0, got {self.ood_margin}")
-
 
 # The conf/policy files' schemas: the controller's dataclass plus ``kind``, which selects the
 # builder (``policies/controllers.py build_controller``), and a static controller's ``name``.
