@@ -35,6 +35,8 @@ store entry                     dataclass                                       
 ``schema/client_bench``         ``ClientBenchConfig`` (here)                      conf/bench.yaml ``client_bench``
 ``launcher/schema``             ``LauncherConfig`` (here)                         conf/launcher/*.yaml
 ``live_scenario/schema``        ``LiveScenarioConfig`` (here; a schema only)      conf/live_scenario/*.yaml
+``workload/schema_<kind>``      ``batchpilot.core.workload_config``: one per      conf/workload/*.yaml (by kind)
+                                kind (``PoissonWorkload``, ``OnOffWorkload``, ...)
 ==============================  ================================================  ==================================
 
 ``VLLMEngineNode``, the ``...PolicyNode`` schemas and ``ServeNode`` are derived from their dataclass
@@ -66,6 +68,7 @@ from batchpilot.core.pid import PIDConfig, check_common
 from batchpilot.core.shield import ShieldConfig
 from batchpilot.core.specs import HardwareSpec, ModelSpec
 from batchpilot.core.telemetry import SLO
+from batchpilot.core.workload_config import WORKLOAD_SCHEMAS
 
 
 # --- dataclasses of groups read outside the core ---------------------------------------------
@@ -777,6 +780,8 @@ SCHEMAS: tuple[tuple[str, str, type], ...] = (
     ("schema", "client_bench", ClientBenchConfig),
     ("launcher", "schema", LauncherConfig),
     ("live_scenario", "schema", LiveScenarioConfig),
+    # One per workload kind (batchpilot/core/workload_config.py): workload/schema_poisson, ...
+    *(("workload", f"schema_{kind}", cls) for kind, cls in WORKLOAD_SCHEMAS.items()),
 )
 
 

@@ -30,6 +30,23 @@ from typing import Any, Protocol
 import numpy as np
 
 from batchpilot.core.engine import Request
+from batchpilot.core.workload_config import (  # noqa: F401  (re-exported: the workload group's schemas)
+    WORKLOAD_KINDS,
+    WORKLOAD_SCHEMAS,
+    DiurnalWorkload,
+    GammaWorkload,
+    LengthsConfig,
+    MixtureWorkload,
+    OnOffWorkload,
+    PoissonWorkload,
+    RampWorkload,
+    RandomizedWorkload,
+    TraceWorkload,
+    WorkloadBase,
+    WorkloadConfigError,
+    as_range,
+    workload_from_node,
+)
 from batchpilot.envs.traces import (
     MOONCAKE_BLOCK_TOKENS,
     TRACE_FORMATS,
@@ -37,14 +54,6 @@ from batchpilot.envs.traces import (
     clip_lengths,
     read_trace,
 )
-
-WORKLOAD_KINDS: tuple[str, ...] = (
-    "poisson", "gamma", "onoff", "ramp", "diurnal", "trace", "randomized", "mixture",
-)
-
-
-class WorkloadConfigError(ValueError):
-    """A workload config is wrong; the message names the key (``workload.rate``) and the fix."""
 
 
 # --- rate curves -------------------------------------------------------------------------------
@@ -437,75 +446,8 @@ class RequestStream:
 
 
 # --- config -> stream -----------------------------------------------------------------------------
-_MISSING = object()
-#: Keys every kind accepts; ``seed_offset`` is for the caller (added to the episode seed).
-_COMMON_KEYS = (
-    "kind", "duration_s", "rate_scale", "seed_offset", "priorities", "name", "description",
-)
-
-
-class _Keys:
-    """Reads a config mapping with errors that name the key, and rejects unknown keys."""
-
-    def __init__(self, d: Mapping[str, Any], where: str) -> None:
-        self.d, self.where, self.used = dict(d), where, set(_COMMON_KEYS)
-
-    def err(self, key: str, msg: str) -> WorkloadConfigError:
-        return WorkloadConfigError(f"{self.where}.{key}: {msg}")
-
-    def get(self, key: str, default: Any = _MISSING) -> Any:
-        self.used.add(key)
-        if key not in self.d or self.d[key] is None:
-            if default is _MISSING:
-                raise self.err(key, f"missing (kind {self.d.get('kind')!r} needs it)")
-            return default
-        return self.d[key]
-
-    def num(
-        self, key: str, default: Any = _MISSING, *, lo: float | None = None,
-        lo_open: bool = False, hi: float | None = None,
-    ) -> float:
-        v = self.get(key, default)
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-            raise self.err(key, f"must be a finite number, got {v!r}")
-        if lo is not None and (v < lo or (lo_open and v == lo)):
-            raise self.err(key, f"must be {'>' if lo_open else '>='} {lo}, got {v!r}")
-        if hi is not None and v > hi:
-            raise self.err(key, f"must be <= {hi}, got {v!r}")
-        return float(v)
-
-    def range(self, key: str, *, lo: float, lo_open: bool = False) -> tuple[float, float]:
-        v = self.get(key)
-        if isinstance(v, (int, float)) and not isinstance(v, bool):
-            v = [v, v]
-        if not (isinstance(v, Sequence) and len(v) == 2 and all(
-            isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in v
-        )):
-            raise self.err(key, f"must be [low, high] (or one number), got {v!r}")
-        a, b = float(v[0]), float(v[1])
-        if a > b or a < lo or (lo_open and a == lo):
-            raise self.err(key, f"need {lo} {'<' if lo_open else '<='} low <= high, got {v!r}")
-        return a, b
-
-    def finish(self) -> None:
-        unknown = sorted(set(self.d) - self.used)
-        if unknown:
-            raise WorkloadConfigError(
-                f"{self.where}: unknown key(s) {unknown} for kind {self.d.get('kind')!r}; "
-                f"it reads {sorted(self.used - {'name', 'description'})}"
-            )
-
-
-def _as_dict(cfg: Any) -> dict[str, Any]:
-    if isinstance(cfg, Mapping):
-        return dict(cfg)
-    try:
-        from omegaconf import DictConfig, OmegaConf
-    except ImportError:  # pragma: no cover
-        DictConfig = None  # type: ignore[assignment]
-    if DictConfig is not None and isinstance(cfg, DictConfig):
-        return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
-    raise WorkloadConfigError(f"workload config must be a mapping, got {type(cfg).__name__}")
+# Each kind's keys, types and defaults are its dataclass in batchpilot/core/workload_config.py
+# (the workload group's schemas); ``workload_from_node`` checks a node against it.
 
 
 def _resolve_path(p: str) -> Path:
@@ -515,50 +457,44 @@ def _resolve_path(p: str) -> Path:
     return path if path.is_absolute() else REPO_ROOT / path
 
 
-def _lengths(k: _Keys) -> LengthDist:
-    d = k.get("lengths")
-    if not isinstance(d, Mapping):
-        raise k.err("lengths", f"must be a mapping with a 'kind', got {d!r}")
-    lk = _Keys(d, f"{k.where}.lengths")
-    lk.used = {"kind"}
-    kind = d.get("kind")
+def _check_format(where: str, fmt: Any) -> str:
+    if fmt not in TRACE_FORMATS:
+        raise WorkloadConfigError(f"{where}.format: must be one of {TRACE_FORMATS}, got {fmt!r}")
+    return str(fmt)
+
+
+def _lengths(lc: LengthsConfig, where: str) -> LengthDist:
+    """The length distribution of a checked ``lengths`` node (``where``: its full key)."""
     try:
-        if kind == "fixed":
-            dist: LengthDist = FixedLengths(
-                int(lk.num("prompt", lo=1)), int(lk.num("output", lo=1))
-            )
-        elif kind == "uniform":
-            pa, pb = lk.range("prompt", lo=1)
-            oa, ob = lk.range("output", lo=1)
+        if lc.kind == "fixed":
+            dist: LengthDist = FixedLengths(int(lc.prompt), int(lc.output))
+        elif lc.kind == "uniform":
+            pa, pb = as_range(where, "prompt", lc.prompt, lo=1, number_ok=True)
+            oa, ob = as_range(where, "output", lc.output, lo=1, number_ok=True)
             dist = UniformLengths(int(pa), int(pb), int(oa), int(ob))
-        elif kind == "lognormal":
+        elif lc.kind == "lognormal":
             dist = LognormalLengths(
-                lk.num("prompt_mean", lo=1), lk.num("prompt_sigma", lo=0),
-                lk.num("output_mean", lo=1), lk.num("output_sigma", lo=0),
+                float(lc.prompt_mean), float(lc.prompt_sigma),  # type: ignore[arg-type]
+                float(lc.output_mean), float(lc.output_sigma),  # type: ignore[arg-type]
             )
-        elif kind == "empirical":
-            fmt = lk.get("format")
-            if fmt not in TRACE_FORMATS:
-                raise lk.err("format", f"must be one of {TRACE_FORMATS}, got {fmt!r}")
-            dist = EmpiricalLengths.from_trace(_resolve_path(str(lk.get("path"))), fmt)
-        else:
-            raise lk.err("kind", f"must be fixed, uniform, lognormal or empirical, got {kind!r}")
+        else:  # empirical
+            fmt = _check_format(where, lc.format)
+            dist = EmpiricalLengths.from_trace(_resolve_path(str(lc.path)), fmt)
     except ValueError as e:
         if isinstance(e, WorkloadConfigError):
             raise
-        raise WorkloadConfigError(f"{k.where}.lengths: {e}") from e
-    lk.finish()
+        raise WorkloadConfigError(f"{where}: {e}") from e
     return dist
 
 
 def _synthetic(
-    k: _Keys, rng: np.random.Generator, max_model_len: int, curve: RateCurve, burstiness: float,
+    wc: WorkloadBase, rng: np.random.Generator, max_model_len: int, curve: RateCurve, burstiness: float,
     lengths: LengthDist, duration: float, info: dict[str, Any],
 ) -> RequestStream:
     t = arrival_times(rng, curve, duration, burstiness)
     p, o = lengths.sample(rng, t.size)
     p, o, clipped = clip_lengths(p, o, max_model_len)
-    pr = sample_priorities(rng, k.get("priorities", [1.0]), t.size)
+    pr = sample_priorities(rng, wc.priorities, t.size)
     info.update(clipped=clipped)
     return RequestStream(t, p, o, priority=pr, duration_s=duration, info=info)
 
@@ -568,17 +504,16 @@ def _loguniform(rng: np.random.Generator, lo_hi: tuple[float, float]) -> float:
     return float(math.exp(rng.uniform(math.log(a), math.log(b)))) if b > a else a
 
 
-def _random_onoff(k: _Keys, rng: np.random.Generator) -> "OnOffRate | None":
+def _random_onoff(wc: RandomizedWorkload, rng: np.random.Generator) -> "OnOffRate | None":
     """With probability ``onoff_prob``, an on/off multiplier on the rate: ``onoff_on_factor``
     x during bursts of ``onoff_on_s``, ``onoff_off_factor`` x for ``onoff_off_s`` between them.
     No draw at all when the probability is 0 (episodes stay as they were)."""
-    prob = k.num("onoff_prob", 0.0, lo=0.0, hi=1.0)
-    keys = ("onoff_on_factor", "onoff_off_factor", "onoff_on_s", "onoff_off_s")
+    prob = float(wc.onoff_prob)
     if prob == 0.0:
-        for key in keys:
-            k.get(key, None)
         return None
-    on_f, off_f, on_s, off_s = (k.range(key, lo=0, lo_open=True) for key in keys)
+    on_f, off_f, on_s, off_s = (
+        wc.range(key) for key in ("onoff_on_factor", "onoff_off_factor", "onoff_on_s", "onoff_off_s")
+    )
     if rng.uniform() >= prob:
         return None
     return OnOffRate(
@@ -588,27 +523,23 @@ def _random_onoff(k: _Keys, rng: np.random.Generator) -> "OnOffRate | None":
 
 
 def _randomized(
-    k: _Keys, rng: np.random.Generator, max_model_len: int, duration: float, scale: float
+    wc: RandomizedWorkload, rng: np.random.Generator, max_model_len: int, duration: float, scale: float
 ) -> RequestStream:
     """Domain randomisation: a fresh rate, burstiness, length mix and 0..N phase changes
     (rate and length shifts at random times) for every episode."""
-    rate = _loguniform(rng, k.range("rate", lo=0, lo_open=True)) * scale
-    burst = _loguniform(rng, k.range("burstiness", lo=0, lo_open=True))
+    rate = _loguniform(rng, wc.range("rate")) * scale
+    burst = _loguniform(rng, wc.range("burstiness"))
     base = LognormalLengths(
-        _loguniform(rng, k.range("prompt_mean", lo=1)),
-        float(rng.uniform(*k.range("prompt_sigma", lo=0))),
-        _loguniform(rng, k.range("output_mean", lo=1)),
-        float(rng.uniform(*k.range("output_sigma", lo=0))),
+        _loguniform(rng, wc.range("prompt_mean")),
+        float(rng.uniform(*wc.range("prompt_sigma"))),
+        _loguniform(rng, wc.range("output_mean")),
+        float(rng.uniform(*wc.range("output_sigma"))),
     )
-    lo_n, hi_n = k.range("num_phases", lo=0)
+    lo_n, hi_n = wc.range("num_phases")
     n_changes = int(rng.integers(int(lo_n), int(hi_n) + 1))
-    window = k.range("phase_window", lo=0)
-    if window[1] >= 1:
-        raise k.err(
-            "phase_window", f"must lie inside [0, 1) (fractions of duration_s), got {window}"
-        )
-    rate_f = k.range("phase_rate_factor", lo=0, lo_open=True)
-    len_f = k.range("phase_length_factor", lo=0, lo_open=True)
+    window = wc.range("phase_window")
+    rate_f = wc.range("phase_rate_factor")
+    len_f = wc.range("phase_length_factor")
     change_s = tuple(sorted(float(x) for x in rng.uniform(*window, size=n_changes) * duration))
     rates, dists = [rate], [base]
     for _ in range(n_changes):
@@ -620,7 +551,7 @@ def _randomized(
             max(prev.output_mean * f_o, 1.0), prev.output_sigma,
         ))
     curve: RateCurve = PiecewiseRate(change_s, tuple(rates))
-    onoff = _random_onoff(k, rng)
+    onoff = _random_onoff(wc, rng)
     if onoff is not None:  # heavy on/off bursts on top of the phases (code completion, agents)
         phases = curve
         curve = lambda t: phases(t) * onoff(t)  # noqa: E731
@@ -632,7 +563,7 @@ def _randomized(
         sel = phase == i
         p[sel], o[sel] = dist.sample(rng, int(sel.sum()))
     p, o, clipped = clip_lengths(p, o, max_model_len)
-    pr = sample_priorities(rng, k.get("priorities", [1.0]), t.size)
+    pr = sample_priorities(rng, wc.priorities, t.size)
     info = {
         "kind": "randomized", "rate": rate, "burstiness": burst, "change_s": list(change_s),
         "rates": rates, "onoff": None if onoff is None else dataclasses.asdict(onoff),
@@ -649,14 +580,12 @@ def build_workload(
 ) -> RequestStream:
     """Build one episode's request stream from the ``workload`` config group.
 
-    ``cfg.kind`` picks the process (``WORKLOAD_KINDS``); see ``conf/workload/*.yaml`` for the
-    keys each kind reads. Unknown or missing keys raise ``WorkloadConfigError`` naming them.
+    ``cfg.kind`` picks the process (``WORKLOAD_KINDS``) and its schema (``WORKLOAD_SCHEMAS``,
+    see ``conf/workload/*.yaml``); the node (composed, or a mapping built in code) is checked
+    against it by ``workload_from_node``: unknown, mistyped or missing keys and values out of
+    range raise ``WorkloadConfigError`` naming them (``workload.rate``).
     """
-    d = _as_dict(cfg_workload)
-    k = _Keys(d, where)
-    kind = d.get("kind")
-    if kind not in WORKLOAD_KINDS:
-        raise k.err("kind", f"must be one of {WORKLOAD_KINDS}, got {kind!r}")
+    wc = workload_from_node(cfg_workload, where)
     if (
         isinstance(max_model_len, bool)
         or not isinstance(max_model_len, numbers.Integral)
@@ -664,57 +593,42 @@ def build_workload(
     ):
         raise ValueError(f"max_model_len must be an integer >= 2, got {max_model_len!r}")
     max_model_len = int(max_model_len)
-    scale = k.num("rate_scale", 1.0, lo=0, lo_open=True)
+    scale = float(wc.rate_scale)
 
-    if kind == "trace":
-        fmt = k.get("format")
-        if fmt not in TRACE_FORMATS:
-            raise k.err("format", f"must be one of {TRACE_FORMATS}, got {fmt!r}")
-        dur = k.get("duration_s", None)
+    if isinstance(wc, TraceWorkload):
+        fmt = _check_format(where, wc.format)
         try:
             opts = TraceOptions(
-                time_scale=k.num("time_scale", 1.0, lo=0, lo_open=True) * scale,
-                start_s=k.num("start_s", 0.0, lo=0),
-                duration_s=None if dur is None else k.num("duration_s", lo=0, lo_open=True),
+                time_scale=float(wc.time_scale) * scale,
+                start_s=float(wc.start_s),
+                duration_s=None if wc.duration_s is None else float(wc.duration_s),
                 max_model_len=max_model_len,
-                overflow=k.get("overflow", "clip"),
-                spread_quantum_s=(
-                    None if k.get("spread_quantum_s", None) is None
-                    else k.num("spread_quantum_s", lo=0, lo_open=True)
-                ),
-                model=k.get("model", None),
+                overflow=wc.overflow,  # type: ignore[arg-type]
+                spread_quantum_s=None if wc.spread_quantum_s is None else float(wc.spread_quantum_s),
+                model=wc.model,
             )
         except ValueError as e:
-            if isinstance(e, WorkloadConfigError):
-                raise
             raise WorkloadConfigError(f"{where}: {e}") from e
-        path = _resolve_path(str(k.get("path")))
-        k.finish()
-        tr = read_trace(path, fmt, opts)
-        pr = sample_priorities(rng, k.get("priorities", [1.0]), len(tr))
+        tr = read_trace(_resolve_path(str(wc.path)), fmt, opts)
+        pr = sample_priorities(rng, wc.priorities, len(tr))
         return RequestStream(
             tr.arrival_s, tr.prompt_len, tr.output_len, priority=pr, duration_s=tr.duration_s,
             prefix_hashes=tr.prefix_hashes, prefix_block_tokens=tr.prefix_block_tokens,
             info={"kind": "trace", "report": tr.report},
         )
 
-    duration = k.num("duration_s", lo=0, lo_open=True)
-    if kind == "mixture":
-        comps = k.get("components")
-        if not isinstance(comps, Sequence) or isinstance(comps, str) or not comps:
-            raise k.err(
-                "components", f"must be a non-empty list of workload configs, got {comps!r}"
-            )
-        k.finish()
+    duration = float(wc.duration_s)
+    if isinstance(wc, MixtureWorkload):
         streams = []
-        for i, c in enumerate(comps):
-            sub = _as_dict(c)
-            if sub.get("kind") == "mixture":
-                raise WorkloadConfigError(
-                    f"{where}.components[{i}]: a mixture cannot nest a mixture"
-                )
-            sub.setdefault("duration_s", duration)
-            sub["rate_scale"] = float(sub.get("rate_scale", 1.0)) * scale
+        for i, c in enumerate(wc.components):
+            sub = dict(c) if isinstance(c, Mapping) else c
+            if isinstance(sub, dict):
+                if sub.get("kind") == "mixture":
+                    raise WorkloadConfigError(
+                        f"{where}.components[{i}]: a mixture cannot nest a mixture"
+                    )
+                sub.setdefault("duration_s", duration)
+                sub["rate_scale"] = float(sub.get("rate_scale", 1.0)) * scale
             streams.append(
                 build_workload(sub, rng, max_model_len, where=f"{where}.components[{i}]")
             )
@@ -723,39 +637,32 @@ def build_workload(
             duration_s=duration,
             info={"kind": "mixture", "components": [s.info for s in streams]},
         )
-    if kind == "randomized":
-        stream = _randomized(k, rng, max_model_len, duration, scale)
-        k.finish()
-        return stream
+    if isinstance(wc, RandomizedWorkload):
+        return _randomized(wc, rng, max_model_len, duration, scale)
 
     # Poisson has no burstiness key (it is gamma with burstiness 1).
-    burst = 1.0 if kind == "poisson" else k.num("burstiness", 1.0, lo=0, lo_open=True)
+    burst = 1.0 if isinstance(wc, PoissonWorkload) else float(wc.burstiness)  # type: ignore[attr-defined]
     try:
-        if kind == "poisson":
-            curve: RateCurve = ConstantRate(k.num("rate", lo=0) * scale)
-        elif kind == "gamma":
-            curve = ConstantRate(k.num("rate", lo=0) * scale)
-        elif kind == "onoff":
+        if isinstance(wc, (PoissonWorkload, GammaWorkload)):
+            curve: RateCurve = ConstantRate(float(wc.rate) * scale)
+        elif isinstance(wc, OnOffWorkload):
             curve = OnOffRate(
-                k.num("on_rate", lo=0) * scale, k.num("off_rate", 0.0, lo=0) * scale,
-                k.num("on_s", lo=0, lo_open=True), k.num("off_s", lo=0, lo_open=True),
-                bool(k.get("start_on", True)),
+                float(wc.on_rate) * scale, float(wc.off_rate) * scale,
+                float(wc.on_s), float(wc.off_s), bool(wc.start_on),
             )
-        elif kind == "ramp":
+        elif isinstance(wc, RampWorkload):
             curve = RampRate(
-                k.num("start_rate", lo=0) * scale, k.num("end_rate", lo=0) * scale,
-                k.num("ramp_start_s", 0.0, lo=0), k.num("ramp_end_s", duration, lo=0),
+                float(wc.start_rate) * scale, float(wc.end_rate) * scale, float(wc.ramp_start_s),
+                duration if wc.ramp_end_s is None else float(wc.ramp_end_s),
             )
-        else:  # diurnal
+        else:
+            assert isinstance(wc, DiurnalWorkload)
             curve = DiurnalRate(
-                k.num("mean_rate", lo=0) * scale, k.num("amplitude", lo=0, hi=1),
-                k.num("period_s", duration, lo=0, lo_open=True), k.num("phase_s", 0.0),
+                float(wc.mean_rate) * scale, float(wc.amplitude),
+                duration if wc.period_s is None else float(wc.period_s), float(wc.phase_s),
             )
     except ValueError as e:
-        if isinstance(e, WorkloadConfigError):
-            raise
         raise WorkloadConfigError(f"{where}: {e}") from e
-    lengths = _lengths(k)
-    k.finish()
-    info = {"kind": kind, "curve": curve, "burstiness": burst}
-    return _synthetic(k, rng, max_model_len, curve, burst, lengths, duration, info)
+    lengths = _lengths(wc.lengths, f"{where}.lengths")  # type: ignore[attr-defined]
+    info = {"kind": wc.kind, "curve": curve, "burstiness": burst}
+    return _synthetic(wc, rng, max_model_len, curve, burst, lengths, duration, info)

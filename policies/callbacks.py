@@ -26,7 +26,8 @@ from omegaconf import DictConfig, OmegaConf
 from stable_baselines3.common.callbacks import BaseCallback
 from stable_baselines3.common.logger import KVWriter
 
-from batchpilot.config import CONF_DIR
+from batchpilot.config import CONF_DIR, plain
+from batchpilot.core.workload_config import workload_from_node
 from batchpilot.envs.serving_env import ServingEnv
 from batchpilot.policies.controllers import Controller, build_controller
 
@@ -154,10 +155,13 @@ def validation_cfg(base_cfg: DictConfig, group: str, overrides: Mapping[str, Any
         known = sorted(p.stem for p in (CONF_DIR / "workload").glob("*.yaml"))
         raise ValueError(f"validation workload group {group!r} not found in conf/workload/ (known: {known})")
     cfg = OmegaConf.create(OmegaConf.to_container(base_cfg, resolve=True))
-    workload = OmegaConf.merge(OmegaConf.load(path), OmegaConf.create(dict(overrides)))
+    # The group file without its defaults list (the schema it extends, workload/schema_<kind>).
+    workload = OmegaConf.merge(plain(OmegaConf.load(path)), OmegaConf.create(dict(overrides)))
     # Keep the training run's rate_scale (sized for its model/hardware) unless overridden.
     if "rate_scale" not in overrides and "rate_scale" in base_cfg.workload:
         workload.rate_scale = base_cfg.workload.rate_scale
+    # Checked against its kind's schema now (a mistyped override fails before training starts).
+    workload_from_node(workload, where=f"validation workload {group!r}: workload")
     cfg.workload = workload
     cfg.env.drain_on_truncate = True
     return cfg

@@ -352,7 +352,17 @@ def test_synthetic_clips_to_max_model_len():
         ({"kind": "zipf", "duration_s": 1}, "workload.kind"),
         ({"kind": "poisson", "duration_s": 10, "lengths": LOGN}, "workload.rate: missing"),
         ({"kind": "poisson", "duration_s": 10, "rate": -2, "lengths": LOGN}, "workload.rate: must be >= 0"),
-        ({"kind": "poisson", "duration_s": 10, "rate": 1, "lengths": LOGN, "burstiness": 0.3}, "unknown key(s) ['burstiness']"),
+        ({"kind": "poisson", "duration_s": 10, "rate": 1, "lengths": LOGN, "burstiness": 0.3},
+         "workload.burstiness: Key 'burstiness' not in 'PoissonWorkload'"),
+        ({"kind": "poisson", "duration_s": 10, "rate": "fast", "lengths": LOGN}, "workload.rate: Value 'fast'"),
+        ({"kind": "poisson", "duration_s": 10, "rate": 1, "lengths": {**LOGN, "prompt": 100}},
+         "workload.lengths: kind 'lognormal' does not read ['prompt']"),
+        ({"kind": "poisson", "duration_s": 10, "rate": 1, "lengths": {"kind": "fixed", "prompt": 100}},
+         "workload.lengths.output: missing"),
+        ({"kind": "poisson", "duration_s": 10, "rate": 1, "lengths": {"kind": "uniform", "prompt": [9, 5], "output": 3}},
+         "workload.lengths.prompt: need 1 <= low <= high"),
+        ({"kind": "onoff", "duration_s": 10, "on_rate": 1, "on_s": 0, "off_s": 1, "lengths": LOGN}, "workload.on_s: must be > 0"),
+        ({"kind": "trace", "format": "azure"}, "workload.path: missing"),
         ({"kind": "gamma", "duration_s": 10, "rate": 1, "burstiness": 0, "lengths": LOGN}, "workload.burstiness"),
         ({"kind": "poisson", "duration_s": 10, "rate": 1, "lengths": {"kind": "weird"}}, "workload.lengths.kind"),
         ({"kind": "poisson", "duration_s": 10, "rate": 1, "lengths": {**LOGN, "prompt_sigma": 9}}, "prompt_sigma"),
@@ -372,7 +382,16 @@ def test_config_errors_name_the_key(cfg, words):
 def test_randomized_bad_range_named():
     cfg = load("randomized")
     cfg["rate"] = [50, 10]
+    with pytest.raises(WorkloadConfigError, match=r"workload\.rate: need 0 < low <= high"):
+        build_workload(cfg, rng(), 8192)
+    cfg["rate"] = [10, 50, 90]
+    with pytest.raises(WorkloadConfigError, match=r"workload\.rate: must be \[low, high\]"):
+        build_workload(cfg, rng(), 8192)
+    cfg["rate"] = 30.0  # a range is always a list (a fixed value: [30, 30]), so the schema can type it
     with pytest.raises(WorkloadConfigError, match=r"workload\.rate"):
+        build_workload(cfg, rng(), 8192)
+    cfg.update(rate=[30, 30], onoff_prob=0.5, onoff_on_s=None)
+    with pytest.raises(WorkloadConfigError, match=r"workload\.onoff_on_s: missing"):
         build_workload(cfg, rng(), 8192)
 
 
