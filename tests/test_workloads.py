@@ -414,3 +414,37 @@ def test_generic_trace_group_composes_with_hydra_overrides(tmp_path):
     assert s.info["report"].skipped["failed (0 response tokens)"] == 10
     assert s.arrival_s[0] == pytest.approx(1.0)  # row i=6 at 12 s -> (12 - 10) / 2
     assert s.arrival_s[-1] == pytest.approx(29.0)  # row i=34 at 68 s
+
+
+#: (conf/workload group, seed, requests, digest of the stream drawn with max_model_len 8192):
+#: a change to the workload reader, its schemas or a shipped file that alters any request fails
+#: here. Arrival times are rounded to the microsecond before hashing, lengths and priorities exact.
+PINNED_STREAMS = [
+    ("poisson", 0, 3523, "733baf5d9a752d17"),
+    ("bursty", 1, 2772, "d3da4ede599d8b7f"),
+    ("ramp", 2, 4285, "3ced6eca44df6b1f"),
+    ("diurnal", 3, 18078, "7dc63f1c459e69a4"),
+    ("randomized", 0, 11967, "bf54db92b1c5c388"),
+    ("randomized", 4, 18872, "292d9bf7dc83bdd6"),
+    ("azure_conv", 0, 1718, "c712a1b0551649a1"),
+]
+
+
+def _digest(s) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    h.update(np.round(s.arrival_s, 6).tobytes())
+    for a in (s.prompt_len, s.output_len, s.priority):
+        h.update(a.astype("<i8").tobytes())
+    return h.hexdigest()[:16]
+
+
+@pytest.mark.parametrize("name,seed,n,digest", PINNED_STREAMS, ids=[f"{c[0]}-{c[1]}" for c in PINNED_STREAMS])
+def test_shipped_workloads_draw_the_pinned_streams(name, seed, n, digest):
+    """The streams the composed (schema-checked) groups draw are the ones the workload reader drew
+    before the groups had schemas (issue 13): the same requests, byte for byte."""
+    from batchpilot.config import load_config
+
+    s = build_workload(load_config([f"workload={name}"]).workload, rng(seed), 8192)
+    assert (len(s), _digest(s)) == (n, digest)
