@@ -301,6 +301,7 @@ class ServingEnv(gym.Env):
         cap = min(int(e.initial_batch_cap), self._max_num_seqs)
         self.knobs = Knobs(batch_cap=cap, bucketing=str(e.initial_bucketing), kv_dtype=self.engine.kv_dtype)
         self.admission = Admission(self.admission_cfg, self.knobs)
+        self.admission.use_slo(self.slo.ttft_ms)
         self.shield = Shield(self.shield_cfg, self.engine.memory_model(), self._caps, slo=self.slo, now=self.engine.now)
         if self.cfg.env.get("memory_admission", True):  # per request: in flight + it within the ceiling
             self.admission.memory = self.shield
@@ -351,7 +352,7 @@ class ServingEnv(gym.Env):
             rej = adm.submit(req, now)
             if rej is not None:
                 self._on_rejected(rej)
-        if adm.max_wait_s is not None:
+        if adm.expires:
             for rej in adm.expire(now):
                 self._on_rejected(rej)
         for req in adm.admit(now):

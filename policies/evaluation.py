@@ -660,6 +660,7 @@ def episode_config(plan: WorkloadPlan, knobs: Knobs | None, as_shipped: bool = F
             c.env.admission.max_num_long = plan.max_num_seqs
             c.env.admission.max_queue_len = 2**31 - 1
             c.env.admission.max_wait_s = None
+            c.env.admission.ttft_deadline = False
             c.env.memory_admission = False
     return c
 

@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 
 
 #: HTTP status per admission rejection reason.
-REJECT_STATUS = {"queue_full": 429, "shed_low_priority": 429, "timeout": 503, "cancelled": 499,
+REJECT_STATUS = {"queue_full": 429, "shed_low_priority": 429, "deadline": 429, "timeout": 503, "cancelled": 499,
                  "too_large_for_memory": 400}
 REJECT_MESSAGE = {
     "queue_full": "the gateway's queue for this prompt-length bucket is full; retry later",
@@ -34,6 +34,8 @@ REJECT_MESSAGE = {
                              "its memory ceiling; lower max_tokens, n/best_of or the prompt"),
     "shed_low_priority": "overload: low-priority requests are being shed (circuit breaker level 2); retry later",
     "timeout": "the request did not reach the model within the request timeout; retry later",
+    "deadline": "overload: the request waited past its time-to-first-token objective and can no longer meet it; "
+                "retry later",
 }
 
 
@@ -79,6 +81,7 @@ class Lane:
         metrics: GatewayMetrics, retry_after_s: int,
     ) -> "Lane":
         lane = cls(index, upstream, Admission(cfg, knobs), telemetry, knobs, metrics, retry_after_s)
+        lane.admission.use_slo(telemetry.slo.ttft_ms)
         lane._publish_knobs()
         return lane
 
@@ -143,7 +146,8 @@ class Lane:
         fut = asyncio.get_running_loop().create_future()
         self.waiters[req.request_id] = fut
         self.pump()
-        if fut.done():  # admitted at once: the common case, no timer needed
+        if fut.done():  # decided at once (admitted: the common case; or refused): no timer needed
+            fut.result()  # raises the Refused of a request the pump refused (deadline, memory)
             return
         try:
             # Not asyncio.wait_for: on Python 3.11 it swallows a cancellation that lands in the
@@ -182,6 +186,9 @@ class Lane:
             self._publish_queue()
             return
         now = time.monotonic()
+        if self.admission.expires:  # past their deadline or wait limit: refused, never run late
+            for rej in self.admission.expire(now):
+                self._fail_waiter(rej)
         for r in self.admission.admit(now):
             fut = self.waiters.pop(r.request_id, None)
             if fut is None or fut.done():  # its waiter gave up in the same instant

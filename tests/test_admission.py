@@ -415,3 +415,26 @@ def test_without_a_memory_check_admission_counts_only() -> None:
     for i in range(100):
         a.submit(Request(f"L{i}", float(i), 4000, 1000), float(i))
     assert len(a.admit(100.0)) == 100 and a.kv_blocks_in_flight == 0 and a.predicted_fraction() is None
+
+
+def test_the_ttft_deadline_refuses_late_requests_above_core_priority_only() -> None:
+    """A request that already waited its TTFT objective cannot meet it: with ``ttft_deadline``
+    it is refused ("deadline") instead of served late; core requests (priority 0) never are."""
+    adm = Admission(AdmissionConfig(ttft_deadline=True), Knobs(batch_cap=1))
+    adm.use_slo(1000.0)
+    assert adm.expires and adm.deadline_s == 1.0
+    for i in range(6):
+        assert adm.submit(Request(f"r{i}", 0.1 * i, 100, 10, priority=i % 2), 0.1 * i) is None
+    assert adm.expire(1.0) == []  # nobody has waited 1 s yet
+    late = adm.expire(1.25)  # r1 (t=0.1) and ... only those above core priority and > 1 s
+    assert [r.request.request_id for r in late] == ["r1"] and all(r.reason == "deadline" for r in late)
+    late = adm.expire(5.0)
+    assert sorted(r.request.request_id for r in late) == ["r3", "r5"]
+    assert adm.num_waiting == 3 and adm.num_rejected_by_reason["deadline"] == 3  # r0, r2, r4 (core) wait on
+
+    off = Admission(AdmissionConfig(), Knobs(batch_cap=1))
+    off.use_slo(1000.0)
+    assert not off.expires and off.deadline_s is None
+    no_slo = Admission(AdmissionConfig(ttft_deadline=True), Knobs(batch_cap=1))
+    no_slo.use_slo(None)
+    assert not no_slo.expires

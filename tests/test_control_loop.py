@@ -259,3 +259,37 @@ def test_an_engine_that_keeps_failing_walks_the_breaker_to_one_restart() -> None
     assert lane.knobs.batch_cap == ctl.shield.cfg.min_batch
     assert causes == ["breaker"]  # once per trip, not at every decision at level 3
     assert any("breaker level 3 on vllm0: restarting it" in e for e in loop.events)
+
+
+def test_a_queued_request_past_its_ttft_deadline_gets_429_from_the_gateway() -> None:
+    """``admission.ttft_deadline`` at the gateway: the lane refuses a queued request above core
+    priority once it has waited the TTFT objective (429 "deadline", Retry-After); core stays."""
+    from batchpilot.core.engine import Request
+    from batchpilot.serving.errors import Refused
+
+    gw, loop = _gateway("pid", {"kind": "pid"})
+    lane = gw.lanes[0]
+    lane.admission.cfg.ttft_deadline = True
+    lane.admission.use_slo(gw.settings.slo.ttft_ms)
+    lane.set_knobs(lane.knobs.with_(batch_cap=1))
+
+    async def go() -> list:
+        import time
+
+        now = time.monotonic()
+        first = asyncio.create_task(lane.acquire(Request("busy", now, 10, 10, priority=0), now + 60))
+        await asyncio.sleep(0)  # it takes the one slot
+        late = [Request(f"late{p}", now - 5.0, 10, 10, priority=p) for p in (0, 1)]  # waited 5 s > 1 s
+        tasks = [asyncio.create_task(lane.acquire(r, now + 60)) for r in late]
+        await asyncio.sleep(0)
+        lane.pump()
+        await asyncio.sleep(0)
+        out = [t.exception() if t.done() else "waiting" for t in tasks]
+        for t in tasks + [first]:
+            t.cancel()
+        return out
+
+    core, low = asyncio.run(go())
+    assert core == "waiting"  # core priority is never refused by the deadline
+    assert isinstance(low, Refused) and low.reason == "deadline" and low.status == 429 and low.retry_after
+    assert gw.metrics.rejected.labels("deadline")._value.get() == 1

@@ -100,6 +100,12 @@ class AdmissionConfig:
     max_queue_len: int = 4096
     #: Waiting longer than this (from arrival) is rejected by ``expire`` ("timeout"); None = never.
     max_wait_s: float | None = None
+    #: The TTFT deadline: a queued request above ``deadline_max_priority_kept`` that has waited
+    #: its TTFT objective (the SLO's ``ttft_ms``, given by ``use_slo``) can no longer meet it;
+    #: ``expire`` refuses it ("deadline": 429 + Retry-After at the gateway) rather than serve it
+    #: late with capacity that requests still on time need. Core requests are never refused.
+    ttft_deadline: bool = False
+    deadline_max_priority_kept: int = 0
     #: Share of admissions per bucket in ``weighted`` mode (normalised; one per bucket).
     weights: tuple[float, ...] = (0.5, 0.3, 0.2)
     #: Move the boundaries online by incremental k-means over (log prompt length, priority).
@@ -207,6 +213,9 @@ class Admission:
         #: Sequences in flight: what the batch cap bounds (a request with n=4 runs four).
         self.num_seqs_in_flight = 0
         self._expiry: list[tuple[float, int, _Entry]] = []  # (arrival, seq, entry), lazy
+        self._deadlines: list[tuple[float, int, _Entry]] = []  # the same, for the TTFT deadline
+        #: Seconds a request above core priority may wait (``use_slo``); None = no deadline.
+        self.deadline_s: float | None = None
         self._seq = 0
         self._pass = [0.0] * cfg.num_buckets  # stride scheduling, weighted mode
         self._stride = [1.0 / w for w in cfg.weights]
@@ -255,8 +264,17 @@ class Admission:
 
     @property
     def max_wait_s(self) -> float | None:
-        """``expire`` does something only when this is set."""
         return self.cfg.max_wait_s
+
+    @property
+    def expires(self) -> bool:
+        """Whether ``expire`` can refuse anything (a wait limit or a TTFT deadline is set)."""
+        return self.cfg.max_wait_s is not None or self.deadline_s is not None
+
+    def use_slo(self, ttft_ms: float | None) -> None:
+        """The TTFT objective the deadline counts (with ``ttft_deadline``; None: no deadline)."""
+        on = self.cfg.ttft_deadline and ttft_ms is not None and ttft_ms > 0
+        self.deadline_s = float(ttft_ms) / 1000.0 if on else None  # type: ignore[arg-type]
 
     @property
     def boundaries(self) -> tuple[int, ...]:
@@ -316,6 +334,8 @@ class Admission:
         self._waiting[rid] = e
         if self.cfg.max_wait_s is not None:
             heapq.heappush(self._expiry, (req.arrival_time, e.seq, e))
+        if self.deadline_s is not None and req.priority > self.cfg.deadline_max_priority_kept:
+            heapq.heappush(self._deadlines, (req.arrival_time, e.seq, e))
         return None
 
     def admit(self, now: float) -> list[Any]:
@@ -377,17 +397,19 @@ class Admission:
         return self._reject(e.request, "cancelled", now)
 
     def expire(self, now: float) -> list[Rejection]:
-        """Reject requests that waited longer than ``max_wait_s`` since arrival."""
-        if self.cfg.max_wait_s is None:
-            return []
+        """Refuse requests that waited longer than ``max_wait_s`` since arrival ("timeout"), and
+        those above core priority past their TTFT deadline ("deadline")."""
         out: list[Rejection] = []
-        limit = now - self.cfg.max_wait_s
-        h = self._expiry
-        while h and (not h[0][2].alive or h[0][0] < limit):
-            _, _, e = heapq.heappop(h)
-            if e.alive:
-                self._drop(e)
-                out.append(self._reject(e.request, "timeout", now))
+        for heap, limit_s, reason in ((self._expiry, self.cfg.max_wait_s, "timeout"),
+                                      (self._deadlines, self.deadline_s, "deadline")):
+            if limit_s is None:
+                continue
+            limit = now - limit_s
+            while heap and (not heap[0][2].alive or heap[0][0] < limit):
+                _, _, e = heapq.heappop(heap)
+                if e.alive:
+                    self._drop(e)
+                    out.append(self._reject(e.request, reason, now))
         return out
 
     def shed(self, max_priority_kept: int | None, now: float = 0.0, *, persist: bool = False) -> list[Rejection]:
