@@ -22,7 +22,7 @@ def gw() -> RunningGateway:
     # fault, not queueing), which walks the breaker down to the minimum cap and shedding. A
     # small starting cap and a short cooldown get there in seconds.
     with running_gateway("slo.tpot_ms=0.01", "serve.control.initial_batch_cap=4", "serve.control.interval_s=0.5",
-                         "shield.breaker_cooldown_s=0.5", "serve.request_timeout_s=120") as g:
+                         "shield.breaker_cooldown_s=0.5", "serve.request_timeout_s=300") as g:
         yield g
 
 
@@ -31,26 +31,29 @@ def _headers(prio: int) -> dict[str, str]:
     return {"x-priority": str(prio), **(TRUSTED if prio == 0 else {})}
 
 
-async def _mixed_load(url: str, seconds: float, rate: float) -> list[tuple[int, object]]:
-    """Open-loop arrivals alternating core (x-priority: 0) and low-priority (1) requests."""
-    out: list[asyncio.Task] = []
-    prios: list[int] = []
+async def _rounds(url: str, per_round: int = 20, min_rounds: int = 3, deadline_s: float = 420.0) -> list[tuple[int, object]]:
+    """Rounds of ``per_round`` simultaneous requests alternating core (x-priority: 0) and low
+    priority (1), 64 tokens each: at the minimum cap of 1 the round queues for at least 19 x 64
+    decode steps, whatever the machine's speed, so decisions at breaker level 2 find queued
+    low-priority requests to shed. Until a round has seen one shed (and ``min_rounds`` ran)."""
+    out: list[tuple[int, object]] = []
     async with httpx.AsyncClient(limits=httpx.Limits(max_connections=256)) as c:
         t0 = time.monotonic()
-        i = 0
-        while time.monotonic() - t0 < seconds:
-            prio = i % 2
-            prios.append(prio)
-            out.append(asyncio.create_task(one_request(c, url, {"prompt": f"breaker load {i}", "max_tokens": 8},
-                                                       headers=_headers(prio), timeout_s=180)))
-            i += 1
-            await asyncio.sleep(max(0.0, t0 + i / rate - time.monotonic()))
-        results = await asyncio.gather(*out)
-    return list(zip(prios, results))
+        k = 0
+        while time.monotonic() - t0 < deadline_s:
+            prios = [i % 2 for i in range(per_round)]
+            res = await asyncio.gather(*(
+                one_request(c, url, {"prompt": f"breaker load {k}-{i}", "max_tokens": 64, "ignore_eos": True},
+                            headers=_headers(p), timeout_s=300) for i, p in enumerate(prios)))
+            out.extend(zip(prios, res))
+            k += 1
+            if k >= min_rounds and any(p == 1 and o.status == 429 for p, o in out):
+                break
+    return out
 
 
 def test_breaker_shrinks_and_sheds_keeps_core_requests_and_never_restarts_for_latency(gw: RunningGateway) -> None:
-    results = asyncio.run(_mixed_load(gw.url, 25.0, 6.0))
+    results = asyncio.run(_rounds(gw.url))
     with open(gw.log_path) as f:
         log = f.read()
     core = [o for p, o in results if p == 0]
