@@ -250,7 +250,25 @@ class VLLMEngine(Engine):
                              kv_latent_dim=head if mla else 0, auto_elem_bytes=model_bytes,
                              weights_bytes=weights, activation_bytes=activation)
         return layout.memory_model(block_size=self._cfg.block_size, num_blocks=self._num_kv_blocks_total(),
-                                   kv_dtype=self._cfg.kv_dtype)
+                                   kv_dtype=self._cfg.kv_dtype, budget_bytes=self._given_budget_bytes(weights, activation))
+
+    def _given_budget_bytes(self, weights: float, activation: float) -> float | None:
+        """The memory the engine was given, when its KV pool is deliberately smaller than that
+        (``num_gpu_blocks_override``); None otherwise (vLLM sizes the pool from what is left of
+        its budget, so weights + activations + pool is the budget). Counted as weights +
+        activations + pool, a small override pool put the 80 % ceiling below the weights alone
+        and every request was refused as too large for memory; the pool's own limit is then
+        vLLM's (it preempts), as on a GPU with a small ``num_gpu_blocks_override``."""
+        c = self._cfg
+        if c.num_gpu_blocks_override is None:
+            return None
+        from vllm.platforms import current_platform
+
+        if current_platform.is_cpu():
+            return weights + activation + c.kv_cache_space_gib * _GiB
+        import torch
+
+        return c.gpu_memory_utilization * float(torch.cuda.get_device_properties(0).total_memory)
 
     def kv_block_bytes_actual(self) -> int:
         """Bytes of one KV block (all layers) as the running engine allocated it."""

@@ -201,6 +201,11 @@ def test_restart_to_small_block_budget_preempts_and_loses_nothing(engine: VLLMEn
     try:
         assert seconds > 0
         assert engine.stats().num_kv_blocks_total == 23
+        # The memory the engine was given is the budget, not weights + activations + this small
+        # pool: the whole pool in use stays within the 80 % ceiling (vLLM's preemption is the limit).
+        mm = engine.memory_model()
+        full_pool = mm.weights_bytes + mm.activation_bytes + mm.num_kv_blocks_total * mm.kv_block_bytes["auto"]
+        assert full_pool / mm.budget_bytes < 0.8, (full_pool, mm.budget_bytes)
         for i in range(10):
             engine.add_request(_req(f"press-{i}", engine.now, 200, 100))
         finished, preempted, _, _ = _run(engine, timeout_s=120)
