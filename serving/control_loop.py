@@ -157,7 +157,7 @@ class LaneControl:
     stale_intervals: int = 0
     last_snapshot: Snapshot | None = None
     #: The lane as the plant decisions act on (``serving/actuation.py``), and its breaker trip.
-    plant: Any = None
+    plant: LanePlant | None = None
     trip: BreakerTrip = field(default_factory=BreakerTrip)
     last_decision: dict[str, Any] = field(default_factory=dict)
     #: Who set the knobs the last interval ran under: a snapshot measures the interval that
@@ -486,6 +486,7 @@ class ControlLoop:
             mt.alerts.inc()
             self._note(f"shield alert on {lane.name}: {a}")
         plant = ctl.plant
+        assert plant is not None  # wired in __init__
         plant.acting = who
         done = actuate(dec, lane.knobs, plant, ctl.trip, restart_on_trip=ctl.shield.cfg.breaker_restart)
         if done.restart == "advised" and not ctl.shield.cfg.breaker_restart:
