@@ -62,7 +62,7 @@ from batchpilot.core.plant import BreakerTrip, actuate
 from batchpilot.core.residual import ACTION_MODES, ResidualPID, residual_pid_config
 from batchpilot.core.shield import Shield, ShieldConfig
 from batchpilot.core.telemetry import FEATURE_NAMES, OBS_HIGH, OBS_LOW, SLO, Snapshot, Telemetry
-from batchpilot.envs.engines import build_engine
+from batchpilot.envs.engines import EngineFactory
 from batchpilot.envs.reward import RewardConfig, reward_terms
 from batchpilot.envs.workloads import RequestStream, build_workload
 from batchpilot.metrics import summarize
@@ -164,7 +164,8 @@ class ServingEnv(gym.Env):
         if self.action_mode not in ACTION_MODES:
             raise ValueError(f"env.action_mode must be one of {ACTION_MODES}, got {self.action_mode!r}")
 
-        self.engine: Engine = build_engine(cfg)
+        self._new_engine = EngineFactory(cfg)
+        self.engine: Engine = self._new_engine()
         caps = self.engine.capabilities()
         self._caps = caps
         self._max_num_seqs = caps.max_num_seqs
@@ -195,7 +196,7 @@ class ServingEnv(gym.Env):
         super().reset(seed=None if seed is None else seed + offset)
         if self._needs_fresh_engine or self.engine.kv_dtype != self._initial_kv_dtype():
             self.engine.close()
-            self.engine = build_engine(self.cfg)
+            self.engine = self._new_engine()
         else:
             self._drain_engine()
         self._needs_fresh_engine = self.cfg.engine.kind == "sim"
