@@ -491,8 +491,8 @@ def live_evaluate(cfg: DictConfig, model_dir: Path | None = None) -> dict[str, A
                 print(f"live_evaluate: round {rnd} {path}: goodput {row['request_goodput']:.3f} req/s, "
                       f"{row['completed']}/{row['requests']} completed, {row['failed']} failed, "
                       f"preemptions {row['preemptions']:.0f}, wall {row['wall_s']:.0f} s", flush=True)
-                write_results(rows, out_dir, meta=_meta(cfg, tf, order), plots=False)
-    files = write_results(rows, out_dir, meta=_meta(cfg, tf, order), plots=bool(cfg.plots))
+                write_results(rows, out_dir, meta=_meta(cfg, tf, order, pdirs), plots=False)
+    files = write_results(rows, out_dir, meta=_meta(cfg, tf, order, pdirs), plots=bool(cfg.plots))
     if cfg.get("sim_twin", False):  # the same requests on the calibrated simulator (policies/live_twin.py)
         from batchpilot.policies.live_twin import header_priority, run_twin, write_twin
 
@@ -509,12 +509,12 @@ def live_evaluate(cfg: DictConfig, model_dir: Path | None = None) -> dict[str, A
     return {"rows": rows, "files": files, "trace": tf}
 
 
-def _meta(cfg: DictConfig, tf: TimedTraceFile, order: list[list[str]]) -> dict[str, Any]:
+def _meta(cfg: DictConfig, tf: TimedTraceFile, order: list[list[str]], pdirs: Mapping[str, str]) -> dict[str, Any]:
     return {"scenario": OmegaConf.to_container(cfg.live_scenario, resolve=True), "trace": tf.summary,
             "requests_per_run": len(tf), "window_s": tf.duration_s, "order": order,
             "slo": {"ttft_ms": cfg.slo.ttft_ms, "tpot_ms": cfg.slo.tpot_ms},
             "warmup_requests": int(cfg.warmup.requests), "host_cpus": os.cpu_count(),
-            "policies": policy_dirs(cfg)}
+            "policies": dict(pdirs)}
 
 
 # --- results out -----------------------------------------------------------------------------

@@ -491,7 +491,6 @@ class ControlLoop:
         done = actuate(dec, lane.knobs, plant, ctl.trip, restart_on_trip=ctl.shield.cfg.breaker_restart)
         if done.restart == "advised" and not ctl.shield.cfg.breaker_restart:
             self._note(f"breaker level 3 on {lane.name}: restart recommended (shield.breaker_restart is off)")
-        lane.breaker_level = dec.breaker_level
         mt.breaker_level.labels(lane.name).set(dec.breaker_level)
         # The quality guard's fallback to 16-bit.
         guard = self.gw.quality

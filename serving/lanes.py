@@ -67,7 +67,6 @@ class Lane:
     metrics: GatewayMetrics
     retry_after_s: int = 1
     waiters: dict[str, asyncio.Future] = field(default_factory=dict)
-    breaker_level: int = 0
     #: Set while a controller's dtype choice waits for a restart, or when it is only recommended.
     num_finished: int = 0
     #: What the upstream reported since the last control tick that counts as running out of

@@ -263,10 +263,6 @@ class Admission:
         return tuple(b.num_waiting for b in self._buckets)
 
     @property
-    def max_wait_s(self) -> float | None:
-        return self.cfg.max_wait_s
-
-    @property
     def expires(self) -> bool:
         """Whether ``expire`` can refuse anything (a wait limit or a TTFT deadline is set)."""
         return self.cfg.max_wait_s is not None or self.deadline_s is not None

@@ -66,18 +66,21 @@ class Actuation:
     knobs: Knobs
     shed: int = 0
     kv_switch: str | None = None
-    kv_in_force: bool = False
     restart: str | None = None  # "done" (restarted) or "advised" (the plant could not)
+
+    @property
+    def kv_in_force(self) -> bool:
+        """Whether the KV switch asked for runs now (else later, or not at all)."""
+        return self.kv_switch is not None and self.knobs.kv_dtype == self.kv_switch
 
 
 def actuate(decision: Decision, current: Knobs, plant: Plant, trip: BreakerTrip, *, restart_on_trip: bool) -> Actuation:
     """Act on ``decision`` (the shield's, for knobs ``current`` in force) through ``plant``."""
     knobs = decision.knobs
-    kv_switch, kv_in_force = None, False
+    kv_switch = None
     if knobs.kv_dtype != current.kv_dtype:
         kv_switch = knobs.kv_dtype
-        kv_in_force = plant.switch_kv_dtype(knobs.kv_dtype)
-        if not kv_in_force:
+        if not plant.switch_kv_dtype(kv_switch):
             knobs = knobs.with_(kv_dtype=current.kv_dtype)
     plant.set_knobs(knobs)
     shed = 0
@@ -89,4 +92,4 @@ def actuate(decision: Decision, current: Knobs, plant: Plant, trip: BreakerTrip,
         restart = "done" if restart_on_trip and plant.restart("breaker") else "advised"
     if decision.breaker_level == 0:
         trip.restarted = False
-    return Actuation(knobs, shed, kv_switch, kv_in_force, restart)
+    return Actuation(knobs, shed, kv_switch, restart)
