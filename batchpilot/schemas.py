@@ -64,6 +64,7 @@ from hydra.core.config_store import ConfigStore
 from batchpilot.config import from_node, node_schema, plain, schema_node
 from batchpilot.core.admission import AdmissionConfig
 from batchpilot.core.engine import KV_DTYPES_ALL
+from batchpilot.core.knobs import BUCKETING_MODES
 from batchpilot.core.pid import PIDConfig, check_common
 from batchpilot.core.shield import ShieldConfig
 from batchpilot.core.specs import HardwareSpec, ModelSpec
@@ -136,6 +137,8 @@ class TrainConfig:
     progress_bar: bool = True
     slo_tolerance: float = 0.0
     baseline_prior_logit: float = 2.0
+    # The bucketing order the untrained actor leans to (the same logit), or None for no prior.
+    bucketing_prior: str | None = None
     # Warm start: an exported policy folder (or its manifest.json); the actor and the observation
     # normalisation are loaded from it, the critic and reward normalisation start fresh.
     init_from: str | None = None
@@ -168,6 +171,8 @@ class TrainConfig:
             raise ValueError(f"train.n_steps and train.batch_size must be >= 2, got {self.n_steps}, {self.batch_size}")
         if self.export_select not in ("best", "final"):
             raise ValueError(f"train.export_select must be best or final, got {self.export_select!r}")
+        if self.bucketing_prior is not None and self.bucketing_prior not in BUCKETING_MODES:
+            raise ValueError(f"train.bucketing_prior must be null or one of {BUCKETING_MODES}, got {self.bucketing_prior!r}")
         if self.critic_warmup_steps < 0:
             raise ValueError(f"train.critic_warmup_steps must be >= 0, got {self.critic_warmup_steps}")
         if "workloads" not in self.validation or "seeds" not in self.validation:
@@ -229,6 +234,9 @@ class EnvNode:
     #: At the last step, let requests in flight finish (at most drain_timeout_s).
     drain_on_truncate: bool
     drain_timeout_s: float
+    #: Deployment randomisation (training): "model/hardware" pairs an episode draws from; the
+    #: workload's load is sized per deployment. Empty = the config's model and hardware.
+    deployments: list[str]
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
 
