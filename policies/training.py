@@ -178,22 +178,25 @@ def build_model(venv: Any, tc: TrainConfig, seed: int) -> Any:
     )
 
 
-def start_at_baseline(model: Any, logit: float) -> None:
+def start_at_baseline(model: Any, logit: float, bucketing: str | None = None) -> None:
     """Start a residual policy near PID: the untrained actor's outputs are ~0 (orthogonal init,
     gain 0.01), so a bias of ``logit`` on factor 1 and "keep" KV makes PID's cap and the
     engine's dtype the most likely action (e^2 / (e^2 + 4) = 65 % for the factor at 2.0) and
     exploration a perturbation of PID, instead of a uniformly random cap from the first step.
-    The bucketing order gets no prior: it is the policy's own choice from the start (measured
-    on the validation draws: PID with shortest_first 16.4 req/s goodput vs 14.2 with PID's
-    weighted; a prior towards PID's order kept the policy from finding that in 150k steps)."""
+    The bucketing order gets no prior unless ``bucketing`` names one (``train.bucketing_prior``):
+    a prior towards PID's own order (weighted) kept the policy from finding shortest_first in
+    150k steps (validation draws: PID with shortest_first 16.4 req/s goodput vs 14.2 weighted)."""
     if logit == 0.0:
         return
     import torch
 
     from batchpilot.core.actions import ACTION_NVEC
+    from batchpilot.core.knobs import BUCKETING_MODES
 
     # (sub-action offset in the flat logits, index): factor 1 (batch index 2), keep KV (index 0).
-    biased = ((0, 2), (ACTION_NVEC[0] + ACTION_NVEC[1], 0))
+    biased = [(0, 2), (ACTION_NVEC[0] + ACTION_NVEC[1], 0)]
+    if bucketing is not None:
+        biased.append((ACTION_NVEC[0], BUCKETING_MODES.index(bucketing)))
     with torch.no_grad():
         bias = model.policy.action_net.bias
         for off, idx in biased:
@@ -354,7 +357,7 @@ def train(cfg: DictConfig) -> float:
             model.save(out_dir / "init" / "model.zip")
             venv.save(str(out_dir / "init" / "vecnormalize.pkl"))
         elif plain.env.get("action_mode") == "residual_pid":
-            start_at_baseline(model, tc.baseline_prior_logit)
+            start_at_baseline(model, tc.baseline_prior_logit, tc.bucketing_prior)
         model.set_logger(sb3_logger(out_dir, lc, verbose=False))
 
         # 3. Callbacks: episode metrics, W&B curves, validation + best model, checkpoints.

@@ -162,4 +162,9 @@ def test_a_residual_policy_starts_near_pid():
     for i, want in ((0, 2), (2, 0)):  # factor 1, keep KV
         assert np.mean(acts[:, i] == want) > 0.5, (i, np.bincount(acts[:, i]))
     assert all(np.mean(acts[:, 1] == b) > 0.15 for b in range(len(BUCKETING_MODES)))  # bucketing: no prior
+    # train.bucketing_prior: the order named leans the same way.
+    model = build_model(venv, tc, seed=0)
+    start_at_baseline(model, tc.baseline_prior_logit, "shortest_first")
+    acts = np.array([model.predict(obs, deterministic=False)[0][0] for _ in range(200)])
+    assert np.mean(acts[:, 1] == BUCKETING_MODES.index("shortest_first")) > 0.5, np.bincount(acts[:, 1])
     venv.close()
