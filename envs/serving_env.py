@@ -62,6 +62,7 @@ from batchpilot.core.plant import BreakerTrip, actuate
 from batchpilot.core.residual import ACTION_MODES, ResidualPID, residual_pid_config
 from batchpilot.core.shield import Shield, ShieldConfig
 from batchpilot.core.telemetry import FEATURE_NAMES, OBS_HIGH, OBS_LOW, SLO, Snapshot, Telemetry
+from batchpilot.envs.deployments import Deployment, DeploymentSet
 from batchpilot.envs.engines import EngineFactory
 from batchpilot.envs.reward import RewardConfig, reward_terms
 from batchpilot.envs.workloads import RequestStream, build_workload
@@ -155,37 +156,22 @@ class ServingEnv(gym.Env):
             )
         self.max_steps = int(round(float(e.episode_s) / self.interval_s))
         self.slo = slo_from_cfg(cfg.slo)
-        self.reward_cfg = RewardConfig.from_cfg(e.reward, float(cfg.model.get("kv8_quality_cost", 0.0)))
         self.admission_cfg = AdmissionConfig.from_cfg(e.admission)
         self.shield_cfg = ShieldConfig.from_cfg(cfg.shield)
         self.kv16_dtype, self.kv8_dtype = str(e.kv16_dtype), str(e.kv8_dtype)
-        self.rate_scale = float(e.rate_scale)
         self.action_mode = str(e.get("action_mode", "absolute"))
         if self.action_mode not in ACTION_MODES:
             raise ValueError(f"env.action_mode must be one of {ACTION_MODES}, got {self.action_mode!r}")
 
         self._new_engine = EngineFactory(cfg)
-        self.engine: Engine = self._new_engine()
-        caps = self.engine.capabilities()
-        self._caps = caps
-        self._max_num_seqs = caps.max_num_seqs
+        #: ``env.deployments``: the model/hardware pairs an episode draws from (None = cfg's).
+        self.deployments = DeploymentSet(cfg, self._new_engine) if e.get("deployments") else None
+        self.deployment: Deployment | None = None
         self.observation_space = gym.spaces.Box(
             low=OBS_LOW, high=OBS_HIGH, shape=(len(FEATURE_NAMES),), dtype=np.float32
         )
         self.action_space = gym.spaces.MultiDiscrete(list(ACTION_NVEC))
-        #: ``action_mode: residual_pid``: the PID whose cap an action's factor multiplies.
-        self.residual: ResidualPID | None = None
-        if self.action_mode == "residual_pid":
-            self.residual = ResidualPID(residual_pid_config(self.slo, self._max_num_seqs))
-        self._mask = action_mask(
-            {d: caps.can_run(d) for d in (self.kv16_dtype, self.kv8_dtype)},
-            kv16_dtype=self.kv16_dtype,
-            kv8_dtype=self.kv8_dtype,
-        )
-        #: Why a masked KV choice is masked (shown to users; never silently remapped).
-        self.unavailable = {
-            d: caps.why_not(d) for d in (self.kv16_dtype, self.kv8_dtype) if not caps.can_run(d)
-        }
+        self._use_engine(self._new_engine())
         self._needs_fresh_engine = False
         self._init_episode_state()
 
@@ -194,14 +180,20 @@ class ServingEnv(gym.Env):
         # workload.seed_offset: the same episode seeds draw other episodes of this workload.
         offset = int(self.cfg.workload.get("seed_offset", 0) or 0)
         super().reset(seed=None if seed is None else seed + offset)
-        if self._needs_fresh_engine or self.engine.kv_dtype != self._initial_kv_dtype():
+        drawn = self.deployments.draw(self.np_random) if self.deployments is not None else None
+        if drawn is not self.deployment:
             self.engine.close()
-            self.engine = self._new_engine()
+            self.deployment = drawn
+            self._use_engine(self._new_engine(drawn.model, drawn.hardware) if drawn else self._new_engine())
+        elif self._needs_fresh_engine or self.engine.kv_dtype != self._initial_kv_dtype():
+            self.engine.close()
+            self.engine = self._new_engine(*self._nodes())
         else:
             self._drain_engine()
         self._needs_fresh_engine = self.cfg.engine.kind == "sim"
         self._init_episode_state()
-        self.stream = build_workload(self.cfg.workload, self.np_random, self._caps.max_model_len)
+        workload = self.cfg.workload if self.deployment is None else self.deployment.workload
+        self.stream = build_workload(workload, self.np_random, self._caps.max_model_len)
         if self._episode_start > 0:  # a live engine's clock does not restart at 0
             self.stream = _shift_stream(self.stream, self._episode_start)
         snap = self._snapshot()
@@ -294,6 +286,35 @@ class ServingEnv(gym.Env):
         return list(self._finished)
 
     # --- internals -----------------------------------------------------------------------
+    def _use_engine(self, engine: Engine) -> None:
+        """What depends on the deployment: its limits, runnable KV dtypes, the PID a residual
+        action scales, the reward's scales (a drawn deployment's load multiplier)."""
+        self.engine = engine
+        caps = self._caps = engine.capabilities()
+        self._max_num_seqs = caps.max_num_seqs
+        model = self.cfg.model if self.deployment is None else self.deployment.model
+        self.reward_cfg = RewardConfig.from_cfg(self.cfg.env.reward, float(model.get("kv8_quality_cost", 0.0)))
+        mult = 1.0 if self.deployment is None else self.deployment.load_multiplier
+        #: The reward's throughput scale: the configured one times the deployment's capacity.
+        self.rate_scale = float(self.cfg.env.rate_scale) * mult
+        #: ``action_mode: residual_pid``: the PID whose cap an action's factor multiplies.
+        self.residual: ResidualPID | None = None
+        if self.action_mode == "residual_pid":
+            self.residual = ResidualPID(residual_pid_config(self.slo, self._max_num_seqs))
+        self._mask = action_mask(
+            {d: caps.can_run(d) for d in (self.kv16_dtype, self.kv8_dtype)},
+            kv16_dtype=self.kv16_dtype,
+            kv8_dtype=self.kv8_dtype,
+        )
+        #: Why a masked KV choice is masked (shown to users; never silently remapped).
+        self.unavailable = {
+            d: caps.why_not(d) for d in (self.kv16_dtype, self.kv8_dtype) if not caps.can_run(d)
+        }
+
+    def _nodes(self) -> tuple[Any, Any]:
+        d = self.deployment
+        return (None, None) if d is None else (d.model, d.hardware)
+
     def _initial_kv_dtype(self) -> str:
         return str(self.cfg.engine.get("kv_dtype", "auto"))
 
@@ -312,7 +333,9 @@ class ServingEnv(gym.Env):
             window_s=float(e.telemetry_window_s),
             max_num_seqs=self._max_num_seqs,
             max_model_len=self._caps.max_model_len,
-            rate_scale=self.rate_scale,
+            # The observation's scales are the configured ones whatever the deployment: a served
+            # policy knows no capacity, only what it was trained with (the manifest's).
+            rate_scale=float(e.rate_scale),
             token_rate_scale=float(e.token_rate_scale),
         )
         now = self.engine.now
