@@ -139,6 +139,9 @@ class TrainConfig:
     baseline_prior_logit: float = 2.0
     # The bucketing order the untrained actor leans to (the same logit), or None for no prior.
     bucketing_prior: str | None = None
+    # Deployment randomisation: "model/hardware" pairs the training episodes draw from (set as
+    # env.deployments on the training and validation environments); () = the config's own.
+    deployments: tuple[str, ...] = ()
     # Warm start: an exported policy folder (or its manifest.json); the actor and the observation
     # normalisation are loaded from it, the critic and reward normalisation start fresh.
     init_from: str | None = None
@@ -149,6 +152,7 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "net_arch", tuple(int(x) for x in self.net_arch))
+        object.__setattr__(self, "deployments", tuple(str(x) for x in self.deployments))
 
     @classmethod
     def from_cfg(cls, node: Any) -> "TrainConfig":

@@ -316,6 +316,8 @@ def train(cfg: DictConfig) -> float:
     out_dir = run_output_dir()
     # A plain, resolved copy: picklable for the workers, free of Hydra-only interpolations.
     plain = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
+    if tc.deployments:  # the training workers and the validation suite draw deployments
+        plain.env.deployments = list(tc.deployments)
     warm = None
     if tc.init_from:
         # Warm start: checked before any engine starts; the observation scales become the
