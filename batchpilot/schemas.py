@@ -37,7 +37,22 @@ store entry                     dataclass                                       
 ``live_scenario/schema``        ``LiveScenarioConfig`` (here; a schema only)      conf/live_scenario/*.yaml
 ``workload/schema_<kind>``      ``batchpilot.core.workload_config``: one per      conf/workload/*.yaml (by kind)
                                 kind (``PoissonWorkload``, ``OnOffWorkload``, ...)
+``schema/evaluate``             ``EvaluateApp`` (``best_static``:                 conf/evaluate.yaml (and
+                                ``BestStaticConfig``, ``load``: ``LoadConfig``)   evaluate_matrix.yaml through it)
+``schema/calibrate``            ``CalibrateApp`` (``grid``: ``Grid``, ``warmup``:  conf/calibrate.yaml
+                                ``EngineWarmupConfig``, ``base``:
+                                ``CalibrationBase``)
+``schema/live_evaluate``        ``LiveEvaluateApp``                               conf/live_evaluate.yaml
+``schema/export``               ``ExportApp``                                     conf/export.yaml
+``schema/bench``                ``BenchApp``                                      conf/bench.yaml
+``schema/serve_app``            ``ServeApp`` (groups only)                        conf/serve_app.yaml
 ==============================  ================================================  ==================================
+
+The apps' top configs list their schema first (``- /schema/<app>@_here_``): the top-level keys
+are checked like a group's; the groups they compose are ``Any`` there (each has its own schema).
+A key added with ``+key=...`` passes compose; ``check_app`` names it where an app reads its
+config (``EvalConfig.from_cfg``, the calibration's ``run_fit`` / ``run_report``, the live
+evaluation's ``_check``).
 
 ``VLLMEngineNode``, the ``...PolicyNode`` schemas and ``ServeNode`` are derived from their dataclass
 by ``batchpilot.config.node_schema`` (the
@@ -60,8 +75,10 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from hydra.core.config_store import ConfigStore
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ConfigKeyError, ValidationError
 
-from batchpilot.config import from_node, node_schema, plain, schema_node
+from batchpilot.config import ConfigError, from_node, node_schema, plain, schema_node
 from batchpilot.core.admission import AdmissionConfig
 from batchpilot.core.engine import KV_DTYPES_ALL
 from batchpilot.core.knobs import BUCKETING_MODES
@@ -771,6 +788,307 @@ class LiveScenarioConfig:
     #: Appended to the managed vLLM's arguments.
     vllm_args: list[str]
 
+# --- app configs: the top-level keys of conf/<app>.yaml -------------------------------------
+# Each app's top config lists its schema first (``- /schema/<app>@_here_``), so a mistyped
+# top-level key in the file, ``seedz=[1]`` or ``seeds=abc`` on the command line fail at compose
+# naming the key. The fields are required (no default here, so none can disagree with the
+# file); the groups an app composes (``model``, ``env``, ...) are ``Any`` here and checked by
+# their own schemas. A key added with Hydra's ``+key=...`` passes compose (struct mode lets it
+# through); the apps that read their top config (evaluate, calibrate, live_evaluate) check it
+# again with ``check_app`` and name it.
+
+
+@dataclass(frozen=True, slots=True)
+class BestStaticConfig:
+    """``best_static`` of ``conf/evaluate.yaml``: the grid ``best_static`` searches and its
+    objective (``policies/evaluation.py``)."""
+
+    #: Batch caps to try (values above the engine's max_num_seqs are clipped to it).
+    batch_caps: tuple[int, ...]
+    bucketing: tuple[str, ...]
+    #: "auto" (16-bit) and/or 8-bit dtypes; ones the engine cannot run are skipped, said so.
+    kv_dtypes: tuple[str, ...]
+    #: Only grid points at or above this SLO attainment compete on goodput.
+    min_slo_attainment: float
+    #: Seeds (trace windows) the grid is scored on; must be disjoint from the scored ``seeds``.
+    tune_seeds: tuple[int, ...]
+    #: Also run the grid on the scored seeds and report their best point as
+    #: ``best_static_hindsight``: an upper bound no static setting tuned beforehand can beat.
+    hindsight: bool
+
+    def __post_init__(self) -> None:
+        for name in ("batch_caps", "bucketing", "kv_dtypes", "tune_seeds"):
+            object.__setattr__(self, name, tuple(getattr(self, name)))
+        if not self.batch_caps or min(self.batch_caps) < 1:
+            raise ValueError(f"best_static.batch_caps must be non-empty and >= 1, got {list(self.batch_caps)}")
+        bad = [b for b in self.bucketing if b not in BUCKETING_MODES]
+        if not self.bucketing or bad:
+            raise ValueError(f"best_static.bucketing must be a non-empty subset of {BUCKETING_MODES}, "
+                             f"got {list(self.bucketing)}")
+        if not self.kv_dtypes:
+            raise ValueError("best_static.kv_dtypes must not be empty (e.g. [auto, fp8])")
+        if not 0.0 <= self.min_slo_attainment <= 1.0:
+            raise ValueError(f"best_static.min_slo_attainment must be in [0, 1], got {self.min_slo_attainment}")
+        if not self.tune_seeds or len(set(self.tune_seeds)) != len(self.tune_seeds):
+            raise ValueError(f"best_static.tune_seeds must be a non-empty list of distinct ints, "
+                             f"got {list(self.tune_seeds)}")
+
+
+LOAD_MODES = ("probe", "table", "none")
+
+
+@dataclass(frozen=True, slots=True)
+class LoadConfig:
+    """``load`` of ``conf/evaluate.yaml``: how a workload's load is sized per deployment (its
+    ``rate_scale`` is multiplied by capacity(deployment) / capacity(the workload's own
+    deployment), so every deployment runs at the load the workload was written for)."""
+
+    #: probe: measure each capacity on the simulator (saturated, the workload's own lengths);
+    #: table: only ``table``; none: every deployment gets the workload's rates unchanged.
+    mode: str
+    #: "model/hardware" -> multiplier; wins over the probe for that deployment.
+    table: dict[str, float]
+    #: Completions the probe counts (after as many again to fill the engine).
+    probe_completions: int
+
+    def __post_init__(self) -> None:
+        if self.mode not in LOAD_MODES:
+            raise ValueError(f"load.mode must be one of {LOAD_MODES}, got {self.mode!r}")
+        bad = {k: v for k, v in self.table.items() if not v > 0}
+        if bad:
+            raise ValueError(f"load.table: multipliers must be > 0, got {bad}")
+        if self.probe_completions < 10:
+            raise ValueError(f"load.probe_completions must be >= 10, got {self.probe_completions}")
+
+
+@dataclass(slots=True)
+class EvaluateApp:
+    """``conf/evaluate.yaml`` (and ``evaluate_matrix.yaml``, built on it): see the comments
+    there for each key; ``policies/evaluation.py EvalConfig.from_cfg`` reads them."""
+
+    # Groups (their own schemas).
+    hardware: Any
+    model: Any
+    workload: Any
+    slo: Any
+    env: Any
+    shield: Any
+    logger: Any
+    engine: Any
+    launcher: Any
+    # Run-wide settings.
+    policies: list[str]
+    seeds: list[int]
+    workloads: list[str] | None
+    deployments: list[str] | None
+    load: LoadConfig
+    trace_windows: bool
+    trace_window_stride_s: float | None
+    workload_overrides: dict[str, list[str]]
+    policy_overrides: dict[str, dict[str, Any]]
+    best_static: BestStaticConfig
+    plots: bool
+    out_dir: str
+
+
+@dataclass(frozen=True, slots=True)
+class Grid:
+    """``grid`` of ``conf/calibrate.yaml``: what the calibration measures
+    (``policies/calibration.py``)."""
+
+    #: Decode batch sizes x prompt (context) lengths; points with batch x context above
+    #: ``max_decode_tokens`` are skipped (their prefill alone would take too long).
+    batch_sizes: tuple[int, ...]
+    contexts: tuple[int, ...]
+    #: Decode prompts drawn from ``context x [1 - s, 1 + s]`` (0 = all equal); see measure_decode.
+    context_spread: float
+    max_decode_tokens: int
+    decode_steps: int
+    #: Decode points with these batch sizes also measure mixed iterations: one fresh prompt of
+    #: each of ``mixed_chunks`` tokens prefilled beside the decodes.
+    mixed_batches: tuple[int, ...]
+    mixed_chunks: tuple[int, ...]
+    mixed_repeats: int
+    #: Prefill chunk sizes x prior (prefix-cached) contexts x requests per iteration; points
+    #: whose prompt reaches ``max_model_len`` or whose chunks exceed the token budget are skipped.
+    chunks: tuple[int, ...]
+    priors: tuple[int, ...]
+    prefill_reqs: tuple[int, ...]
+    prefill_repeats: int
+
+    def __post_init__(self) -> None:
+        for name in self.__dataclass_fields__:
+            if isinstance(getattr(self, name), list):
+                object.__setattr__(self, name, tuple(getattr(self, name)))
+
+
+#: ``base`` of ``conf/calibrate.yaml``: the nominal peaks a fitted profile is relative to, i.e.
+#: ``HardwareSpec`` less ``name`` and ``memory_gb`` (filled by the calibration); what the file
+#: leaves out is ``HardwareSpec``'s own default, as when the profile is built from it.
+CalibrationBase = node_schema(HardwareSpec, "CalibrationBase", exclude=("name", "memory_gb"))
+
+
+@dataclass(slots=True)
+class CalibrateApp:
+    """``conf/calibrate.yaml`` (``policies/calibration.py``; see the comments there)."""
+
+    fit: bool
+    report: bool
+    seed: int
+    live_overrides: list[str]
+    #: Read from the command line by ``scripts/calibrate.py`` before torch loads; here so the
+    #: keys are known and typed.
+    omp_wait_policy: str | None
+    omp_num_threads: int | None
+    warmup: EngineWarmupConfig
+    profile: str
+    out: str
+    base: CalibrationBase  # type: ignore[valid-type]
+    grid: Grid
+    runs: int
+    common_overrides: list[str]
+    sim_overrides: list[str]
+    live_report_overrides: list[str]
+    report_rate_scale: float
+    #: Workload name -> the Hydra overrides that make it.
+    workloads: dict[str, list[str]]
+
+
+@dataclass(slots=True)
+class LiveWarmupNode:
+    """``warmup`` of ``conf/live_evaluate.yaml``."""
+
+    requests: int
+
+
+@dataclass(slots=True)
+class LiveClientNode:
+    """``client`` of ``conf/live_evaluate.yaml``: vLLM's benchmark client's settings."""
+
+    temperature: float | None
+    max_concurrency: int | None
+    headers: list[str]
+
+
+@dataclass(slots=True)
+class LiveGatewayNode:
+    """``gateway`` of ``conf/live_evaluate.yaml``: the gateway and the vLLM it manages."""
+
+    model: str | None
+    served_model_name: str
+    kv_cache_space_gib: int
+    extra_vllm_args: list[str]
+    overrides: list[str]
+    startup_timeout_s: float
+    settle_timeout_s: float
+
+
+@dataclass(slots=True)
+class LiveEvaluateApp:
+    """``conf/live_evaluate.yaml`` (``policies/live_evaluation.py``; see the comments there)."""
+
+    slo: Any
+    live_scenario: Any
+    paths: list[str]
+    #: More policy paths: name -> an exported policy folder.
+    policies: dict[str, str]
+    rounds: int
+    order: str
+    seed: int
+    warmup: LiveWarmupNode
+    client: LiveClientNode
+    gateway: LiveGatewayNode
+    plots: bool
+    sim_twin: bool
+    twin_of: str | None
+    out_dir: str
+
+
+@dataclass(slots=True)
+class ExportApp:
+    """``conf/export.yaml`` (``scripts/export.py``)."""
+
+    shield: Any
+    slo: Any
+    model_path: str
+    vecnorm_path: str | None
+    out_dir: str
+    train_config_path: str | None
+    parity_samples: int
+
+
+@dataclass(slots=True)
+class SimBenchNode:
+    """``sim`` of ``conf/bench.yaml`` (``scripts/bench.py target=sim``)."""
+
+    wall_seconds: float
+    arrival_rate_per_s: float
+    prompt_mean: float
+    output_mean: float
+    length_sigma: float
+    max_waiting: int
+
+
+@dataclass(slots=True)
+class EnvBenchNode:
+    """``env_bench`` of ``conf/bench.yaml`` (``target=env``)."""
+
+    wall_seconds: float
+    workload: str
+    rate: float
+    interval_s: float
+
+
+@dataclass(slots=True)
+class PolicyBenchNode:
+    """``policy_bench`` of ``conf/bench.yaml`` (``target=policy``)."""
+
+    path: str | None
+    n_calls: int
+
+
+@dataclass(slots=True)
+class BenchApp:
+    """``conf/bench.yaml`` (``scripts/bench.py``). ``gateway_bench`` / ``client_bench`` extend
+    ``schema/gateway_bench`` / ``schema/client_bench`` in the file's defaults list."""
+
+    hardware: Any
+    model: Any
+    engine: Any
+    gateway_bench: Any
+    client_bench: Any
+    target: str
+    seed: int
+    sim: SimBenchNode
+    hardware_name: str
+    model_name: str
+    env_bench: EnvBenchNode
+    policy_bench: PolicyBenchNode
+
+
+@dataclass(slots=True)
+class ServeApp:
+    """``conf/serve_app.yaml`` (``scripts/serve.py``): only groups, each checked by its own
+    schema; this one rejects any other top-level key."""
+
+    serve: Any
+    slo: Any
+    shield: Any
+    policy: Any
+
+
+def check_app(cls: type, cfg: Any) -> None:
+    """Check a composed top config against its app schema ``cls`` again: the keys and types
+    were checked at compose time, but a key added with ``+key=...`` gets through; this names
+    it (``batchpilot.config.ConfigError``, a ``ValueError``). Nothing is resolved or built."""
+    # A plain container: merged as a config of the schema's own type, an added key would pass.
+    data = OmegaConf.to_container(cfg, resolve=False) if isinstance(cfg, DictConfig) else dict(cfg)
+    try:
+        OmegaConf.merge(schema_node(cls), data)
+    except (ConfigKeyError, ValidationError) as exc:
+        raise ConfigError(f"{cls.__name__}: {exc}") from None
+
+
 # --- registration ---------------------------------------------------------------------------
 #: (group, name, dataclass) of every stored schema.
 SCHEMAS: tuple[tuple[str, str, type], ...] = (
@@ -792,6 +1110,13 @@ SCHEMAS: tuple[tuple[str, str, type], ...] = (
     ("schema", "client_bench", ClientBenchConfig),
     ("launcher", "schema", LauncherConfig),
     ("live_scenario", "schema", LiveScenarioConfig),
+    # The apps' top configs (conf/<app>.yaml: ``- /schema/<app>@_here_``).
+    ("schema", "evaluate", EvaluateApp),
+    ("schema", "calibrate", CalibrateApp),
+    ("schema", "live_evaluate", LiveEvaluateApp),
+    ("schema", "export", ExportApp),
+    ("schema", "bench", BenchApp),
+    ("schema", "serve_app", ServeApp),
     # One per workload kind (batchpilot/core/workload_config.py): workload/schema_poisson, ...
     *(("workload", f"schema_{kind}", cls) for kind, cls in WORKLOAD_SCHEMAS.items()),
 )

@@ -42,6 +42,7 @@ import numpy as np
 from batchpilot.core.engine import Engine, Request
 from batchpilot.envs.specs import HardwareSpec, ModelSpec
 from batchpilot.envs.step_time import StepTimeModel
+from batchpilot.schemas import CalibrateApp, Grid, check_app  # Grid: declared there (calibrate.yaml's grid)
 
 #: Features of one iteration, in the order of ``IterationSample.features`` / the fit.
 FEATURES: tuple[str, ...] = (
@@ -84,40 +85,6 @@ class IterationSample:
     def predict(self, st: StepTimeModel) -> float:
         return st.step_time(self.num_prefill_tokens, self.prefill_pairs, self.prefill_ctx,
                             self.num_decode, self.sum_decode_ctx, self.num_seqs)
-
-
-@dataclass(frozen=True, slots=True)
-class Grid:
-    """What to measure (``conf/calibrate.yaml`` ``grid``)."""
-
-    #: Decode batch sizes x prompt (context) lengths; points with batch x context above
-    #: ``max_decode_tokens`` are skipped (their prefill alone would take too long).
-    batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 192, 256)
-    contexts: tuple[int, ...] = (16, 256, 1024)
-    max_decode_tokens: int = 65536
-    decode_steps: int = 24
-    #: Decode prompts drawn from ``context x [1 - s, 1 + s]`` (0 = all equal); see measure_decode.
-    context_spread: float = 0.0
-    #: Decode points with these batch sizes also measure mixed iterations: one fresh prompt of
-    #: each of ``mixed_chunks`` tokens prefilled beside the decodes.
-    mixed_batches: tuple[int, ...] = (16, 64)
-    mixed_chunks: tuple[int, ...] = (256, 1024)
-    mixed_repeats: int = 3
-    #: Prefill chunk sizes x prior (prefix-cached) contexts x requests per iteration; points
-    #: whose prompt reaches ``max_model_len`` or whose chunks exceed the token budget are skipped.
-    chunks: tuple[int, ...] = (32, 128, 512, 1024, 2000)
-    priors: tuple[int, ...] = (0, 512, 1024)
-    prefill_reqs: tuple[int, ...] = (1, 4)
-    prefill_repeats: int = 3
-
-    @classmethod
-    def from_cfg(cls, cfg: Any) -> "Grid":
-        d = dict(cfg.items())
-        names = {f for f in cls.__dataclass_fields__}
-        unknown = sorted(set(d) - names)
-        if unknown:
-            raise ValueError(f"calibrate grid: unknown keys {unknown}; known: {sorted(names)}")
-        return cls(**{k: v if isinstance(v, (int, float)) else tuple(v) for k, v in d.items()})
 
 
 def _run_until_idle(engine: Engine, limit_s: float = 600.0) -> None:
@@ -637,9 +604,10 @@ def run_fit(cfg: Any, console: Any) -> CalibrationResult:
     from omegaconf import OmegaConf
     from rich.table import Table
 
-    from batchpilot.config import REPO_ROOT, load_config
+    from batchpilot.config import REPO_ROOT, from_node, load_config
     from batchpilot.envs.vllm_engine import VLLMEngine
 
+    check_app(CalibrateApp, cfg)
     live_cfg = load_config(["engine=vllm", *cfg.live_overrides])
     model = ModelSpec.from_cfg(live_cfg.model)
     engine = VLLMEngine.from_cfg(live_cfg)
@@ -661,7 +629,7 @@ def run_fit(cfg: Any, console: Any) -> CalibrationResult:
             console.print(f"  {s.label:42s} {s.seconds * 1e3:8.2f} ms (cpu {s.cpu_seconds * 1e3:.2f},"
                           f" spread {s.spread:.2f})")
 
-        res = calibrate(engine, model, base, Grid.from_cfg(cfg.grid), warmup_s=warm_s,
+        res = calibrate(engine, model, base, from_node(Grid, cfg.grid), warmup_s=warm_s,
                         warmup_kwargs=warm, progress=progress)
     finally:
         engine.close()
@@ -701,6 +669,7 @@ def run_report(cfg: Any, console: Any) -> dict[str, float]:
     from batchpilot.config import load_config
     from batchpilot.policies.controllers import initial_knobs
 
+    check_app(CalibrateApp, cfg)
     warm = dict(OmegaConf.to_container(cfg.warmup, resolve=True))
     warm_s = float(warm.pop("seconds"))
     common = list(cfg.common_overrides)

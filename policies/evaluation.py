@@ -48,14 +48,24 @@ from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from batchpilot.config import CONF_DIR
+from batchpilot.config import CONF_DIR, from_node
 from batchpilot.core.engine import EngineCapabilities
-from batchpilot.core.knobs import BUCKETING_MODES, Knobs
+from batchpilot.core.knobs import Knobs
 from batchpilot.envs.engines import build_engine
 from batchpilot.envs.workloads import build_workload
 from batchpilot.policies.controllers import CONTROLLER_BUILDERS, Controller, build_controller
 from batchpilot.policies.eval_report import ROW_KEYS, Timeline
-from batchpilot.schemas import LAUNCHERS, LauncherConfig  # noqa: F401  (declared there: launcher/schema)
+
+# Declared there (the evaluate schema and launcher/schema type them); re-exported here.
+from batchpilot.schemas import (  # noqa: F401
+    LAUNCHERS,
+    LOAD_MODES,
+    BestStaticConfig,
+    EvaluateApp,
+    LauncherConfig,
+    LoadConfig,
+    check_app,
+)
 
 BEST_STATIC = "best_static"
 #: The grid's best point on the scored seeds themselves: an upper bound, not a baseline.
@@ -71,37 +81,6 @@ class EvaluationError(ValueError):
 
 
 # --- config ----------------------------------------------------------------------------------
-@dataclass(frozen=True, slots=True)
-class BestStaticConfig:
-    """The grid ``best_static`` searches, and its objective (see the module docstring)."""
-
-    #: Batch caps to try (values above the engine's max_num_seqs are clipped to it).
-    batch_caps: tuple[int, ...] = (8, 16, 32, 64, 128, 256)
-    bucketing: tuple[str, ...] = BUCKETING_MODES
-    #: "auto" (16-bit) and/or 8-bit dtypes; ones the engine cannot run are skipped, said so.
-    kv_dtypes: tuple[str, ...] = ("auto", "fp8")
-    #: Only grid points at or above this SLO attainment compete on goodput.
-    min_slo_attainment: float = 0.9
-    #: Seeds (trace windows) the grid is scored on; must be disjoint from the scored ``seeds``.
-    tune_seeds: tuple[int, ...] = (3,)
-    #: Also run the grid on the scored seeds and report their best point as
-    #: ``best_static_hindsight``: an upper bound no static setting tuned beforehand can beat.
-    hindsight: bool = True
-
-    def __post_init__(self) -> None:
-        if not self.batch_caps or min(self.batch_caps) < 1:
-            raise EvaluationError(f"best_static.batch_caps must be non-empty and >= 1, got {list(self.batch_caps)}")
-        bad = [b for b in self.bucketing if b not in BUCKETING_MODES]
-        if not self.bucketing or bad:
-            raise EvaluationError(f"best_static.bucketing must be a non-empty subset of {BUCKETING_MODES}, got {list(self.bucketing)}")
-        if not self.kv_dtypes:
-            raise EvaluationError("best_static.kv_dtypes must not be empty (e.g. [auto, fp8])")
-        if not 0.0 <= self.min_slo_attainment <= 1.0:
-            raise EvaluationError(f"best_static.min_slo_attainment must be in [0, 1], got {self.min_slo_attainment}")
-        if not self.tune_seeds or len(set(self.tune_seeds)) != len(self.tune_seeds):
-            raise EvaluationError(f"best_static.tune_seeds must be a non-empty list of distinct ints, got {list(self.tune_seeds)}")
-
-
 def _launcher(node: Any) -> LauncherConfig:
     """``launcher`` (``conf/launcher/*.yaml``, checked against ``launcher/schema`` at compose)."""
     try:
@@ -133,57 +112,32 @@ class Deployment:
         return cls(model, hardware)
 
 
-LOAD_MODES = ("probe", "table", "none")
-
-
-@dataclass(frozen=True, slots=True)
-class LoadConfig:
-    """How a workload's load is sized per deployment (``load:`` in conf/evaluate.yaml): its
-    ``rate_scale`` is multiplied by capacity(deployment) / capacity(the workload's own
-    deployment), so every deployment runs at the load the workload was written for."""
-
-    #: probe: measure each capacity on the simulator (saturated, the workload's own lengths);
-    #: table: only ``table``; none: every deployment gets the workload's rates unchanged.
-    mode: str = "probe"
-    #: "model/hardware" -> multiplier; wins over the probe for that deployment.
-    table: Mapping[str, float] = field(default_factory=dict)
-    #: Completions the probe counts (after as many again to fill the engine).
-    probe_completions: int = 300
-
-    def __post_init__(self) -> None:
-        if self.mode not in LOAD_MODES:
-            raise EvaluationError(f"load.mode must be one of {LOAD_MODES}, got {self.mode!r}")
-        bad = {k: v for k, v in self.table.items() if not (isinstance(v, (int, float)) and v > 0)}
-        if bad:
-            raise EvaluationError(f"load.table: multipliers must be > 0, got {bad}")
-        if self.probe_completions < 10:
-            raise EvaluationError(f"load.probe_completions must be >= 10, got {self.probe_completions}")
-
-
 @dataclass(frozen=True, slots=True)
 class EvalConfig:
-    """The run-wide settings of ``conf/evaluate.yaml`` (the groups are composed per workload)."""
+    """The run-wide settings of ``conf/evaluate.yaml`` (the groups are composed per workload).
+    Built by ``from_cfg`` from the composed config, whose keys and types ``schema/evaluate``
+    (``batchpilot.schemas.EvaluateApp``) checked at compose time; the values are the file's."""
 
     policies: tuple[str, ...]
     seeds: tuple[int, ...]
     out_dir: Path
     #: Names of ``conf/workload`` files; empty = the one ``workload`` group of the config.
-    workloads: tuple[str, ...] = ()
+    workloads: tuple[str, ...]
     #: Model/hardware pairs every workload runs on; empty = each workload's own
     #: (``workload_overrides``, else the ``model``/``hardware`` groups).
-    deployments: tuple[Deployment, ...] = ()
+    deployments: tuple[Deployment, ...]
     #: Workload name -> Hydra overrides it runs with (``["model=deepseek_v3", "hardware=h200"]``).
-    workload_overrides: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    workload_overrides: Mapping[str, tuple[str, ...]]
     #: Policy name -> keys merged into ``conf/policy/<name>.yaml`` (e.g. ``{ppo: {path: DIR}}``).
-    policy_overrides: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
-    best_static: BestStaticConfig = BestStaticConfig()
-    load: LoadConfig = LoadConfig()
+    policy_overrides: Mapping[str, Mapping[str, Any]]
+    best_static: BestStaticConfig
+    load: LoadConfig
     #: Traces with a ``duration_s``: seed k replays the window starting at
     #: ``start_s + k * stride`` (stride = ``trace_window_stride_s`` or the window's length).
-    trace_windows: bool = True
-    trace_window_stride_s: float | None = None
-    plots: bool = True
-    launcher: LauncherConfig = LauncherConfig()
+    trace_windows: bool
+    trace_window_stride_s: float | None
+    plots: bool
+    launcher: LauncherConfig
     #: The config each workload is recomposed from (``--config-name`` of the run).
     config_name: str = "evaluate"
 
@@ -195,8 +149,17 @@ class EvalConfig:
 
     @classmethod
     def from_cfg(cls, cfg: DictConfig) -> "EvalConfig":
-        pol = [str(p) for p in (cfg.policies or [])]
-        seeds = [int(s) for s in (cfg.seeds or [])]
+        """From the composed config. The keys and types are the schema's (a key added with
+        ``+key=...`` is named here); this checks what a type cannot say: names that must exist,
+        lists without repeats, tuning seeds apart from the scored ones, value ranges."""
+        try:
+            check_app(EvaluateApp, cfg)
+            bsc = from_node(BestStaticConfig, cfg.best_static)
+            load = from_node(LoadConfig, cfg.load)
+        except ValueError as e:
+            raise EvaluationError(str(e)) from None
+        pol = [str(p) for p in cfg.policies]
+        seeds = [int(s) for s in cfg.seeds]
         if not pol:
             raise EvaluationError("policies is empty: list controllers, e.g. policies=[pid,best_static]")
         if len(set(pol)) != len(pol):
@@ -207,24 +170,14 @@ class EvalConfig:
             if p != BEST_STATIC and not (CONF_DIR / "policy" / f"{p}.yaml").is_file():
                 known = sorted([f.stem for f in (CONF_DIR / "policy").glob("*.yaml")] + [BEST_STATIC])
                 raise EvaluationError(f"unknown policy {p!r} in policies=[...]; known: {known}")
-        wls = [str(w) for w in (cfg.get("workloads") or [])]
+        wls = [str(w) for w in (cfg.workloads or [])]
         for w in wls:
             if not (CONF_DIR / "workload" / f"{w}.yaml").is_file():
                 known = sorted(f.stem for f in (CONF_DIR / "workload").glob("*.yaml"))
                 raise EvaluationError(f"unknown workload {w!r} in workloads=[...]; known: {known}")
-        deps = [Deployment.parse(str(d)) for d in (cfg.get("deployments") or [])]
+        deps = [Deployment.parse(str(d)) for d in (cfg.deployments or [])]
         if len(set(deps)) != len(deps):
             raise EvaluationError(f"deployments lists a pair twice: {[d.label for d in deps]}")
-        bs = OmegaConf.to_container(cfg.best_static, resolve=True) if cfg.get("best_static") else {}
-        bs = {k: tuple(v) if isinstance(v, list) else v for k, v in dict(bs).items()}  # type: ignore[union-attr]
-        if "tune_seed" in bs:
-            raise EvaluationError(
-                "best_static.tune_seed was replaced by best_static.tune_seeds (a list disjoint from seeds)"
-            )
-        bs_known = set(BestStaticConfig.__dataclass_fields__)
-        if set(bs) - bs_known:
-            raise EvaluationError(f"best_static: unknown keys {sorted(set(bs) - bs_known)}; known: {sorted(bs_known)}")
-        bsc = BestStaticConfig(**bs)  # type: ignore[arg-type]
         if BEST_STATIC in pol:
             both = sorted(set(bsc.tune_seeds) & set(seeds))
             if both:
@@ -232,35 +185,25 @@ class EvalConfig:
                     f"best_static.tune_seeds {list(bsc.tune_seeds)} overlap seeds {seeds} at {both}: "
                     f"best_static must be tuned on other seeds (trace windows) than those it is scored on"
                 )
-        ld = dict(OmegaConf.to_container(cfg.get("load") or {}, resolve=True))  # type: ignore[arg-type]
-        if set(ld) - {"mode", "table", "probe_completions"}:
-            raise EvaluationError(f"load: unknown keys {sorted(set(ld) - {'mode', 'table', 'probe_completions'})}")
-        load = LoadConfig(
-            mode=str(ld.get("mode", "probe")),
-            table={str(k): float(v) for k, v in dict(ld.get("table") or {}).items()},
-            probe_completions=int(ld.get("probe_completions", 300)),
-        )
-        stride = cfg.get("trace_window_stride_s")
+        stride = cfg.trace_window_stride_s
         if stride is not None and not float(stride) > 0:
             raise EvaluationError(f"trace_window_stride_s must be > 0 or null, got {stride}")
-        wo = OmegaConf.to_container(cfg.get("workload_overrides") or {}, resolve=True)
-        po = OmegaConf.to_container(cfg.get("policy_overrides") or {}, resolve=True)
+        wo = OmegaConf.to_container(cfg.workload_overrides, resolve=True)
+        po = OmegaConf.to_container(cfg.policy_overrides, resolve=True)
         return cls(
             policies=tuple(pol),
             seeds=tuple(seeds),
             out_dir=Path(str(cfg.out_dir)),
             workloads=tuple(wls),
             deployments=tuple(deps),
-            workload_overrides={
-                str(k): tuple(str(o) for o in (v or [])) for k, v in dict(wo).items()  # type: ignore[union-attr]
-            },
-            policy_overrides={str(k): dict(v or {}) for k, v in dict(po).items()},  # type: ignore[union-attr]
+            workload_overrides={str(k): tuple(str(o) for o in v) for k, v in dict(wo).items()},  # type: ignore[arg-type]
+            policy_overrides={str(k): dict(v or {}) for k, v in dict(po).items()},  # type: ignore[arg-type]
             best_static=bsc,
             load=load,
-            trace_windows=bool(cfg.get("trace_windows", True)),
+            trace_windows=bool(cfg.trace_windows),
             trace_window_stride_s=None if stride is None else float(stride),
-            plots=bool(cfg.get("plots", True)),
-            launcher=_launcher(cfg.get("launcher")),
+            plots=bool(cfg.plots),
+            launcher=_launcher(cfg.launcher),
         )
 
 

@@ -62,6 +62,7 @@ from batchpilot.envs.timed_trace import (
 )
 from batchpilot.envs.traces import TraceOptions
 from batchpilot.policies.eval_report import _fmt, mean_ci
+from batchpilot.schemas import LiveEvaluateApp, check_app
 
 log = logging.getLogger(__name__)
 
@@ -387,7 +388,7 @@ def policy_dirs(cfg: DictConfig) -> dict[str, str]:
     """``policies``: more paths, each an exported policy the gateway runs in ``policy`` mode
     (e.g. ``{ppo_finetuned: outputs/finetune_live/run/policy}``); with any, ``ppo`` reloads the
     shipped policy before its runs. Folders are made absolute (the gateway runs elsewhere)."""
-    extra = {str(k): str(Path(str(v)).expanduser().resolve()) for k, v in (cfg.get("policies") or {}).items()}
+    extra = {str(k): str(Path(str(v)).expanduser().resolve()) for k, v in cfg.policies.items()}
     clash = [k for k in extra if k in PATHS]
     if clash:
         raise LiveEvaluationError(f"policies may not redefine the built-in paths {clash}")
@@ -402,6 +403,13 @@ def policy_dirs(cfg: DictConfig) -> dict[str, str]:
 
 
 def _check(cfg: DictConfig) -> list[str]:
+    """The run's paths. The keys and types were checked against ``schema/live_evaluate``
+    (``batchpilot.schemas.LiveEvaluateApp``) at compose time; again here for a key added with
+    ``+key=...``; then what a type cannot say (known, distinct paths; at least one round)."""
+    try:
+        check_app(LiveEvaluateApp, cfg)
+    except ValueError as e:
+        raise LiveEvaluationError(str(e)) from None
     paths = list(cfg.paths)
     known = (*PATHS, *policy_dirs(cfg))
     bad = [p for p in paths if p not in known]
@@ -493,7 +501,7 @@ def live_evaluate(cfg: DictConfig, model_dir: Path | None = None) -> dict[str, A
                       f"preemptions {row['preemptions']:.0f}, wall {row['wall_s']:.0f} s", flush=True)
                 write_results(rows, out_dir, meta=_meta(cfg, tf, order, pdirs), plots=False)
     files = write_results(rows, out_dir, meta=_meta(cfg, tf, order, pdirs), plots=bool(cfg.plots))
-    if cfg.get("sim_twin", False):  # the same requests on the calibrated simulator (policies/live_twin.py)
+    if cfg.sim_twin:  # the same requests on the calibrated simulator (policies/live_twin.py)
         from batchpilot.policies.live_twin import header_priority, run_twin, write_twin
 
         sc = OmegaConf.to_container(scenario, resolve=True)

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from hydra.errors import ConfigCompositionException
 
 from batchpilot.config import REPO_ROOT
 from batchpilot.policies import eval_report as rep
@@ -288,9 +289,12 @@ def test_tune_seeds_must_not_overlap_scored_seeds(tmp_path: Path) -> None:
     cfg, _ = compose_eval([*SMALL, "policies=[best_static]", "best_static.tune_seeds=[2,5]"])
     with pytest.raises(EvaluationError, match=r"tune_seeds \[2, 5\] overlap seeds \[0, 1, 2\] at \[2\]"):
         EvalConfig.from_cfg(cfg)
+    # The old spelling is not a key of best_static (schema/evaluate: BestStaticConfig).
     cfg, _ = compose_eval([*SMALL, "policies=[best_static]", "+best_static.tune_seed=0"])
-    with pytest.raises(EvaluationError, match="tune_seeds"):
+    with pytest.raises(EvaluationError, match=r"(?s)Key 'tune_seed' not in 'BestStaticConfig'.*full_key: best_static\.tune_seed"):
         EvalConfig.from_cfg(cfg)
+    with pytest.raises(ConfigCompositionException, match=r"best_static\.tune_seed"):
+        compose_eval([*SMALL, "policies=[best_static]", "best_static.tune_seed=0"])
     # Disjoint: fine, and the tuning seed's episodes are not among the rows.
     cfg, _ = compose_eval([*SMALL, "policies=[best_static]", "best_static.tune_seeds=[7]"])
     assert EvalConfig.from_cfg(cfg).all_seeds == (0, 1, 2, 7)
