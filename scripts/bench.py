@@ -139,6 +139,9 @@ TARGETS: dict[str, Callable[[DictConfig], dict[str, Any]]] = {
 
 @hydra.main(config_path="../conf", config_name="bench", version_base="1.3")
 def main(cfg: DictConfig) -> None:
+    from batchpilot.schemas import BenchApp, check_app
+
+    check_app(BenchApp, cfg)  # a key added with +key=... (the rest was checked at compose)
     if cfg.target not in TARGETS:
         raise SystemExit(f"unknown bench target {cfg.target!r}; choose one of {sorted(TARGETS)}")
     result = TARGETS[cfg.target](cfg)

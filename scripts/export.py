@@ -55,7 +55,9 @@ def _policy_guards(cfg: DictConfig) -> dict[str, Any]:
 def export(cfg: DictConfig) -> Path:
     from batchpilot.core.telemetry import FEATURE_NAMES
     from batchpilot.policies.export import export_policy, load_sb3
+    from batchpilot.schemas import ExportApp, check_app
 
+    check_app(ExportApp, cfg)  # a key added with +key=... (the rest was checked at compose)
     train_cfg, source = _training_config(cfg)
     log.info("training config: %s", source)
     train_cfg.update(_policy_guards(cfg))

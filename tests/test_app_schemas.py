@@ -246,3 +246,20 @@ def test_the_shipped_app_configs_build_their_nodes() -> None:
     assert cal.base.kv8_dtypes == ["fp8", "fp8_e4m3", "fp8_e5m2"] and cal.base.roofline_p == 2.0
     live = load_config(config_name="live_evaluate")
     assert live.gateway.kv_cache_space_gib == 1 and live.client.max_concurrency is None
+
+
+@pytest.mark.parametrize("script, args", [
+    ("export.py", ["model_path=nowhere.zip"]),
+    ("bench.py", ["target=sim"]),
+    ("serve.py", []),
+])
+def test_the_other_apps_name_a_key_added_with_plus(script: str, args: list[str]) -> None:
+    """export, bench and serve re-check their top config where they read it, before any work."""
+    import subprocess
+    import sys
+
+    root = CONF_DIR.parent
+    out = subprocess.run([sys.executable, str(root / "scripts" / script), "+seedz=1", *args],
+                         cwd=root, capture_output=True, text=True, timeout=300)
+    assert out.returncode != 0
+    assert "Key 'seedz' not in" in out.stderr + out.stdout
