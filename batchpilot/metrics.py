@@ -191,3 +191,10 @@ def parse_vllm_metrics(text: str) -> dict[str, float]:
     return out
 #: All of the above in one mapping, canonical key -> accepted names (newest first).
 VLLM_METRIC_NAMES: dict[str, tuple[str, ...]] = VLLM_GAUGES | VLLM_COUNTERS | VLLM_HISTOGRAMS
+#: The samples behind them as vLLM exposes them (histograms: ``_sum`` and ``_count``, no
+#: buckets): a scrape asks only for these (``/metrics?name[]=...``, prometheus_client's
+#: restricted registry), so vLLM renders ~30 lines instead of its whole registry (~600).
+VLLM_SAMPLE_NAMES: tuple[str, ...] = (
+    *(n for names in (VLLM_GAUGES | VLLM_COUNTERS).values() for n in names),
+    *(f"{n}_{part}" for names in VLLM_HISTOGRAMS.values() for n in names for part in ("sum", "count")),
+)

@@ -397,6 +397,8 @@ async def _forward(gw: Gateway, lane: Lane, req: EngineRequest, bucket: int, bod
     try:
         resp, content = await _send_until(lane, path, headers, raw, stream, deadline)
         t_recv = time.monotonic()
+        if resp.status < 500:
+            lane.upstream.last_answer = t_recv
     except TimeoutError:
         timer.finish(ok=False)
         gw.metrics.rejected.labels("timeout").inc()
@@ -694,6 +696,9 @@ def serve(cfg: Any) -> None:
     """Run the gateway until interrupted (``scripts/serve.py``)."""
     import uvicorn
 
+    from batchpilot.schemas import ServeApp, check_app
+
+    check_app(ServeApp, cfg)  # a key added with +key=... (the rest was checked at compose)
     settings = AppSettings.from_cfg(cfg)
     logging.basicConfig(level=settings.serve.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -89,7 +89,8 @@ class Supervisor:
         while True:
             await asyncio.sleep(self.cfg.health_interval_s)
             for ln in self.lanes:
-                if not ln.upstream.restarting:
+                # Passive while traffic flows: an answer within the interval is a health check.
+                if not ln.upstream.restarting and not ln.upstream.answered_within(self.cfg.health_interval_s):
                     await self.probe(ln)
 
     async def probe(self, ln: Lane) -> None:

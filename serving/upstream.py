@@ -24,6 +24,7 @@ from typing import Any
 import httpx
 
 from batchpilot.core.vllm_cpu import small_machine_omp_defaults
+from batchpilot.metrics import VLLM_SAMPLE_NAMES
 from batchpilot.serving.http1 import Http1Pool
 
 log = logging.getLogger(__name__)
@@ -218,6 +219,11 @@ class Upstream:
         self.managed = managed
         self.name = name or self.url
         self.healthy = False
+        #: When (monotonic) the upstream last answered a proxied request below 500: the health
+        #: loop skips its probe while answers keep coming (``answered_within``).
+        self.last_answer = -float("inf")
+        #: Whether /metrics/?name[]=... works here (``metrics_text``).
+        self._restricted_scrape = True
         #: True while the gateway drains / restarts it on purpose (no new admissions).
         self.restarting = False
         self.info: EngineInfo | None = None
@@ -250,6 +256,14 @@ class Upstream:
         except httpx.HTTPError as exc:
             return f"/health failed: {exc!r}"
         return None if r.status_code == 200 else f"/health answered {r.status_code}"
+
+    def answered_within(self, seconds: float, now: float | None = None) -> bool:
+        """Whether real traffic proved the upstream alive in the last ``seconds`` (a managed
+        process must also still run): then a /health call, which vLLM's API server answers on
+        the cores the engine uses, tells nothing new."""
+        now = time.monotonic() if now is None else now
+        alive = self.managed is None or self.managed.alive()
+        return alive and self.healthy and now - self.last_answer < seconds
 
     async def check_health(self, timeout_s: float = 2.0) -> bool:
         """GET /health; updates ``healthy``."""
@@ -286,7 +300,19 @@ class Upstream:
         return info
 
     async def metrics_text(self, timeout_s: float = 2.0) -> str:
+        """vLLM's /metrics, only the samples the gateway reads (``VLLM_SAMPLE_NAMES``): vLLM
+        renders ~30 lines instead of its whole registry (~600) on the cores the engine uses.
+        The restriction is prometheus_client's ``name[]`` parameter, served by vLLM's
+        ``/metrics/`` mount (its ``/metrics`` route ignores it); a server without that mount
+        gets the plain ``/metrics`` from then on, whose text the parser filters."""
         try:
+            if self._restricted_scrape:
+                r = await self.client.get("/metrics/", params={"name[]": list(VLLM_SAMPLE_NAMES)}, timeout=timeout_s)
+                if r.status_code == 200:
+                    return r.text
+                log.info("upstream %s: /metrics/?name[]=... answered %d; scraping the whole /metrics from now on",
+                         self.name, r.status_code)
+                self._restricted_scrape = False
             r = await self.client.get("/metrics", timeout=timeout_s)
         except httpx.HTTPError as exc:
             raise UpstreamDown(f"upstream {self.name} /metrics: {exc!r}") from exc

@@ -148,3 +148,111 @@ async def test_stop_cancels_a_restart_under_way_and_stops_the_upstream() -> None
     await sup.stop_all()
     assert not sup._tasks and up.stopped and not up.restarting
     assert await sup.restart(lane, cause="crash") is False  # nothing starts after stop
+
+
+def test_traffic_counts_as_a_health_check() -> None:
+    """``Upstream.answered_within``: a recent answer below 500 from a healthy upstream whose
+    process still runs makes a /health call redundant; any of the three missing, it does not."""
+    from batchpilot.serving.upstream import Upstream
+
+    up = Upstream("http://127.0.0.1:9")
+    up.healthy = True
+    assert not up.answered_within(0.5, now=100.0)  # nothing answered yet
+    up.last_answer = 99.8
+    assert up.answered_within(0.5, now=100.0)
+    assert not up.answered_within(0.5, now=100.4)  # too long ago
+    up.healthy = False
+    assert not up.answered_within(0.5, now=100.0)
+    up.healthy = True
+    up.managed = FakeProcess()  # type: ignore[assignment]
+    up.managed.exited = True
+    assert not up.answered_within(0.5, now=100.0)
+
+
+async def test_the_health_loop_probes_only_when_traffic_stops() -> None:
+    sup, up, lane = _supervisor(health_interval_s=0.001)
+    probes, asked = [], []
+    answering = True
+
+    async def probe(timeout_s: float) -> str | None:
+        probes.append(timeout_s)
+        return None
+
+    def answered_within(seconds: float) -> bool:
+        asked.append(seconds)
+        return answering
+
+    up.probe = probe  # type: ignore[method-assign]
+    up.answered_within = answered_within  # type: ignore[attr-defined]
+    task = asyncio.create_task(sup._health_loop())
+    try:
+        while len(asked) < 20:
+            await asyncio.sleep(0.001)
+        assert probes == []  # answers kept coming: no /health call
+        answering = False
+        while len(probes) < 3:
+            await asyncio.sleep(0.001)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+async def test_a_scrape_asks_vllm_only_for_the_samples_it_reads() -> None:
+    """Against vLLM's own /metrics route (its FastAPI app, in process): the gateway's scrape
+    names the samples it reads, so buckets and every other metric stay out of the answer."""
+    import httpx
+    import prometheus_client
+    from fastapi import FastAPI
+    from vllm.entrypoints.serve.instrumentator.metrics import attach_router
+    from vllm.v1.metrics.prometheus import get_prometheus_registry
+
+    from batchpilot.metrics import parse_vllm_metrics
+    from batchpilot.serving.upstream import Upstream
+
+    registry = get_prometheus_registry()
+    running = prometheus_client.Gauge("vllm:num_requests_running", "running", ["engine"], registry=registry)
+    ttft = prometheus_client.Histogram("vllm:time_to_first_token_seconds", "ttft", ["engine"], registry=registry)
+    try:
+        running.labels("0").set(7)
+        ttft.labels("0").observe(0.25)
+        app = FastAPI()
+        attach_router(app)
+        up = Upstream("http://vllm")
+        await up.client.aclose()
+        up.client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://vllm")
+        text = await up.metrics_text()
+        full = (await up.client.get("/metrics")).text
+        await up.aclose()
+    finally:
+        registry.unregister(running)
+        registry.unregister(ttft)
+    assert "vllm:num_requests_running" in full and "_bucket" in full and "python_gc" in full
+    assert "_bucket" not in text and "python_gc" not in text and len(text) < len(full) / 4
+    got = parse_vllm_metrics(text)
+    assert got["num_running"] == 7 and got["ttft_seconds_count"] == 1 and got["ttft_seconds_sum"] == 0.25
+
+
+async def test_a_server_without_the_restricted_route_gets_the_plain_scrape() -> None:
+    """A /metrics that is a plain route (``/metrics/`` redirects): the scrape falls back to it
+    once and stays there."""
+    import httpx
+    from fastapi import FastAPI, Response
+
+    from batchpilot.serving.upstream import Upstream
+
+    app, calls = FastAPI(), []
+
+    @app.get("/metrics")
+    def metrics() -> Response:
+        calls.append(1)
+        return Response("# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running 3.0\n")
+
+    up = Upstream("http://other")
+    await up.client.aclose()
+    up.client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://other")
+    try:
+        for _ in range(2):
+            assert "vllm:num_requests_running 3.0" in await up.metrics_text()
+    finally:
+        await up.aclose()
+    assert len(calls) == 2 and up._restricted_scrape is False
