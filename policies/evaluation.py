@@ -411,10 +411,9 @@ def plan_workload(
 # --- load per deployment ----------------------------------------------------------------------
 def probe_capacity(plan: WorkloadPlan, completions: int = 300) -> float:
     """Requests/s the simulated deployment finishes when saturated with this workload's own
-    requests (first scored seed; all caps at ``max_num_seqs``, FIFO, 16-bit KV, no shield):
-    ``2 * max_num_seqs`` are kept waiting or running, and the rate is measured over
-    ``completions`` finishes after as many again to fill the engine."""
-    from batchpilot.core.engine import Request
+    requests (first scored seed; all caps at ``max_num_seqs``, FIFO, 16-bit KV, no shield;
+    ``envs/capacity.py``)."""
+    from batchpilot.envs.capacity import CapacityProbeError, saturated_rate
 
     if str(plan.cfg.engine.kind) != "sim":
         raise EvaluationError("load.mode=probe needs the simulator (engine=sim)")
@@ -423,41 +422,11 @@ def probe_capacity(plan: WorkloadPlan, completions: int = 300) -> float:
         with open_dict(wl):
             wl.start_s = next(iter(plan.windows.values()))
     stream = build_workload(wl, np.random.default_rng(0), plan.max_model_len)
-    reqs = stream.pop_until(math.inf)
-    if not reqs:
-        raise EvaluationError(f"workload {plan.name!r}: no requests to probe the capacity with")
     engine = build_engine(plan.cfg)
     try:
-        engine.set_max_active(plan.max_num_seqs)
-        depth = 2 * plan.max_num_seqs
-        n_sent = n_done = 0
-        t0 = math.nan
-        limit = 1e6  # engine seconds: a deployment this slow is broken, not saturated
-
-        def top_up(outstanding: int) -> int:
-            nonlocal n_sent
-            for _ in range(depth - outstanding):
-                r = reqs[n_sent % len(reqs)]
-                engine.add_request(Request(
-                    f"probe{n_sent}", engine.now, r.prompt_len, r.output_len,
-                    prefix_hashes=r.prefix_hashes, prefix_block_tokens=r.prefix_block_tokens,
-                ))
-                n_sent += 1
-            return depth
-
-        outstanding = top_up(0)
-        while n_done < 2 * completions:
-            res = engine.advance_until(engine.now + 1.0, stop_on_finish=True)
-            done = len(res.finished)
-            if done:
-                if n_done < completions <= n_done + done:
-                    t0 = res.finished[completions - n_done - 1].finish_time
-                n_done += done
-                outstanding = top_up(outstanding - done)
-            if engine.now > limit:
-                raise EvaluationError(f"workload {plan.name!r}: the capacity probe made no progress on {plan.deployment}")
-        t1 = engine.now
-        return completions / max(t1 - t0, 1e-9)
+        return saturated_rate(engine, stream.pop_until(math.inf), plan.max_num_seqs, completions)
+    except CapacityProbeError as exc:
+        raise EvaluationError(f"workload {plan.name!r} on {plan.deployment}: {exc}") from exc
     finally:
         engine.close()
 
