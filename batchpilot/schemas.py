@@ -1048,6 +1048,18 @@ class PolicyBenchNode:
 
 
 @dataclass(slots=True)
+class ServedDecodeBenchNode:
+    """``served_decode`` of ``conf/bench.yaml`` (``target=served_decode``)."""
+
+    profile: str
+    concurrencies: list[int]
+    warmup: list[int]
+    repeats: int
+    prompt_tokens: int
+    max_tokens: int
+
+
+@dataclass(slots=True)
 class BenchApp:
     """``conf/bench.yaml`` (``scripts/bench.py``). ``gateway_bench`` / ``client_bench`` extend
     ``schema/gateway_bench`` / ``schema/client_bench`` in the file's defaults list."""
@@ -1064,6 +1076,7 @@ class BenchApp:
     model_name: str
     env_bench: EnvBenchNode
     policy_bench: PolicyBenchNode
+    served_decode: ServedDecodeBenchNode
 
 
 @dataclass(slots=True)
