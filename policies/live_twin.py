@@ -5,7 +5,9 @@ direct and through the gateway (static / pid / ppo). The twin replays **the same
 requests** — the window's ``timed_trace`` records (same clipping of prompt and output lengths,
 same timestamps, one ``hash_ids`` block per ``chunk_tokens`` and no prefix shared across
 requests, as each live run's salted ids) — as a ``RequestStream`` on
-``engine=sim model=tiny_llama hardware=cpu_tiny`` (the committed calibration profile, with
+``engine=sim model=tiny_llama hardware=cpu_tiny_served`` (the committed calibration profile
+plus what ``vllm serve`` adds per decode step and running sequence on this machine,
+``conf/hardware/cpu_tiny_served.yaml``: the live paths go through the API server, with
 the live engine's scheduler: block size 32 unless the scenario's ``--block-size`` says
 otherwise, token budget 2,048, 256 sequences, the scenario's ``--num-gpu-blocks-override`` as
 ``engine.num_gpu_blocks_override``), under the same SLO, and on the same paths:
@@ -95,6 +97,10 @@ def _vllm_arg(args: Sequence[Any], name: str) -> int | None:
     return None
 
 
+#: The twin's profile: the in-process calibration plus the served path's measured extra.
+TWIN_HARDWARE = "cpu_tiny_served"
+
+
 def _serve_defaults() -> dict[str, Any]:
     serve = OmegaConf.load(REPO_ROOT / "conf" / "serve" / "default.yaml")
     app = OmegaConf.load(REPO_ROOT / "conf" / "serve_app.yaml")
@@ -111,7 +117,7 @@ def twin_overrides(scenario: Mapping[str, Any], slo: Mapping[str, Any], vllm_arg
     ctl = sd["control"]
     bs = _vllm_arg(vllm_args, "--block-size") or 32
     out = [
-        "engine=sim", "model=tiny_llama", "hardware=cpu_tiny", f"engine.block_size={bs}",
+        "engine=sim", "model=tiny_llama", f"hardware={TWIN_HARDWARE}", f"engine.block_size={bs}",
         f"engine.max_num_batched_tokens={_vllm_arg(vllm_args, '--max-num-batched-tokens') or 2048}",
         f"engine.max_num_seqs={_vllm_arg(vllm_args, '--max-num-seqs') or 256}",
         "workload=trace", f"workload.path={scenario['trace']}", f"workload.format={scenario['format']}",
@@ -289,7 +295,7 @@ def twin_markdown(sim_rows: Sequence[Mapping[str, Any]], summary: Mapping[str, A
     if note:
         lines += [note, ""]
     lines += ["The same converted requests on the calibrated simulator (`engine=sim model=tiny_llama "
-              "hardware=cpu_tiny`, one deterministic episode per path; vllm_direct ≙ `vllm_default` as shipped).",
+              f"hardware={TWIN_HARDWARE}`, one deterministic episode per path; vllm_direct ≙ `vllm_default` as shipped).",
               "", "| path | controller (sim) | sim goodput (req/s) | live goodput (mean ± 95 % CI) | sim SLO attainment "
               "| sim completed / rejected | sim preemptions | sim peak KV | mean TPOT sim / live (ms) |",
               "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
