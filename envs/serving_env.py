@@ -29,6 +29,8 @@ cost. Weights in ``conf/env/default.yaml`` (``reward:``); parts in ``info["rewar
 An empty engine at time 0 with ``initial_batch_cap``, ``initial_bucketing`` and the engine's
 configured KV dtype; a fresh workload sampled from ``cfg.workload`` with the episode's seed
 (``workload=randomized`` — the default — draws rate, burstiness, length mix and phase changes).
+With ``env.deployments`` (training's ``train.deployments``) the episode's model/hardware is
+drawn too, its load sized to that deployment's capacity (``envs/deployments.py``).
 
 ## Episode End
 Truncated after ``episode_s`` engine seconds (``episode_s / interval_s`` steps). A KV-dtype
