@@ -85,3 +85,10 @@ def test_capacity_probe_needs_requests():
     engine = EngineFactory(cfg)()
     with pytest.raises(CapacityProbeError, match="no requests"):
         saturated_rate(engine, [], 8)
+
+
+def test_the_live_engine_refuses_deployment_randomisation():
+    """Checked before any engine starts: a live engine runs its own model."""
+    cfg = load_config(["engine=vllm", "env.deployments=[llama3_8b/h100]"])
+    with pytest.raises(ValueError, match="needs the simulator"):
+        ServingEnv(cfg=cfg)
