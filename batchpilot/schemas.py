@@ -929,6 +929,19 @@ CalibrationBase = node_schema(HardwareSpec, "CalibrationBase", exclude=("name", 
 
 
 @dataclass(slots=True)
+class ServedCalibrationNode:
+    """``served`` of ``conf/calibrate.yaml``: what ``vllm serve`` adds to the in-process profile."""
+
+    enabled: bool
+    out: str
+    concurrencies: list[int]
+    warmup: list[int]
+    repeats: int
+    prompt_tokens: int
+    max_tokens: int
+
+
+@dataclass(slots=True)
 class CalibrateApp:
     """``conf/calibrate.yaml`` (``policies/calibration.py``; see the comments there)."""
 
@@ -952,6 +965,9 @@ class CalibrateApp:
     report_rate_scale: float
     #: Workload name -> the Hydra overrides that make it.
     workloads: dict[str, list[str]]
+    #: The served path (``scripts/calibrate.py served=true``): measured through ``vllm serve``,
+    #: its extra over ``profile`` written as ``served.out``.
+    served: ServedCalibrationNode
 
 
 @dataclass(slots=True)

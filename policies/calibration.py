@@ -376,6 +376,38 @@ def profile_yaml(hw: HardwareSpec, header: Iterable[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
+@dataclass(frozen=True, slots=True)
+class ServedFit:
+    """What the served path adds to the in-process profile's decode step (seconds)."""
+
+    per_step_s: float
+    per_sequence_s: float
+    #: ``(n, served ms per token, in-process predicted ms)`` per measured point.
+    points: tuple[tuple[int, float, float], ...]
+
+
+def fit_served_extra(served: Sequence[tuple[int, float]], st: StepTimeModel, context: float) -> ServedFit:
+    """Least squares ``served - predicted = a + b n`` over the points (``n`` decodes of
+    ``context`` tokens each, ms per token), both terms non-negative (``scipy.optimize.nnls``):
+    the served path can only add work."""
+    from scipy.optimize import nnls
+
+    if not served:
+        raise CalibrationError("served fit: no measured points")
+    pts = tuple((int(n), float(ms), st.step_time(0, 0.0, 0.0, int(n), n * context, int(n)) * 1e3)
+                for n, ms in served)
+    a = np.array([[1.0, float(n)] for n, _, _ in pts])
+    extra = np.array([ms - pred for _, ms, pred in pts])
+    (per_step_ms, per_seq_ms), _ = nnls(a, extra)
+    return ServedFit(per_step_ms / 1e3, per_seq_ms / 1e3, pts)
+
+
+def with_served_extra(hw: HardwareSpec, fit: ServedFit, name: str) -> HardwareSpec:
+    """``hw`` plus the served path's per-step and per-sequence cost."""
+    return replace(hw, name=name, per_step_overhead_s=hw.per_step_overhead_s + fit.per_step_s,
+                   per_request_overhead_s=hw.per_request_overhead_s + fit.per_sequence_s)
+
+
 def memory_gb_for_blocks(num_blocks: int, model: ModelSpec, block_size: int,
                          max_num_batched_tokens: int, max_num_seqs: int,
                          gpu_memory_utilization: float = 0.9) -> float:
@@ -709,6 +741,44 @@ def run_report(cfg: Any, console: Any) -> dict[str, float]:
     return summary_json(rows, pre_sim, pre_live)
 
 
+def write_served_profile(cfg: Any, served: Sequence[tuple[int, float]], console: Any) -> HardwareSpec:
+    """Fit the served path's extra over ``cfg.profile`` (the profile just fitted, or the
+    committed one) to ``served`` (``[(n, ms per token)]``) and write ``cfg.served.out``."""
+    from omegaconf import OmegaConf
+
+    from batchpilot.config import REPO_ROOT, load_config
+
+    sv = cfg.served
+    prof = load_config(["model=tiny_llama", f"hardware={cfg.profile}"])
+    hw, model = HardwareSpec.from_cfg(prof.hardware), ModelSpec.from_cfg(prof.model)
+    st = StepTimeModel.build(hw, model, "auto", 2048, 256)
+    fit = fit_served_extra(served, st, int(sv.prompt_tokens) + int(sv.max_tokens) / 2)
+    out = Path(str(sv.out))
+    name = out.stem
+    served_hw = with_served_extra(hw, fit, name)
+    st2 = StepTimeModel.build(served_hw, model, "auto", 2048, 256)
+    ctx = int(sv.prompt_tokens) + int(sv.max_tokens) / 2
+    for n, ms, pred in fit.points:
+        now = st2.step_time(0, 0.0, 0.0, n, n * ctx, n) * 1e3
+        console.print(f"  served n={n:4d}: {ms:8.2f} ms/token; {cfg.profile} {pred:7.2f} ms, {name} {now:7.2f} ms")
+    header = [
+        f"{name}: {cfg.profile} plus what `vllm serve` adds per decode step and per running sequence",
+        "on this machine (the API server's per-sequence work on the engine's cores), for simulating",
+        "the served path (the live evaluation's twin). Measured by `scripts/calibrate.py served.enabled=true`",
+        f"on {_dt.date.today().isoformat()} ({platform.machine()}, {os.cpu_count()} CPUs): n simultaneous requests of "
+        f"{sv.prompt_tokens} + {sv.max_tokens} tokens, n = {list(OmegaConf.to_container(sv.concurrencies))};",
+        "served ms per token vs the profile's decode step: "
+        + ", ".join(f"{n}: {ms:.2f}/{pred:.2f}" for n, ms, pred in fit.points) + ";",
+        f"fit: +{fit.per_step_s * 1e3:.3f} ms per step, +{fit.per_sequence_s * 1e3:.4f} ms per sequence. "
+        f"Re-measure after a new {cfg.profile} fit.",
+    ]
+    if not out.is_absolute():
+        out = REPO_ROOT / out
+    out.write_text(profile_yaml(served_hw, header))
+    console.print(f"wrote {out}")
+    return served_hw
+
+
 def main(cfg: Any) -> dict[str, float] | None:
     """``scripts/calibrate.py``: fit (unless ``fit=false``), then the report when ``report=true``."""
     import json
@@ -716,8 +786,8 @@ def main(cfg: Any) -> dict[str, float] | None:
     from rich.console import Console
 
     console = Console(width=160)
-    if not (cfg.fit or cfg.report):
-        raise SystemExit("calibrate: nothing to do (fit=false report=false)")
+    if not (cfg.fit or cfg.report or cfg.served.enabled):
+        raise SystemExit("calibrate: nothing to do (fit=false report=false served.enabled=false)")
     if cfg.fit:
         run_fit(cfg, console)
     if not cfg.report:

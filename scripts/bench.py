@@ -121,78 +121,28 @@ def bench_gateway(cfg: DictConfig) -> dict[str, Any]:
     return run(cfg)
 
 
-async def _decode_batch(url: str, n: int, prompt_tokens: int, max_tokens: int) -> float:
-    """Seconds for ``n`` simultaneous non-streaming completions of ``max_tokens`` each."""
-    import asyncio
-
-    import httpx
-
-    body = {"model": "tiny-llama", "prompt": [1 + i % 500 for i in range(prompt_tokens)],
-            "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0}
-    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=None)) as c:
-        t0 = time.perf_counter()
-        answers = await asyncio.gather(*(c.post(url + "/v1/completions", json=body) for _ in range(n)))
-        wall = time.perf_counter() - t0
-    bad = [r.status_code for r in answers if r.status_code != 200]
-    if bad:
-        raise RuntimeError(f"served_decode: {len(bad)} of {n} requests failed ({bad[:3]})")
-    return wall
-
-
 def bench_served_decode(cfg: DictConfig) -> dict[str, Any]:
     """The served path against the calibrated simulator: ``n`` simultaneous requests through a
-    real ``vllm serve`` (tiny model), wall seconds per output token, beside the decode step the
-    simulator predicts on the calibrated profile (``conf/hardware/cpu_tiny.yaml``, fitted on
-    ``engine.step()`` in process). The ratio is what the in-process calibration misses: the
-    API server's per-token work on the cores the engine uses (docs/sim_to_real.md)."""
-    import asyncio
-
-    import httpx
-
+    real ``vllm serve`` (tiny model), wall ms per output token, beside the decode step the
+    simulator predicts on the profile (``conf/hardware/cpu_tiny.yaml``, fitted on
+    ``engine.step()`` in process), and the fit of the difference (docs/sim_to_real.md)."""
     from batchpilot.config import load_config
-    from batchpilot.core.tiny_model import build_tiny_model
     from batchpilot.envs.specs import HardwareSpec, ModelSpec
     from batchpilot.envs.step_time import StepTimeModel
-    from batchpilot.serving.upstream import ManagedVLLM, free_port
+    from batchpilot.policies.calibration import fit_served_extra
+    from batchpilot.serving.served_decode import measure_served_decode
 
     b = cfg.served_decode
     prof = load_config(["model=tiny_llama", f"hardware={b.profile}"])
     st = StepTimeModel.build(HardwareSpec.from_cfg(prof.hardware), ModelSpec.from_cfg(prof.model), "auto", 2048, 256)
-    vllm = ManagedVLLM(str(build_tiny_model()), free_port(), served_model_name="tiny-llama", max_model_len=2048,
-                       max_num_seqs=256, kv_cache_space_gib=1, extra_args=["--enforce-eager"], log_path=None)
-    rows: list[dict[str, Any]] = []
-    try:
-        vllm.start()
-        deadline = time.monotonic() + 300
-        while True:
-            try:
-                if httpx.get(vllm.url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline or not vllm.alive():
-                raise RuntimeError("served_decode: vllm serve did not become healthy")
-            time.sleep(0.5)
-        for n in b.warmup:
-            asyncio.run(_decode_batch(vllm.url, int(n), int(b.prompt_tokens), int(b.max_tokens)))
-        for n in b.concurrencies:
-            n = int(n)
-            wall = min(asyncio.run(_decode_batch(vllm.url, n, int(b.prompt_tokens), int(b.max_tokens)))
-                       for _ in range(int(b.repeats)))
-            served = wall / int(b.max_tokens) * 1e3
-            ctx = int(b.prompt_tokens) + int(b.max_tokens) / 2
-            sim = st.step_time(0, 0.0, 0.0, n, n * ctx, n) * 1e3
-            rows.append({"n": n, "served_ms_per_token": round(served, 2), "sim_step_ms": round(sim, 2),
-                         "ratio": round(served / sim, 2)})
-            print(json.dumps(rows[-1]), flush=True)
-    finally:
-        vllm.stop()
-    # Served = a + b * n (least squares): the per-sequence cost the in-process profile lacks.
-    n = np.array([r["n"] for r in rows], float)
-    extra = np.array([r["served_ms_per_token"] - r["sim_step_ms"] for r in rows])
-    slope, icept = np.polyfit(n, extra, 1) if len(rows) > 1 else (float("nan"), float(extra[0]))
+    served = measure_served_decode(list(b.concurrencies), warmup=list(b.warmup), repeats=int(b.repeats),
+                                   prompt_tokens=int(b.prompt_tokens), max_tokens=int(b.max_tokens))
+    fit = fit_served_extra(served, st, int(b.prompt_tokens) + int(b.max_tokens) / 2)
+    rows = [{"n": n, "served_ms_per_token": round(ms, 2), "sim_step_ms": round(pred, 2), "ratio": round(ms / pred, 2)}
+            for n, ms, pred in fit.points]
     return {"target": "served_decode", "profile": str(b.profile), "rows": rows,
-            "extra_ms_per_step": round(float(icept), 3), "extra_ms_per_sequence": round(float(slope), 4)}
+            "extra_ms_per_step": round(fit.per_step_s * 1e3, 3),
+            "extra_ms_per_sequence": round(fit.per_sequence_s * 1e3, 4)}
 
 
 def bench_http_client(cfg: DictConfig) -> dict[str, Any]:

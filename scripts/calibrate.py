@@ -4,7 +4,9 @@
 and writes the fitted hardware profile (``conf/hardware/cpu_tiny.yaml``);
 ``report=true`` then replays the same workloads live (several runs) and on the simulator and
 prints a table of relative errors, ending with ONE JSON line (``fit=false`` skips the fit and
-uses the committed profile). See conf/calibrate.yaml and policies/calibration.py.
+uses the committed profile); ``served.enabled=true`` measures the served path through
+``vllm serve`` and writes ``conf/hardware/cpu_tiny_served.yaml``. See conf/calibrate.yaml and
+policies/calibration.py.
 """
 
 from __future__ import annotations
@@ -32,6 +34,18 @@ from batchpilot.policies.calibration import main as run  # noqa: E402
 @hydra.main(config_path="../conf", config_name="calibrate", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     run(cfg)
+    if cfg.served.enabled:
+        # The served path (vllm serve) is measured here: the calibration (policies/) cannot use
+        # the gateway's process management (serving/) without an import cycle.
+        from rich.console import Console
+
+        from batchpilot.policies.calibration import write_served_profile
+        from batchpilot.serving.served_decode import measure_served_decode
+
+        sv = cfg.served
+        served = measure_served_decode(list(sv.concurrencies), warmup=list(sv.warmup), repeats=int(sv.repeats),
+                                       prompt_tokens=int(sv.prompt_tokens), max_tokens=int(sv.max_tokens))
+        write_served_profile(cfg, served, Console(width=160))
 
 
 if __name__ == "__main__":

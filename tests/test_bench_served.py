@@ -28,3 +28,29 @@ def test_served_decode_reports_each_concurrency_beside_the_simulator():
         assert r["served_ms_per_token"] > 0 and r["sim_step_ms"] > 0
         assert r["ratio"] == pytest.approx(r["served_ms_per_token"] / r["sim_step_ms"], rel=0.02)
     assert {"extra_ms_per_step", "extra_ms_per_sequence"} <= res.keys()
+
+
+def test_calibrate_writes_a_served_profile(tmp_path):
+    """``scripts/calibrate.py fit=false served.enabled=true``: the committed profile plus the
+    served path's measured extra, as a loadable hardware profile (never below the profile)."""
+    from omegaconf import OmegaConf
+
+    from batchpilot.config import load_config
+    from batchpilot.envs.specs import HardwareSpec
+
+    out = tmp_path / "cpu_tiny_served_test.yaml"
+    run = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "scripts" / "calibrate.py"), "fit=false", "served.enabled=true",
+         "served.concurrencies=[1,3]", "served.warmup=[2]", "served.repeats=1", "served.max_tokens=8",
+         f"served.out={out}", f"hydra.run.dir={tmp_path / 'hydra'}"],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=540,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    node = OmegaConf.load(out)
+    fields = {k: v for k, v in OmegaConf.to_container(node).items() if k != "defaults"}
+    served = HardwareSpec(**fields)
+    base = HardwareSpec.from_cfg(load_config(["model=tiny_llama", "hardware=cpu_tiny"]).hardware)
+    assert served.name == "cpu_tiny_served_test"
+    assert served.per_step_overhead_s >= base.per_step_overhead_s
+    assert served.per_request_overhead_s >= base.per_request_overhead_s
+    assert served.compute_efficiency == base.compute_efficiency  # the rest is the profile's

@@ -121,3 +121,29 @@ def test_tiny_grid_calibration_writes_a_profile_the_simulator_loads(tmp_path: Pa
     assert np.median(err) < 0.2, detail
     # One point hit by a load spike must not fail the test; most points must still fit.
     assert np.mean(err < 0.5) >= 0.75, detail
+
+
+def test_the_served_fit_recovers_what_the_served_path_adds():
+    """served = in-process step + a + b*n is recovered; the terms are never negative; the
+    profile it makes predicts the served points."""
+    from batchpilot.config import load_config
+    from batchpilot.envs.specs import HardwareSpec, ModelSpec
+    from batchpilot.envs.step_time import StepTimeModel
+    from batchpilot.policies.calibration import CalibrationError, fit_served_extra, with_served_extra
+
+    cfg = load_config(["model=tiny_llama", "hardware=cpu_tiny"])
+    hw, model = HardwareSpec.from_cfg(cfg.hardware), ModelSpec.from_cfg(cfg.model)
+    st = StepTimeModel.build(hw, model, "auto", 2048, 256)
+    ctx = 232.0
+    pred = {n: st.step_time(0, 0.0, 0.0, n, n * ctx, n) * 1e3 for n in (1, 8, 32, 128)}
+    fit = fit_served_extra([(n, p + 1.5 + 0.4 * n) for n, p in pred.items()], st, ctx)
+    assert fit.per_step_s == pytest.approx(1.5e-3, rel=1e-6) and fit.per_sequence_s == pytest.approx(0.4e-3, rel=1e-6)
+    served = with_served_extra(hw, fit, "cpu_tiny_served")
+    st2 = StepTimeModel.build(served, model, "auto", 2048, 256)
+    for n, p in pred.items():
+        assert st2.step_time(0, 0.0, 0.0, n, n * ctx, n) * 1e3 == pytest.approx(p + 1.5 + 0.4 * n, rel=1e-6)
+    # Faster than the profile (a machine idler than at the fit): nothing negative is added.
+    fit = fit_served_extra([(n, 0.5 * p) for n, p in pred.items()], st, ctx)
+    assert fit.per_step_s == 0.0 and fit.per_sequence_s == 0.0
+    with pytest.raises(CalibrationError, match="no measured points"):
+        fit_served_extra([], st, ctx)
