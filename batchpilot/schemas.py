@@ -929,16 +929,23 @@ CalibrationBase = node_schema(HardwareSpec, "CalibrationBase", exclude=("name", 
 
 
 @dataclass(slots=True)
-class ServedCalibrationNode:
-    """``served`` of ``conf/calibrate.yaml``: what ``vllm serve`` adds to the in-process profile."""
+class ServedDecodeSettings:
+    """What ``serving/served_decode.py`` measures: batches of ``concurrencies`` simultaneous
+    requests of ``prompt_tokens`` + ``max_tokens``, best of ``repeats``, after ``warmup`` batches."""
 
-    enabled: bool
-    out: str
     concurrencies: list[int]
     warmup: list[int]
     repeats: int
     prompt_tokens: int
     max_tokens: int
+
+
+@dataclass(slots=True)
+class ServedCalibrationNode(ServedDecodeSettings):
+    """``served`` of ``conf/calibrate.yaml``: what ``vllm serve`` adds to the in-process profile."""
+
+    enabled: bool
+    out: str
 
 
 @dataclass(slots=True)
@@ -1064,15 +1071,10 @@ class PolicyBenchNode:
 
 
 @dataclass(slots=True)
-class ServedDecodeBenchNode:
+class ServedDecodeBenchNode(ServedDecodeSettings):
     """``served_decode`` of ``conf/bench.yaml`` (``target=served_decode``)."""
 
     profile: str
-    concurrencies: list[int]
-    warmup: list[int]
-    repeats: int
-    prompt_tokens: int
-    max_tokens: int
 
 
 @dataclass(slots=True)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 from omegaconf import DictConfig, OmegaConf, open_dict
@@ -88,8 +87,3 @@ class DeploymentSet:
 
     def __repr__(self) -> str:
         return ", ".join(f"{d.label} x{d.load_multiplier:.3g}" for d in self.deployments)
-
-
-def describe(deployments: DeploymentSet | None) -> dict[str, Any]:
-    """``{label: load_multiplier}`` (the training manifest records it)."""
-    return {} if deployments is None else {d.label: d.load_multiplier for d in deployments.deployments}

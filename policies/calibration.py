@@ -402,6 +402,24 @@ def fit_served_extra(served: Sequence[tuple[int, float]], st: StepTimeModel, con
     return ServedFit(per_step_ms / 1e3, per_seq_ms / 1e3, pts)
 
 
+def fit_served_profile(profile: str, served: Sequence[tuple[int, float]], settings: Any
+                       ) -> tuple[HardwareSpec, ModelSpec, ServedFit]:
+    """``conf/hardware/<profile>`` (tiny model, the live engine's 2,048-token budget and 256
+    sequences) and the served path's extra over it, for points measured with ``settings``
+    (``ServedDecodeSettings``: decodes of ``prompt_tokens + max_tokens / 2`` context on average)."""
+    from batchpilot.config import load_config
+
+    prof = load_config(["model=tiny_llama", f"hardware={profile}"])
+    hw, model = HardwareSpec.from_cfg(prof.hardware), ModelSpec.from_cfg(prof.model)
+    st = StepTimeModel.build(hw, model, "auto", 2048, 256)
+    return hw, model, fit_served_extra(served, st, served_context(settings))
+
+
+def served_context(settings: Any) -> float:
+    """Mean context of a measured decode step: the prompt plus half the output."""
+    return int(settings.prompt_tokens) + int(settings.max_tokens) / 2
+
+
 def with_served_extra(hw: HardwareSpec, fit: ServedFit, name: str) -> HardwareSpec:
     """``hw`` plus the served path's per-step and per-sequence cost."""
     return replace(hw, name=name, per_step_overhead_s=hw.per_step_overhead_s + fit.per_step_s,
@@ -746,18 +764,15 @@ def write_served_profile(cfg: Any, served: Sequence[tuple[int, float]], console:
     committed one) to ``served`` (``[(n, ms per token)]``) and write ``cfg.served.out``."""
     from omegaconf import OmegaConf
 
-    from batchpilot.config import REPO_ROOT, load_config
+    from batchpilot.config import REPO_ROOT
 
     sv = cfg.served
-    prof = load_config(["model=tiny_llama", f"hardware={cfg.profile}"])
-    hw, model = HardwareSpec.from_cfg(prof.hardware), ModelSpec.from_cfg(prof.model)
-    st = StepTimeModel.build(hw, model, "auto", 2048, 256)
-    fit = fit_served_extra(served, st, int(sv.prompt_tokens) + int(sv.max_tokens) / 2)
+    hw, model, fit = fit_served_profile(str(cfg.profile), served, sv)
     out = Path(str(sv.out))
     name = out.stem
     served_hw = with_served_extra(hw, fit, name)
     st2 = StepTimeModel.build(served_hw, model, "auto", 2048, 256)
-    ctx = int(sv.prompt_tokens) + int(sv.max_tokens) / 2
+    ctx = served_context(sv)
     for n, ms, pred in fit.points:
         now = st2.step_time(0, 0.0, 0.0, n, n * ctx, n) * 1e3
         console.print(f"  served n={n:4d}: {ms:8.2f} ms/token; {cfg.profile} {pred:7.2f} ms, {name} {now:7.2f} ms")

@@ -126,18 +126,11 @@ def bench_served_decode(cfg: DictConfig) -> dict[str, Any]:
     real ``vllm serve`` (tiny model), wall ms per output token, beside the decode step the
     simulator predicts on the profile (``conf/hardware/cpu_tiny.yaml``, fitted on
     ``engine.step()`` in process), and the fit of the difference (docs/sim_to_real.md)."""
-    from batchpilot.config import load_config
-    from batchpilot.envs.specs import HardwareSpec, ModelSpec
-    from batchpilot.envs.step_time import StepTimeModel
-    from batchpilot.policies.calibration import fit_served_extra
+    from batchpilot.policies.calibration import fit_served_profile
     from batchpilot.serving.served_decode import measure_served_decode
 
     b = cfg.served_decode
-    prof = load_config(["model=tiny_llama", f"hardware={b.profile}"])
-    st = StepTimeModel.build(HardwareSpec.from_cfg(prof.hardware), ModelSpec.from_cfg(prof.model), "auto", 2048, 256)
-    served = measure_served_decode(list(b.concurrencies), warmup=list(b.warmup), repeats=int(b.repeats),
-                                   prompt_tokens=int(b.prompt_tokens), max_tokens=int(b.max_tokens))
-    fit = fit_served_extra(served, st, int(b.prompt_tokens) + int(b.max_tokens) / 2)
+    _, _, fit = fit_served_profile(str(b.profile), measure_served_decode(b), b)
     rows = [{"n": n, "served_ms_per_token": round(ms, 2), "sim_step_ms": round(pred, 2), "ratio": round(ms / pred, 2)}
             for n, ms, pred in fit.points]
     return {"target": "served_decode", "profile": str(b.profile), "rows": rows,

@@ -42,10 +42,7 @@ def main(cfg: DictConfig) -> None:
         from batchpilot.policies.calibration import write_served_profile
         from batchpilot.serving.served_decode import measure_served_decode
 
-        sv = cfg.served
-        served = measure_served_decode(list(sv.concurrencies), warmup=list(sv.warmup), repeats=int(sv.repeats),
-                                       prompt_tokens=int(sv.prompt_tokens), max_tokens=int(sv.max_tokens))
-        write_served_profile(cfg, served, Console(width=160))
+        write_served_profile(cfg, measure_served_decode(cfg.served), Console(width=160))
 
 
 if __name__ == "__main__":

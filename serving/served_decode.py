@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Sequence
+from typing import Any
 
 import httpx
 
@@ -36,11 +36,11 @@ async def _batch(url: str, n: int, prompt_tokens: int, max_tokens: int) -> float
     return wall
 
 
-def measure_served_decode(concurrencies: Sequence[int], *, warmup: Sequence[int] = (), repeats: int = 2,
-                          prompt_tokens: int = 200, max_tokens: int = 64,
-                          startup_timeout_s: float = 300.0) -> list[tuple[int, float]]:
-    """``[(n, wall ms per output token)]``, the best of ``repeats`` per ``n``, after batches of
-    ``warmup`` sizes; starts and stops its own ``vllm serve`` (1 GiB KV, 256 sequences)."""
+def measure_served_decode(settings: Any, startup_timeout_s: float = 300.0) -> list[tuple[int, float]]:
+    """``[(n, wall ms per output token)]``, the best of ``settings.repeats`` per ``n`` in
+    ``settings.concurrencies``, after batches of ``settings.warmup`` sizes
+    (``ServedDecodeSettings``); starts and stops its own ``vllm serve`` (1 GiB KV, 256 sequences)."""
+    prompt_tokens, max_tokens = int(settings.prompt_tokens), int(settings.max_tokens)
     vllm = ManagedVLLM(str(build_tiny_model()), free_port(), served_model_name=SERVED_NAME, max_model_len=2048,
                        max_num_seqs=256, kv_cache_space_gib=1, extra_args=["--enforce-eager"], log_path=None)
     out: list[tuple[int, float]] = []
@@ -56,10 +56,11 @@ def measure_served_decode(concurrencies: Sequence[int], *, warmup: Sequence[int]
             if time.monotonic() > deadline or not vllm.alive():
                 raise RuntimeError("served decode: vllm serve did not become healthy")
             time.sleep(0.5)
-        for n in warmup:
+        for n in settings.warmup:
             asyncio.run(_batch(vllm.url, int(n), prompt_tokens, max_tokens))
-        for n in concurrencies:
-            wall = min(asyncio.run(_batch(vllm.url, int(n), prompt_tokens, max_tokens)) for _ in range(repeats))
+        for n in settings.concurrencies:
+            wall = min(asyncio.run(_batch(vllm.url, int(n), prompt_tokens, max_tokens))
+                       for _ in range(int(settings.repeats)))
             out.append((int(n), wall / max_tokens * 1e3))
     finally:
         vllm.stop()
