@@ -1023,6 +1023,7 @@ class LiveEvaluateApp:
     gateway: LiveGatewayNode
     plots: bool
     sim_twin: bool
+    twin_match: bool
     twin_of: str | None
     out_dir: str
 

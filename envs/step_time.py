@@ -134,9 +134,10 @@ class StepTimeModel:
         decode_ctx_s = L * max(read_s, decode_flop_s)
         prefill_pair_s = L * 4.0 * heads * model.head_dim / fl
         prefill_ctx_s = L * read_s
-        return cls(tuple(float(x) for x in fixed), tuple(float(x) for x in seq_cost),
-                   float(decode_ctx_s), float(prefill_pair_s), float(prefill_ctx_s),
-                   float(hw.prefill_step_overhead_s))
+        k = hw.slowdown
+        return cls(tuple(float(x) * k for x in fixed), tuple(float(x) * k for x in seq_cost),
+                   float(decode_ctx_s) * k, float(prefill_pair_s) * k, float(prefill_ctx_s) * k,
+                   float(hw.prefill_step_overhead_s) * k)
 
     def step_time(self, num_prefill_tokens: int, prefill_pairs: float, prefill_ctx: float,
                   num_decode: int, sum_decode_ctx: float, num_seqs: int) -> float:

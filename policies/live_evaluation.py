@@ -502,15 +502,16 @@ def live_evaluate(cfg: DictConfig, model_dir: Path | None = None) -> dict[str, A
                 write_results(rows, out_dir, meta=_meta(cfg, tf, order, pdirs), plots=False)
     files = write_results(rows, out_dir, meta=_meta(cfg, tf, order, pdirs), plots=bool(cfg.plots))
     if cfg.sim_twin:  # the same requests on the calibrated simulator (policies/live_twin.py)
-        from batchpilot.policies.live_twin import header_priority, run_twin, write_twin
+        from batchpilot.policies.live_twin import header_priority, twin_of_rows, write_twin
 
         sc = OmegaConf.to_container(scenario, resolve=True)
         assert isinstance(sc, dict)
-        twin = run_twin(tf, sc, {"ttft_ms": cfg.slo.ttft_ms, "tpot_ms": cfg.slo.tpot_ms}, paths=paths,
-                        vllm_args=[*cfg.gateway.extra_vllm_args, *scenario.vllm_args],
-                        priority=header_priority(client_cfg.get("headers"), 1), seed=int(cfg.seed),
-                        policy_dirs={p: d for p, d in pdirs.items() if p != "ppo"})
-        write_twin(out_dir, twin, rows)
+        twin, match = twin_of_rows(tf, sc, {"ttft_ms": cfg.slo.ttft_ms, "tpot_ms": cfg.slo.tpot_ms}, rows,
+                                   paths=paths, match=bool(cfg.twin_match),
+                                   vllm_args=[*cfg.gateway.extra_vllm_args, *scenario.vllm_args],
+                                   priority=header_priority(client_cfg.get("headers"), 1), seed=int(cfg.seed),
+                                   policy_dirs={p: d for p, d in pdirs.items() if p != "ppo"})
+        write_twin(out_dir, twin, rows, match=match)
         files["twin"] = out_dir / "twin.json"
     print(f"live_evaluate: {len(rows)} runs in {time.monotonic() - t_start:.0f} s; files in {out_dir}", flush=True)
     print((out_dir / "results.md").read_text(), flush=True)

@@ -156,10 +156,23 @@ def _replay_env(cfg: DictConfig, records: Sequence[Mapping[str, Any]], chunk_tok
 def run_twin(tf: TimedTraceFile, scenario: Mapping[str, Any], slo: Mapping[str, Any], *,
              paths: Sequence[str] = tuple(TWIN_POLICY), vllm_args: Sequence[Any] = (), priority: int | None = None,
              seed: int = 0, extra_overrides: Sequence[str] = (), policy_overrides: Mapping[str, Any] | None = None,
-             policy_dirs: Mapping[str, str] | None = None, log: Any = print) -> list[dict[str, Any]]:
+             policy_dirs: Mapping[str, str] | None = None, slowdown: float = 1.0,
+             log: Any = print) -> list[dict[str, Any]]:
     """One simulated episode per live path on the records of ``tf``; one row per path.
     ``policy_dirs``: more paths, each an exported policy folder run as the ``ppo`` controller
-    (the live evaluation's ``policies``, e.g. a fine-tuned policy beside the shipped one)."""
+    (the live evaluation's ``policies``, e.g. a fine-tuned policy beside the shipped one).
+    ``slowdown``: every simulated iteration takes this many times the profile's time
+    (``HardwareSpec.slowdown``; ``match_slowdown`` fits it to the live reference path)."""
+    run = _twin_runner(tf, scenario, slo, paths=paths, vllm_args=vllm_args, priority=priority, seed=seed,
+                       extra_overrides=extra_overrides, policy_overrides=policy_overrides, policy_dirs=policy_dirs)
+    return [run(path, slowdown, log) for path in paths]
+
+
+def _twin_runner(tf: TimedTraceFile, scenario: Mapping[str, Any], slo: Mapping[str, Any], *, paths: Sequence[str],
+                 vllm_args: Sequence[Any], priority: int | None, seed: int, extra_overrides: Sequence[str] = (),
+                 policy_overrides: Mapping[str, Any] | None = None, policy_dirs: Mapping[str, str] | None = None):
+    """Compose the twin's config once (Hydra's compose is most of a short twin's time); the
+    returned ``run(path, slowdown, log)`` plays one path's episode and gives its row."""
     from batchpilot.policies.evaluation import (
         AS_SHIPPED_KEY,
         EvalConfig,
@@ -179,17 +192,18 @@ def run_twin(tf: TimedTraceFile, scenario: Mapping[str, Any], slo: Mapping[str, 
         raise ValueError(f"paths must be among {(*TWIN_POLICY, *extra)}, got {list(paths)}")
     sd = _serve_defaults()
     prio = sd["default_priority"] if priority is None else int(priority)
-    names = [TWIN_POLICY.get(p, "ppo") for p in paths]
+    names = {p: TWIN_POLICY.get(p, "ppo") for p in paths}
     overrides = [*twin_overrides(scenario, slo, vllm_args, extra_overrides),
-                 f"policies=[{','.join(dict.fromkeys(names))}]",
+                 f"policies=[{','.join(dict.fromkeys(names.values()))}]",
                  f"seeds=[{int(seed)}]"]
     cfg, _ = compose_eval(overrides)
     ecfg = EvalConfig.from_cfg(cfg)
     duration = max(float(tf.duration_s), float(tf.records[-1]["timestamp"]))
     plan = plan_from_caps(str(scenario.get("name", "scenario")), cfg, engine_capabilities(cfg),
                           duration_s=duration, num_requests=len(tf))
-    rows = []
-    for path, name in zip(paths, names):
+
+    def run(path: str, slowdown: float, log: Any) -> dict[str, Any]:
+        name = names[path]
         pol = policy_config(name, ecfg, plan)
         if name == "pid":  # the gateway's PID starts from its start-up cap, not pid.yaml's
             pol["initial_batch_cap"] = int(sd["control"]["initial_batch_cap"])
@@ -198,7 +212,9 @@ def run_twin(tf: TimedTraceFile, scenario: Mapping[str, Any], slo: Mapping[str, 
             pol["path"] = str(extra[path])
         knobs = start_knobs(pol, plan)
         as_shipped = bool(pol.get(AS_SHIPPED_KEY, False))
-        env = _replay_env(episode_config(plan, knobs, as_shipped), tf.records, tf.chunk_tokens, prio, duration)
+        ep_cfg = episode_config(plan, knobs, as_shipped)
+        ep_cfg.hardware.slowdown = float(slowdown)
+        env = _replay_env(ep_cfg, tf.records, tf.chunk_tokens, prio, duration)
         try:
             ep = run_episode(env, make_controller(pol, plan, name), int(seed), shielded=not as_shipped)
         finally:
@@ -210,11 +226,82 @@ def run_twin(tf: TimedTraceFile, scenario: Mapping[str, Any], slo: Mapping[str, 
                "accounted": completed + rejected == len(tf), "error": ep.error,
                **{k: float(m.get(k, math.nan)) for k in TWIN_ROW_KEYS
                   if k in m and k not in ("completed", "rejected")}}
-        rows.append({k: row.get(k, math.nan) for k in TWIN_ROW_KEYS})
         log(f"sim twin: {path} ({row['controller']}): goodput {row['request_goodput']:.3f} req/s, "
             f"{completed}/{len(tf)} completed, {rejected} rejected, preemptions {row.get('preemptions', 0):.0f}, "
             f"{ep.wall_s:.1f} s")
-    return rows
+        return {k: row.get(k, math.nan) for k in TWIN_ROW_KEYS}
+
+    return run
+
+
+#: The live path the twin's speed is matched to (vLLM as shipped: no controller, so how fast it
+#: runs is the engine's and the machine's alone) and the client metric matched.
+MATCH_PATH, MATCH_KEY = "vllm_direct", "mean_tpot_ms"
+#: The slowdowns ``match_slowdown`` searches (a wider gap means a profile from another machine).
+SLOWDOWN_RANGE = (0.25, 64.0)
+
+
+def match_slowdown(tf: TimedTraceFile, scenario: Mapping[str, Any], slo: Mapping[str, Any],
+                   live_rows: Sequence[Mapping[str, Any]], *, vllm_args: Sequence[Any] = (), seed: int = 0,
+                   rel_tol: float = 0.02, max_iter: int = 24, run: Any = None,
+                   log: Any = print) -> dict[str, Any]:
+    """The one factor by which the live engine ran slower (or faster) than the profile during
+    this evaluation: the ``slowdown`` at which the twin's ``vllm_direct`` has the live
+    ``vllm_direct`` runs' median mean TPOT (bisection in log space). Only that path's live rows
+    are read, so the controlled paths' twin results stay predictions. Why: the profile is fitted
+    on a quiet engine; during a live evaluation the client, the gateway and other jobs share the
+    cores, and under overload the gap compounds (slower steps, more running, slower steps).
+    ``run``: a ``_twin_runner`` of the same twin, to skip composing its config again."""
+    live = [float(r[MATCH_KEY]) for r in live_rows
+            if r.get("path") == MATCH_PATH and r.get(MATCH_KEY) is not None and math.isfinite(float(r[MATCH_KEY]))]
+    out: dict[str, Any] = {"path": MATCH_PATH, "key": MATCH_KEY, "live_runs": len(live), "slowdown": 1.0,
+                           "matched": False}
+    if not live:
+        out["reason"] = f"no live {MATCH_PATH} run with {MATCH_KEY}: the profile's speed is used"
+        return out
+    target = float(np.median(live))
+
+    if run is None:
+        run = _twin_runner(tf, scenario, slo, paths=[MATCH_PATH], vllm_args=vllm_args, priority=None, seed=seed)
+
+    def sim(k: float) -> float:
+        return float(run(MATCH_PATH, k, lambda *_: None)[MATCH_KEY])
+
+    out.update(target_ms=target, profile_ms=sim(1.0))
+    lo, hi = math.log(SLOWDOWN_RANGE[0]), math.log(SLOWDOWN_RANGE[1])
+    f_lo, f_hi = sim(SLOWDOWN_RANGE[0]), sim(SLOWDOWN_RANGE[1])
+    if not f_lo < target < f_hi:
+        k, got = (SLOWDOWN_RANGE[0], f_lo) if target <= f_lo else (SLOWDOWN_RANGE[1], f_hi)
+        out.update(slowdown=k, sim_ms=got, reason=f"the live {MATCH_KEY} {target:.3g} ms is outside what the twin "
+                   f"gives over slowdowns {SLOWDOWN_RANGE} ({f_lo:.3g}–{f_hi:.3g} ms): held at {k}")
+        return out
+    k, got = 1.0, out["profile_ms"]
+    for _ in range(max_iter):
+        mid = 0.5 * (lo + hi)
+        k, got = math.exp(mid), sim(math.exp(mid))
+        if abs(got - target) <= rel_tol * target:
+            break
+        lo, hi = (mid, hi) if got < target else (lo, mid)
+    out.update(slowdown=k, sim_ms=got, matched=abs(got - target) <= rel_tol * target)
+    if not out["matched"]:
+        out["reason"] = f"closest: {got:.3g} ms at slowdown {k:.3g} (the twin's {MATCH_KEY} jumps near it)"
+    log(f"sim twin: slowdown {k:.3g} ({MATCH_PATH} {MATCH_KEY}: live median {target:.3g} ms, twin {got:.3g} ms, "
+        f"profile alone {out['profile_ms']:.3g} ms)")
+    return out
+
+
+def twin_of_rows(tf: TimedTraceFile, scenario: Mapping[str, Any], slo: Mapping[str, Any],
+                 live_rows: Sequence[Mapping[str, Any]], *, paths: Sequence[str], match: bool = True,
+                 vllm_args: Sequence[Any] = (), priority: int | None = None, seed: int = 0,
+                 policy_dirs: Mapping[str, str] | None = None,
+                 log: Any = print) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
+    """The twin of a live evaluation's rows: with ``match``, its speed first matched to the live
+    reference path (``match_slowdown``); then one episode per path. Returns rows and the match."""
+    run = _twin_runner(tf, scenario, slo, paths=[*dict.fromkeys([*paths, MATCH_PATH])], vllm_args=vllm_args,
+                       priority=priority, seed=seed, policy_dirs=policy_dirs)
+    m = match_slowdown(tf, scenario, slo, live_rows, seed=seed, run=run, log=log) if match else None
+    k = float(m["slowdown"]) if m else 1.0
+    return [run(path, k, log) for path in paths], m
 
 
 # --- the share that survives ------------------------------------------------------------------
@@ -290,12 +377,28 @@ def twin_summary(sim_rows: Sequence[Mapping[str, Any]], live_rows: Sequence[Mapp
             "gains": gains}
 
 
-def twin_markdown(sim_rows: Sequence[Mapping[str, Any]], summary: Mapping[str, Any], note: str = "") -> str:
+def match_markdown(match: Mapping[str, Any] | None) -> str:
+    """One paragraph on the twin's speed: the profile's, or matched to the live reference path."""
+    if not match:
+        return "Speed: the profile's (`hardware.slowdown` 1, not matched to the live runs)."
+    if "target_ms" not in match:
+        return f"Speed: the profile's — {match.get('reason', 'not matched')}."
+    text = (f"Speed matched to the live reference: **slowdown {match['slowdown']:.2f}** (every simulated iteration "
+            f"takes {match['slowdown']:.2f}× the profile's time), at which the twin's {match['path']} "
+            f"{match['key']} is {match['sim_ms']:.3g} ms against the live median {match['target_ms']:.3g} ms "
+            f"over {match['live_runs']} runs (the profile alone: {match['profile_ms']:.3g} ms). Only "
+            f"{match['path']}'s live {match['key']} is used; the other paths' twin results are predictions.")
+    return text + (f" Not matched within 2 %: {match['reason']}." if match.get("reason") else "")
+
+
+def twin_markdown(sim_rows: Sequence[Mapping[str, Any]], summary: Mapping[str, Any], note: str = "",
+                  match: Mapping[str, Any] | None = None) -> str:
     lines = [SECTION, ""]
     if note:
         lines += [note, ""]
     lines += ["The same converted requests on the calibrated simulator (`engine=sim model=tiny_llama "
               f"hardware={TWIN_HARDWARE}`, one deterministic episode per path; vllm_direct ≙ `vllm_default` as shipped).",
+              "", match_markdown(match),
               "", "| path | controller (sim) | sim goodput (req/s) | live goodput (mean ± 95 % CI) | sim SLO attainment "
               "| sim completed / rejected | sim preemptions | sim peak KV | mean TPOT sim / live (ms) |",
               "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
@@ -327,16 +430,17 @@ def _clean(v: Any) -> Any:
 
 
 def write_twin(out_dir: Path, sim_rows: Sequence[Mapping[str, Any]], live_rows: Sequence[Mapping[str, Any]],
-               note: str = "") -> dict[str, Any]:
-    """twin.json (sim rows + summary) and the "Simulated twin" section of results.md (replaced
-    when there is one already)."""
+               note: str = "", match: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """twin.json (sim rows, the speed match, summary) and the "Simulated twin" section of
+    results.md (replaced when there is one already)."""
     summary = twin_summary(sim_rows, live_rows)
-    (out_dir / "twin.json").write_text(json.dumps(_clean({"rows": list(map(dict, sim_rows)), **summary}),
+    body = {"rows": list(map(dict, sim_rows)), "match": dict(match) if match else None, **summary}
+    (out_dir / "twin.json").write_text(json.dumps(_clean(body),
                                                   indent=1, ensure_ascii=False) + "\n")
     md_path = out_dir / "results.md"
     md = md_path.read_text() if md_path.exists() else "# Live evaluation\n"
     md = re.split(r"\n" + re.escape(SECTION) + r"\n", md, maxsplit=1)[0].rstrip("\n") + "\n\n"
-    md_path.write_text(md + twin_markdown(sim_rows, summary, note))
+    md_path.write_text(md + twin_markdown(sim_rows, summary, note, match))
     return summary
 
 
@@ -354,9 +458,10 @@ def twin_of(out_dir: str | Path, log: Any = print) -> dict[str, Any]:
         headers = list(cfg.get("client", {}).get("headers") or [])
         vargs = [*(cfg.get("gateway", {}).get("extra_vllm_args") or []), *scenario.vllm_args]
         seed = int(cfg.get("seed", 0))
+        match = bool(cfg.get("twin_match", True))
     else:
         scenario, slo, headers, seed = OmegaConf.create(res["meta"]["scenario"]), res["meta"]["slo"], [], 0
-        vargs = list(scenario.vllm_args)
+        vargs, match = list(scenario.vllm_args), True
     tf = scenario_trace(scenario)
     if len(tf) != int(res["meta"].get("requests_per_run", len(tf))):
         raise ValueError(f"{d}: the window converts to {len(tf)} requests, the live run sent "
@@ -364,14 +469,16 @@ def twin_of(out_dir: str | Path, log: Any = print) -> dict[str, Any]:
     assert isinstance(slo, dict)
     sc = OmegaConf.to_container(scenario, resolve=True)
     assert isinstance(sc, dict)
-    rows = run_twin(tf, sc, slo, paths=[p for p in TWIN_POLICY if any(r["path"] == p for r in res["rows"])],
-                    vllm_args=vargs, priority=header_priority(headers, _serve_defaults()["default_priority"]),
-                    seed=seed, log=log)
-    summary = write_twin(d, rows, res["rows"])
-    return {"rows": rows, **summary}
+    rows, m = twin_of_rows(tf, sc, slo, res["rows"], match=match,
+                           paths=[p for p in TWIN_POLICY if any(r["path"] == p for r in res["rows"])],
+                           vllm_args=vargs, priority=header_priority(headers, _serve_defaults()["default_priority"]),
+                           seed=seed, log=log)
+    summary = write_twin(d, rows, res["rows"], match=m)
+    return {"rows": rows, "match": m, **summary}
 
 
 __all__ = [
-    "GAINS", "TARGET_SHARE", "TWIN_POLICY", "header_priority", "live_paired", "run_twin", "stream_from_records",
-    "survival", "twin_markdown", "twin_of", "twin_overrides", "twin_summary", "write_twin",
+    "GAINS", "TARGET_SHARE", "TWIN_POLICY", "header_priority", "live_paired", "match_slowdown", "run_twin",
+    "stream_from_records", "survival", "twin_markdown", "twin_of", "twin_of_rows", "twin_overrides", "twin_summary",
+    "write_twin",
 ]

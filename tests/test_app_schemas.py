@@ -16,6 +16,7 @@ from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
+from param_sweeps import sweep
 
 from batchpilot.config import CONF_DIR, ConfigError, from_node, load_config
 from batchpilot.schemas import (
@@ -80,7 +81,10 @@ CASES = [
     ("bench.yaml", "bench", "interval_s: 1.0", "interval: 1.0", "interval_s: soon", "env_bench"),
     ("bench.yaml", "bench", "n_calls: 20000", "n_call: 20000", "n_calls: lots", "policy_bench"),
 ]
-IDS = [f"{c[0]}:{c[5] + '.' if c[5] else ''}{c[2].split(':')[0]}" for c in CASES]
+#: ``make test-fast`` keeps one case per app config; ``make test`` runs them all.
+CASE_PARAMS = sweep(CASES, [f"{c[0]}:{c[5] + '.' if c[5] else ''}{c[2].split(':')[0]}" for c in CASES],
+                    fast={"evaluate.yaml:load.probe_completions", "calibrate.yaml:grid.decode_steps",
+                          "live_evaluate.yaml:client.temperature", "bench.yaml:sim.arrival_rate_per_s"})
 
 
 def _full(node: str, key: str) -> str:
@@ -99,7 +103,7 @@ def _compose_edited(tmp_path: Path, rel: str, config: str, old: str, new: str) -
         compose(config_name=config)
 
 
-@pytest.mark.parametrize("rel,config,old,typo,wrong_type,node", CASES, ids=IDS)
+@pytest.mark.parametrize("rel,config,old,typo,wrong_type,node", CASE_PARAMS)
 def test_a_mistyped_top_config_key_fails_at_compose(tmp_path, rel, config, old, typo, wrong_type, node) -> None:
     key = typo.split(":")[0]
     with pytest.raises(ConfigCompositionException) as info:
@@ -108,7 +112,7 @@ def test_a_mistyped_top_config_key_fails_at_compose(tmp_path, rel, config, old, 
     assert f"Key '{key}' not in" in msg and f"full_key: {_full(node, key)}\n" in msg, msg
 
 
-@pytest.mark.parametrize("rel,config,old,typo,wrong_type,node", CASES, ids=IDS)
+@pytest.mark.parametrize("rel,config,old,typo,wrong_type,node", CASE_PARAMS)
 def test_a_wrong_type_in_a_top_config_fails_at_compose(tmp_path, rel, config, old, typo, wrong_type, node) -> None:
     key = wrong_type.split(":")[0]
     with pytest.raises(ConfigCompositionException) as info:

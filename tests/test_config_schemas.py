@@ -14,6 +14,7 @@ from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
+from param_sweeps import sweep
 
 from batchpilot.config import CONF_DIR, from_node, load_config
 from batchpilot.core.admission import AdmissionConfig
@@ -110,6 +111,14 @@ CASES = [
 ]
 
 
+#: The cases ``make test-fast`` keeps (one per kind of schema: a plain group, a nested node, a
+#: default-swapped group, the serve app, a policy, a workload kind); ``make test`` runs them all.
+CASE_PARAMS = sweep(CASES, [c[0] + ":" + c[2].split(":")[0] for c in CASES],
+                    fast={"shield/default.yaml:min_step", "env/default.yaml:max_num_long",
+                          "hardware/cpu_tiny.yaml:roofline_p", "serve/default.yaml:interval_s",
+                          "policy/ppo.yaml:ood_margin", "workload/bursty.yaml:prompt_mean"})
+
+
 def _compose_edited(tmp_path: Path, rel: str, config: str | tuple[str, list[str]], old: str, new: str) -> None:
     name, overrides = (config, []) if isinstance(config, str) else config
     conf = tmp_path / "conf"
@@ -123,7 +132,7 @@ def _compose_edited(tmp_path: Path, rel: str, config: str | tuple[str, list[str]
         compose(config_name=name, overrides=overrides)
 
 
-@pytest.mark.parametrize("rel,config,old,typo,wrong_type,key", CASES, ids=[c[0] + ":" + c[2].split(":")[0] for c in CASES])
+@pytest.mark.parametrize("rel,config,old,typo,wrong_type,key", CASE_PARAMS)
 def test_a_mistyped_key_fails_at_compose(tmp_path, rel, config, old, typo, wrong_type, key) -> None:
     with pytest.raises(ConfigCompositionException) as info:
         _compose_edited(tmp_path, rel, config, old, typo)
@@ -131,7 +140,7 @@ def test_a_mistyped_key_fails_at_compose(tmp_path, rel, config, old, typo, wrong
     assert f"Key '{typo.split(':')[0]}' not in" in msg and f"full_key: {key}.{typo.split(':')[0]}" in msg, msg
 
 
-@pytest.mark.parametrize("rel,config,old,typo,wrong_type,key", CASES, ids=[c[0] + ":" + c[2].split(":")[0] for c in CASES])
+@pytest.mark.parametrize("rel,config,old,typo,wrong_type,key", CASE_PARAMS)
 def test_a_wrong_type_fails_at_compose(tmp_path, rel, config, old, typo, wrong_type, key) -> None:
     with pytest.raises(ConfigCompositionException) as info:
         _compose_edited(tmp_path, rel, config, old, wrong_type)
@@ -202,6 +211,7 @@ def test_a_workload_key_added_on_the_command_line_fails_when_built() -> None:
         build_workload(cfg.workload, np.random.default_rng(0), 8192)
 
 
+@pytest.mark.slow
 def test_every_shipped_workload_composes_and_builds() -> None:
     """Each conf/workload file extends its kind's schema and builds (``trace`` needs a path),
     also under engine=vllm, which sets workload.rate_scale for every kind."""
@@ -282,6 +292,7 @@ def test_every_shipped_hardware_and_model_composes_and_builds(group) -> None:
         assert spec.name == path.stem
 
 
+@pytest.mark.slow
 def test_the_shipped_engines_policies_serve_and_bench_configs_build() -> None:
     cfg = load_config()
     assert not OmegaConf.missing_keys(cfg.env)  # env/schema's top-level keys are required

@@ -126,6 +126,7 @@ def test_rows_are_deterministic_by_seed(small_run: tuple[Path, list[dict]], tmp_
     assert len(set(by_seed.values())) > 1  # seeds really draw different workloads
 
 
+@pytest.mark.slow
 def test_pid_keeps_p99_ttft_nearer_target_than_vllm_default(tmp_path: Path) -> None:
     """Issue 3's bar, on the simulator (Llama-3-8B on H100): on bursty traffic PID's p99 TTFT
     (mean over the seeds) is below vLLM's default, both above the 1 s target (bursts exceed
@@ -240,6 +241,7 @@ def test_script_reports_config_errors_in_one_line(tmp_path: Path) -> None:
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow
 def test_workloads_carry_their_model_and_hardware() -> None:
     from batchpilot.policies.evaluation import EvalConfig, plan_workload
 
@@ -269,6 +271,7 @@ def test_live_engine_runs_its_own_model_not_the_workloads() -> None:
 
 
 # --- a matrix that tells controllers apart ---------------------------------------------------
+@pytest.mark.slow
 def test_trace_seeds_replay_distinct_windows(tmp_path: Path) -> None:
     """On a trace each seed is its own window (start_s + seed x duration_s), so the rows differ
     by seed and the CI is a real interval; a seed past the trace's end is a clear error."""
@@ -307,6 +310,7 @@ OVERLOAD = [
 ]
 
 
+@pytest.mark.slow
 def test_vllm_default_runs_as_shipped_never_shed_knobs_fixed(tmp_path: Path) -> None:
     rows = _run(tmp_path, ["policies=[vllm_default,pid]"], base=OVERLOAD)
     by = {r["policy"]: r for r in rows}
@@ -322,6 +326,7 @@ def test_vllm_default_runs_as_shipped_never_shed_knobs_fixed(tmp_path: Path) -> 
     assert shielded["rejected"] > 0 and shielded["shield_interventions"] > 0
 
 
+@pytest.mark.slow
 def test_deployments_axis_gives_a_row_per_cell_with_its_load(tmp_path: Path) -> None:
     rows = _run(
         tmp_path,

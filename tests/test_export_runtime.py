@@ -337,6 +337,7 @@ def test_benchmark_runtime_reports_latency(maskable) -> None:
 
 
 # --- entry point ------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_export_script_smoke(tmp_path: Path) -> None:
     """scripts/export.py writes a loadable artifact and records the training run's shield."""
     model, venv = _make(MaskablePPO, [16], "tanh", learn=0)

@@ -247,6 +247,11 @@ def test_short_live_evaluation(tmp_path: Path, tiny_model_path: Path) -> None:
     data = json.loads((tmp_path / "results.json").read_text())
     assert len(data["rows"]) == 4 and data["meta"]["requests_per_run"] == n
     assert [d["path"] for d in data["paired_differences"]] == ["pid"]
+    # The twin, its speed matched to the live vllm_direct runs (the two of them, nothing else).
+    twin = json.loads((tmp_path / "twin.json").read_text())
+    assert [r["path"] for r in twin["rows"]] == ["vllm_direct", "pid"]
+    assert twin["match"]["live_runs"] == 2 and twin["match"]["slowdown"] > 0
+    assert "Speed matched to the live reference" in (tmp_path / "results.md").read_text() or twin["match"]["reason"]
     runs = sorted(p.name for p in (tmp_path / "runs").glob("r*.jsonl"))
     assert runs == ["r0_pid.jsonl", "r0_vllm_direct.jsonl", "r1_pid.jsonl", "r1_vllm_direct.jsonl"]
     # Every run replayed its own prompts: no hash id in two runs (no prefix-cache carry-over).

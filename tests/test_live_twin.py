@@ -17,6 +17,7 @@ from batchpilot.policies.live_evaluation import scenario_trace
 from batchpilot.policies.live_twin import (
     SECTION,
     header_priority,
+    match_slowdown,
     run_twin,
     stream_from_records,
     survival,
@@ -56,6 +57,7 @@ def test_overrides_carry_the_kv_budget_and_scheduler() -> None:
     assert not any("num_gpu_blocks_override" in o for o in twin_overrides(_scenario("steady"), SLO, []))
 
 
+@pytest.mark.slow
 def test_twin_of_a_small_scenario_accounts_for_every_request() -> None:
     sc = _scenario(n=16)
     tf = scenario_trace(OmegaConf.create(sc))
@@ -72,6 +74,24 @@ def test_twin_of_a_small_scenario_accounts_for_every_request() -> None:
     assert again[0]["request_goodput"] == rows[0]["request_goodput"]
     with pytest.raises(ValueError, match="paths must be among"):
         run_twin(tf, sc, SLO, paths=["best_static"], log=lambda m: None)
+
+
+def test_the_speed_match_recovers_a_known_slowdown() -> None:
+    """Live vllm_direct rows made by the twin itself at slowdown 3: the match finds a slowdown
+    that reproduces their TPOT (within 2 %) near 3, reading only vllm_direct's rows."""
+    sc = _scenario(n=16)
+    tf = scenario_trace(OmegaConf.create(sc))
+    ref = run_twin(tf, sc, SLO, paths=["vllm_direct"], vllm_args=sc["vllm_args"], slowdown=3.0, log=lambda m: None)[0]
+    live = [{"path": "vllm_direct", "round": r, "mean_tpot_ms": ref["mean_tpot_ms"]} for r in range(3)]
+    live += [{"path": "pid", "round": r, "mean_tpot_ms": 1e6} for r in range(3)]  # never read
+    m = match_slowdown(tf, sc, SLO, live, vllm_args=sc["vllm_args"], log=lambda msg: None)
+    assert m["matched"] and m["live_runs"] == 3 and m["target_ms"] == pytest.approx(ref["mean_tpot_ms"])
+    assert m["sim_ms"] == pytest.approx(ref["mean_tpot_ms"], rel=0.02)
+    assert m["slowdown"] == pytest.approx(3.0, rel=0.15) and m["profile_ms"] < m["target_ms"]
+    none = match_slowdown(tf, sc, SLO, live[3:], log=lambda msg: None)
+    assert none["slowdown"] == 1.0 and not none["matched"] and "no live vllm_direct run" in none["reason"]
+    far = match_slowdown(tf, sc, SLO, [{"path": "vllm_direct", "mean_tpot_ms": 1e-6}], log=lambda msg: None)
+    assert not far["matched"] and far["slowdown"] == 0.25 and "outside" in far["reason"]
 
 
 def test_survival_share() -> None:
@@ -108,6 +128,7 @@ def test_summary_pairs_live_rounds() -> None:
     assert s["paths"]["ppo"]["live_mean"] == pytest.approx(2.0)
 
 
+@pytest.mark.slow
 def test_twin_of_a_finished_live_run(tmp_path: Path) -> None:
     """A live folder (results.json with meta and rows, results.md) gains twin.json and one
     "Simulated twin" section, replaced (not repeated) when computed again."""
@@ -123,8 +144,9 @@ def test_twin_of_a_finished_live_run(tmp_path: Path) -> None:
     assert [r["path"] for r in out["rows"]] == ["vllm_direct", "pid", "ppo"]
     md = (tmp_path / "results.md").read_text()
     assert md.count(SECTION) == 1 and md.startswith("# Live evaluation") and "live table" in md
-    assert "share that survives live" in md
+    assert "share that survives live" in md and "Speed matched to the live reference" in md
     tj = json.loads((tmp_path / "twin.json").read_text())
+    assert tj["match"]["live_runs"] == 2 and tj["match"]["slowdown"] == out["match"]["slowdown"]
     assert len(tj["rows"]) == 3 and {(g["path"], g["over"]) for g in tj["gains"]} == {("ppo", "vllm_direct"),
                                                                                       ("ppo", "pid")}
     bad = dict(meta, requests_per_run=len(tf) + 1)

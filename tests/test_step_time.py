@@ -55,6 +55,19 @@ def test_decode_is_linear_in_context_and_kv8_not_faster_on_h100() -> None:
     assert StepTimeModel.build(a100, m, "fp8", 8192, 256).decode_ctx_s > StepTimeModel.build(a100, m, "auto", 8192, 256).decode_ctx_s
 
 
+def test_slowdown_scales_every_iteration_exactly() -> None:
+    import dataclasses
+
+    hw, m = _hw("cpu_tiny"), _model("tiny_llama")
+    base = StepTimeModel.build(hw, m, "auto", 2048, 256)
+    slow = StepTimeModel.build(dataclasses.replace(hw, slowdown=2.5), m, "auto", 2048, 256)
+    for args in [(0, 0, 0, 1, 100, 1), (0, 0, 0, 128, 128 * 900, 128), (512, 512 * 513 / 2, 512, 8, 8000, 9),
+                 (2000, 2e6, 2000, 0, 0, 1)]:
+        assert slow.step_time(*args) == pytest.approx(2.5 * base.step_time(*args))
+    with pytest.raises(ValueError, match="slowdown"):
+        dataclasses.replace(hw, slowdown=0.0)
+
+
 def test_plausible_iteration_times_llama3_8b_h100() -> None:
     st = StepTimeModel.build(_hw("h100"), _model("llama3_8b"), "auto", 8192, 256)
     one = st.step_time(0, 0, 0, 1, 1000, 1)

@@ -3,11 +3,13 @@ module (start-up costs seconds); tests that change its settings restart it back.
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 import pytest
 
-pytest.importorskip("vllm")
+if importlib.util.find_spec("vllm") is None:  # checked without importing it (seconds at collection)
+    pytest.skip("vllm is not installed", allow_module_level=True)
 
 from batchpilot.config import load_config  # noqa: E402
 from batchpilot.core.engine import DtypeUnavailable, Request, RequestRejected  # noqa: E402

@@ -67,6 +67,10 @@ class HardwareSpec:
     kv8_dtypes: tuple[str, ...] = ("int8_per_token_head",)
     #: Why each missing 8-bit dtype is unavailable (shown to users); optional.
     kv8_unavailable_reason: str = "not supported on this hardware"
+    #: Every iteration takes this many times the modelled time: the same machine under other
+    #: conditions than the fit's (e.g. the live twin matched to its reference run,
+    #: policies/live_twin.py). 1 = the profile as fitted.
+    slowdown: float = 1.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kv8_dtypes", tuple(self.kv8_dtypes))
@@ -84,6 +88,8 @@ class HardwareSpec:
             _check(0 <= v < 1, n, name, v, "must be seconds in [0, 1)")
         _check(isinstance(self.gemm_token_tile, int) and self.gemm_token_tile >= 1, n, "gemm_token_tile",
                self.gemm_token_tile, "must be a positive integer number of tokens")
+        _check(0 < self.slowdown < 1e3, n, "slowdown", self.slowdown,
+               "must be a factor in (0, 1000) (1.0 = the fitted speed)")
         _check(self.kv8_speed_factor > 0, n, "kv8_speed_factor", self.kv8_speed_factor,
                "must be > 0 (1.0 = same KV-read time as 16-bit)")
         for d in self.kv8_dtypes:
