@@ -30,7 +30,7 @@ from batchpilot.core.knobs import Knobs, Proposal
 from batchpilot.core.plant import BreakerTrip, actuate
 from batchpilot.core.shield import INTERVENTION_KINDS, Decision, Shield, ShieldConfig, ShieldInputs
 from batchpilot.core.telemetry import Snapshot
-from batchpilot.core.vllm_cpu import cpu_kv8_unavailable_reason
+from batchpilot.core.vllm_cpu import cpu_kv8_unavailable_reason, engines_run_on_cpu
 from batchpilot.metrics import parse_vllm_metrics
 from batchpilot.policies.controllers import build_controller
 from batchpilot.serving.actuation import LanePlant
@@ -63,7 +63,8 @@ def deployment_model(model_dir: str | None, tensor_parallel: int = 1) -> tuple[M
 
 def upstream_engine_model(lane: Lane, max_num_seqs: int, managed: bool,
                           declared_kv_dtypes: list[str] | None = None, *,
-                          model: ModelMemory | None = None) -> tuple[MemoryModel, EngineCapabilities]:
+                          model: ModelMemory | None = None,
+                          given_kv_bytes: float | None = None) -> tuple[MemoryModel, EngineCapabilities]:
     """The shield's view of an upstream, from what the upstream itself says (``/v1/models``,
     ``vllm:cache_config_info``) and how the gateway launched it; never from the gateway's own
     host unless the engine runs there (managed).
@@ -72,7 +73,13 @@ def upstream_engine_model(lane: Lane, max_num_seqs: int, managed: bool,
     formula) fed from the deployment's model (``model``: its config.json and weights) and the
     engine's real KV pool (``num_gpu_blocks`` x ``block_size`` from ``vllm:cache_config_info``):
     budget = weights + the pool (vLLM's activation workspace is not visible from outside; it is
-    left out, so the ceiling applies to weights + KV). Without the model: the pool alone in
+    left out, so the ceiling applies to weights + KV). When vLLM reports an override pool
+    (``num_gpu_blocks_override``: a pool deliberately smaller than the memory the engine holds)
+    and the gateway knows what it gave the engine for KV (``given_kv_bytes``: a managed CPU
+    engine's ``VLLM_CPU_KVCACHE_SPACE``), the budget is weights + that memory, the env's rule
+    (``VLLMEngine._given_budget_bytes``): the pool's own limit is then vLLM's (it preempts);
+    counted as weights + pool, the 80 % ceiling held the pool at ~60 % and the breaker shed
+    what vLLM serves with a few preemptions. Without the model: the pool alone in
     blocks (``source`` "kv_pool"; an 8-bit block counts half). Without the pool: ``source``
     "unknown: ...", which the control loop answers with the safe static cap (never a guessed
     budget; it was an invented 16,384 blocks).
@@ -90,8 +97,12 @@ def upstream_engine_model(lane: Lane, max_num_seqs: int, managed: bool,
                           kv_block_bytes=zero, num_kv_blocks_total=0,
                           source=f"unknown: {lane.name}'s /metrics has no vllm:cache_config_info {missing}")
     elif model is not None:
+        given = info.num_kv_blocks_override is not None and given_kv_bytes is not None  # (info is set here)
         mem = model.memory_model(block_size=block_size, num_blocks=blocks,
-                                 kv_dtype=running if running in KV_DTYPES_16BIT + KV_DTYPES_8BIT else "auto")
+                                 kv_dtype=running if running in KV_DTYPES_16BIT + KV_DTYPES_8BIT else "auto",
+                                 budget_bytes=model.weights_bytes + float(given_kv_bytes) if given else None)
+        if given:
+            mem = replace(mem, source="model, given KV memory (override pool)")
     else:
         bytes_ = {d: 1.0 for d in KV_DTYPES_16BIT} | {d: 0.5 for d in KV_DTYPES_8BIT}
         mem = MemoryModel(budget_bytes=float(blocks), weights_bytes=0.0, activation_bytes=0.0, block_size=block_size,
@@ -108,6 +119,16 @@ def upstream_engine_model(lane: Lane, max_num_seqs: int, managed: bool,
     caps = EngineCapabilities(kv_dtypes=kv, max_model_len=max_len, max_num_seqs=max_num_seqs,
                               max_num_batched_tokens=max(max_len, 2048), block_size=block_size or 16)
     return mem, caps
+
+
+def given_kv_bytes(lane: Lane) -> float | None:
+    """The memory the gateway gave a managed CPU engine for its KV cache
+    (``VLLM_CPU_KVCACHE_SPACE``); None for an engine it does not manage or on a GPU, where
+    what vLLM holds (``gpu_memory_utilization`` of the device) is not visible from here."""
+    managed = lane.upstream.managed
+    if managed is None or not engines_run_on_cpu():
+        return None
+    return float(managed.kv_cache_space_gib) * 2**30
 
 
 def _tensor_parallel(cfg: Any) -> int:
@@ -208,7 +229,8 @@ class ControlLoop:
                         self.model_source)
         for ln in gw.lanes:
             mem, caps = upstream_engine_model(ln, cfg.max_num_seqs, ln.upstream.managed is not None,
-                                              cfg.upstream_kv_dtypes, model=self.model)
+                                              cfg.upstream_kv_dtypes, model=self.model,
+                                              given_kv_bytes=given_kv_bytes(ln))
             static = build_controller({"kind": "static", "batch_cap": ln.knobs.batch_cap,
                                        "bucketing": ln.knobs.bucketing, "kv_dtype": ln.knobs.kv_dtype}, cfg.max_num_seqs)
             self.lane_ctl[ln.index] = LaneControl(
@@ -264,7 +286,8 @@ class ControlLoop:
 
     def _refresh_memory_model(self, ln: Lane, ctl: LaneControl) -> None:
         mem, caps = upstream_engine_model(ln, self.cfg.max_num_seqs, ln.upstream.managed is not None,
-                                          self.cfg.upstream_kv_dtypes, model=self.model)
+                                          self.cfg.upstream_kv_dtypes, model=self.model,
+                                          given_kv_bytes=given_kv_bytes(ln))
         was = ctl.shield.memory.source
         ctl.shield.set_engine(mem, caps)
         self._use_memory_model(ln, ctl, mem)

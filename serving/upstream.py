@@ -67,6 +67,9 @@ class EngineInfo:
     num_kv_blocks: int | None = None
     block_size: int | None = None
     kv_dtype: str | None = None
+    #: ``num_gpu_blocks_override`` from the same labels: the pool was made deliberately smaller
+    #: than the memory the engine holds (None: vLLM sized it from its budget).
+    num_kv_blocks_override: int | None = None
 
 
 class ManagedVLLM:
@@ -294,7 +297,7 @@ class Upstream:
         info = EngineInfo(model=m["id"], max_model_len=int(m.get("max_model_len") or 0))
         try:
             text = (await self.client.get("/metrics", timeout=5.0)).text
-            info.num_kv_blocks, info.block_size, info.kv_dtype = _cache_config(text)
+            info.num_kv_blocks, info.block_size, info.kv_dtype, info.num_kv_blocks_override = _cache_config(text)
         except (httpx.HTTPError, ValueError):
             pass
         return info
@@ -359,8 +362,9 @@ class Upstream:
         self.healthy = False
 
 
-def _cache_config(metrics_text: str) -> tuple[int | None, int | None, str | None]:
-    """num_gpu_blocks, block_size, cache_dtype from the ``vllm:cache_config_info`` labels."""
+def _cache_config(metrics_text: str) -> tuple[int | None, int | None, str | None, int | None]:
+    """num_gpu_blocks, block_size, cache_dtype, num_gpu_blocks_override from the
+    ``vllm:cache_config_info`` labels."""
     for line in metrics_text.splitlines():
         if line.startswith("vllm:cache_config_info{"):
             labels = dict(
@@ -372,8 +376,8 @@ def _cache_config(metrics_text: str) -> tuple[int | None, int | None, str | None
                 v = labels.get(key)
                 return int(float(v)) if v not in (None, "", "None") else None
 
-            return num("num_gpu_blocks"), num("block_size"), labels.get("cache_dtype")
-    return None, None, None
+            return num("num_gpu_blocks"), num("block_size"), labels.get("cache_dtype"), num("num_gpu_blocks_override")
+    return None, None, None, None
 
 
 def _split_labels(s: str) -> list[str]:

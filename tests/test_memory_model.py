@@ -111,3 +111,34 @@ def test_an_unknown_kv_budget_holds_the_safe_cap_and_says_so() -> None:
     asyncio.run(loop.tick(lane, now=4000.0))
     assert ctl.shield.memory.known and lane.admission.memory is ctl.shield
     assert gw.metrics.memory_model_known.labels(lane.name)._value.get() == 0.5  # the pool alone: no model config
+
+
+def test_an_override_pool_is_counted_against_the_memory_the_engine_was_given() -> None:
+    """``num_gpu_blocks_override`` (a pool smaller than what the engine holds): the budget is
+    weights + the KV memory the gateway gave a managed engine, as the live env counts it, so the
+    80 % ceiling does not hold the small pool at ~60 % (vLLM's preemption is its limit). Not
+    managed, or no override: weights + the pool, as before."""
+    from batchpilot.serving.upstream import _cache_config
+
+    labels = ('vllm:cache_config_info{block_size="32",cache_dtype="auto",num_gpu_blocks="96",'
+              'num_gpu_blocks_override="96",gpu_memory_utilization="0.9"} 1.0')
+    assert _cache_config(labels) == (96, 32, "auto", 96)
+    assert _cache_config(labels.replace('num_gpu_blocks_override="96"', 'num_gpu_blocks_override="None"'))[3] is None
+    gw, _ = _gateway("pid", {"kind": "pid"})
+    lane = gw.lanes[0]
+    model = ModelMemory.from_hf_config({"num_hidden_layers": 4, "num_attention_heads": 8, "hidden_size": 512},
+                                       weights_bytes=50e6)
+    pool = 96 * model.kv_block_bytes("auto", 32)
+    given = 2.0**30
+    lane.upstream.info = EngineInfo(model="m", max_model_len=2048, num_kv_blocks=96, block_size=32, kv_dtype="auto",
+                                    num_kv_blocks_override=96)
+    mem, _ = upstream_engine_model(lane, 256, managed=True, model=model, given_kv_bytes=given)
+    assert mem.budget_bytes == 50e6 + given and "override" in mem.source and mem.known
+    for kwargs in ({"given_kv_bytes": None}, {"given_kv_bytes": given, "no_override": True}):
+        if kwargs.pop("no_override", False):
+            lane.upstream.info.num_kv_blocks_override = None
+        other, _ = upstream_engine_model(lane, 256, managed=True, model=model, **kwargs)
+        assert other.budget_bytes == 50e6 + pool and other.source == "model"
+    # The whole pool in use stays under the ceiling with the given budget; with weights + pool it does not.
+    shield_cfg = ShieldConfig.from_cfg(gw.settings.shield)
+    assert (50e6 + pool) / mem.budget_bytes < shield_cfg.memory_ceiling < (50e6 + pool) / other.budget_bytes

@@ -31,17 +31,23 @@ def cpu_simd_flags() -> list[str]:
     return []
 
 
+def engines_run_on_cpu() -> bool:
+    """Whether a vLLM engine started on this machine runs on its CPUs (no CUDA device). May
+    import torch: ask once per engine start, not per request."""
+    try:
+        import torch
+
+        return not torch.cuda.is_available()
+    except ImportError:  # pragma: no cover - torch comes with vLLM
+        return True
+
+
 def cpu_kv8_unavailable_reason() -> str | None:
     """Why vLLM on this machine cannot run an 8-bit KV cache, or None: on CPUs its attention
     needs AVX-512 or AMX for fp8 KV; a CUDA machine is assumed able. Asked once per engine
     start (it may import torch), for engines running on this machine only."""
-    try:
-        import torch
-
-        if torch.cuda.is_available():
-            return None
-    except ImportError:  # pragma: no cover - torch comes with vLLM
-        pass
+    if not engines_run_on_cpu():
+        return None
     flags = cpu_simd_flags()
     if "avx512f" in flags or "amx_tile" in flags:
         return None
