@@ -284,6 +284,7 @@ def test_the_shipped_configs_build_their_objects() -> None:
     assert ShieldConfig.from_cfg(serve.shield).breaker_shrink == 0.8
 
 
+@pytest.mark.slow  # every shipped file of two groups composed
 @pytest.mark.parametrize("group", ["hardware", "model"])
 def test_every_shipped_hardware_and_model_composes_and_builds(group) -> None:
     cls = {"hardware": HardwareSpec, "model": ModelSpec}[group]

@@ -81,6 +81,7 @@ def small_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict
     return out, _run(out)
 
 
+@pytest.mark.slow  # a whole evaluation run (the module's small_run)
 def test_small_run_writes_rows_with_every_key(small_run: tuple[Path, list[dict]]) -> None:
     out, rows = small_run
     assert len(rows) == 2 * 3
@@ -100,6 +101,7 @@ def test_small_run_writes_rows_with_every_key(small_run: tuple[Path, list[dict]]
     assert len({r["completed"] + r["rejected"] for r in data if r["seed"] == 0}) == 1
 
 
+@pytest.mark.slow  # a whole evaluation run (the module's small_run)
 def test_small_run_writes_the_table_and_plots(small_run: tuple[Path, list[dict]]) -> None:
     out, rows = small_run
     md = (out / "results.md").read_text()
@@ -114,6 +116,7 @@ def test_small_run_writes_the_table_and_plots(small_run: tuple[Path, list[dict]]
     assert all(len(t["batch_cap"]) == len(t["time"]) > 10 for t in tl)
 
 
+@pytest.mark.slow  # a whole evaluation run (the module's small_run)
 def test_rows_are_deterministic_by_seed(small_run: tuple[Path, list[dict]], tmp_path: Path) -> None:
     _, rows = small_run
     again = _run(tmp_path)
