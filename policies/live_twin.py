@@ -31,7 +31,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -170,7 +170,8 @@ def run_twin(tf: TimedTraceFile, scenario: Mapping[str, Any], slo: Mapping[str, 
 
 def _twin_runner(tf: TimedTraceFile, scenario: Mapping[str, Any], slo: Mapping[str, Any], *, paths: Sequence[str],
                  vllm_args: Sequence[Any], priority: int | None, seed: int, extra_overrides: Sequence[str] = (),
-                 policy_overrides: Mapping[str, Any] | None = None, policy_dirs: Mapping[str, str] | None = None):
+                 policy_overrides: Mapping[str, Any] | None = None,
+                 policy_dirs: Mapping[str, str] | None = None) -> Callable[[str, float, Any], dict[str, Any]]:
     """Compose the twin's config once (Hydra's compose is most of a short twin's time); the
     returned ``run(path, slowdown, log)`` plays one path's episode and gives its row."""
     from batchpilot.policies.evaluation import (
@@ -268,15 +269,14 @@ def match_slowdown(tf: TimedTraceFile, scenario: Mapping[str, Any], slo: Mapping
         return float(run(MATCH_PATH, k, lambda *_: None)[MATCH_KEY])
 
     out.update(target_ms=target, profile_ms=sim(1.0))
-    lo, hi = math.log(SLOWDOWN_RANGE[0]), math.log(SLOWDOWN_RANGE[1])
     f_lo, f_hi = sim(SLOWDOWN_RANGE[0]), sim(SLOWDOWN_RANGE[1])
     if not f_lo < target < f_hi:
         k, got = (SLOWDOWN_RANGE[0], f_lo) if target <= f_lo else (SLOWDOWN_RANGE[1], f_hi)
         out.update(slowdown=k, sim_ms=got, reason=f"the live {MATCH_KEY} {target:.3g} ms is outside what the twin "
                    f"gives over slowdowns {SLOWDOWN_RANGE} ({f_lo:.3g}–{f_hi:.3g} ms): held at {k}")
         return out
-    k, got = 1.0, out["profile_ms"]
-    for _ in range(max_iter):
+    lo, hi = math.log(SLOWDOWN_RANGE[0]), math.log(SLOWDOWN_RANGE[1])
+    for _ in range(max(1, max_iter)):
         mid = 0.5 * (lo + hi)
         k, got = math.exp(mid), sim(math.exp(mid))
         if abs(got - target) <= rel_tol * target:

@@ -97,7 +97,7 @@ def upstream_engine_model(lane: Lane, max_num_seqs: int, managed: bool,
                           kv_block_bytes=zero, num_kv_blocks_total=0,
                           source=f"unknown: {lane.name}'s /metrics has no vllm:cache_config_info {missing}")
     elif model is not None:
-        given = info.num_kv_blocks_override is not None and given_kv_bytes is not None  # (info is set here)
+        given = info is not None and info.num_kv_blocks_override is not None and given_kv_bytes is not None
         mem = model.memory_model(block_size=block_size, num_blocks=blocks,
                                  kv_dtype=running if running in KV_DTYPES_16BIT + KV_DTYPES_8BIT else "auto",
                                  budget_bytes=model.weights_bytes + float(given_kv_bytes) if given else None)

@@ -134,11 +134,12 @@ def test_an_override_pool_is_counted_against_the_memory_the_engine_was_given() -
                                     num_kv_blocks_override=96)
     mem, _ = upstream_engine_model(lane, 256, managed=True, model=model, given_kv_bytes=given)
     assert mem.budget_bytes == 50e6 + given and "override" in mem.source and mem.known
-    for kwargs in ({"given_kv_bytes": None}, {"given_kv_bytes": given, "no_override": True}):
-        if kwargs.pop("no_override", False):
-            lane.upstream.info.num_kv_blocks_override = None
-        other, _ = upstream_engine_model(lane, 256, managed=True, model=model, **kwargs)
-        assert other.budget_bytes == 50e6 + pool and other.source == "model"
+    # Not managed (nothing given), then no override: weights + the pool.
+    other, _ = upstream_engine_model(lane, 256, managed=True, model=model, given_kv_bytes=None)
+    assert other.budget_bytes == 50e6 + pool and other.source == "model"
+    lane.upstream.info.num_kv_blocks_override = None
+    other, _ = upstream_engine_model(lane, 256, managed=True, model=model, given_kv_bytes=given)
+    assert other.budget_bytes == 50e6 + pool and other.source == "model"
     # The whole pool in use stays under the ceiling with the given budget; with weights + pool it does not.
     shield_cfg = ShieldConfig.from_cfg(gw.settings.shield)
     assert (50e6 + pool) / mem.budget_bytes < shield_cfg.memory_ceiling < (50e6 + pool) / other.budget_bytes

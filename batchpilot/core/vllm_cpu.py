@@ -4,6 +4,7 @@ gateway's managed ``vllm serve`` processes (``serving/``) share. Torch-free: it 
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 from typing import MutableMapping
@@ -31,9 +32,10 @@ def cpu_simd_flags() -> list[str]:
     return []
 
 
+@functools.cache
 def engines_run_on_cpu() -> bool:
-    """Whether a vLLM engine started on this machine runs on its CPUs (no CUDA device). May
-    import torch: ask once per engine start, not per request."""
+    """Whether a vLLM engine started on this machine runs on its CPUs (no CUDA device). Asked
+    once per process (it may import torch); the answer does not change while it runs."""
     try:
         import torch
 
