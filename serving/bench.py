@@ -1,8 +1,8 @@
 """``bench_gateway(cfg)``: the latency the gateway adds over calling ``vllm serve`` directly.
 
 One ``vllm serve`` (tiny model, started here) and one gateway process in front of it. A
-single client sends pairs of identical requests at a fixed rate, one straight to vLLM and one
-through the gateway (order alternating), one at a time so nothing queues; max_tokens=1 keeps
+single client sends rounds of identical requests at a fixed rate, straight to vLLM and
+through the gateway (order rotating), one at a time so nothing queues; max_tokens=1 keeps
 the engine's own noise small. Reported:
 
 - ``overhead_p50_ms`` / ``overhead_p99_ms`` (the headline): percentiles of the per-pair
@@ -13,7 +13,14 @@ the engine's own noise small. Reported:
   the same percentile direct. The difference of two tails: vLLM's own p99 moves by milliseconds
   between runs, so it came out negative in some runs (-6.6 ms once, with a paired p99 of 5.6 ms);
 - ``internal_*``: time spent inside the gateway's handler (its ``x-gateway-overhead-ms``
-  header: before the upstream call plus after it), without the extra HTTP hop.
+  header: before the upstream call plus after it), without the extra HTTP hop;
+- ``control_*``: the same per-pair statistic for two *direct* calls of one round (an A/A
+  control): how far vLLM alone moves between two calls a few milliseconds apart. The paired
+  figure carries this noise on top of what the gateway adds;
+- ``added_*``: per request, the client's latency through the gateway minus the time the
+  gateway spent waiting for vLLM (its ``Server-Timing: upstream;dur=``): the client-to-gateway
+  hop and the handler, without vLLM's own variation. It leaves out the difference between the
+  gateway-to-vLLM hop and the client-to-vLLM hop a direct call makes (both local TCP).
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ import sys
 import time
 from typing import Any
 
+import aiohttp
 import httpx
 import numpy as np
 
@@ -46,24 +54,42 @@ def _wait(url: str, path: str, timeout_s: float, proc: subprocess.Popen) -> None
 
 
 async def _pairs(direct: str, gateway: str, model: str, b: GatewayBenchConfig, n: int) -> dict[str, list[float]]:
-    out: dict[str, list[float]] = {"direct": [], "gateway": [], "internal": []}
+    """``n`` rounds of three identical requests (direct, through the gateway, direct again), in
+    an order that rotates round by round; the second direct call is the A/A control."""
+    out: dict[str, list[float]] = {"direct": [], "gateway": [], "direct_again": [], "internal": [], "upstream": []}
     body = {"model": model, "prompt": b.prompt, "max_tokens": b.max_tokens}
-    async with httpx.AsyncClient(timeout=30) as c:
+    calls = (("direct", direct), ("gateway", gateway), ("direct_again", direct))
+    # aiohttp, as in vLLM's own benchmark client: a lighter client than httpx, whose own time
+    # (and its tail) is in every measured call, direct or not.
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as c:
         t0 = time.monotonic()
         for i in range(n):
             delay = t0 + i / b.rate - time.monotonic()
             if delay > 0:
                 await asyncio.sleep(delay)
-            order = (("direct", direct), ("gateway", gateway))
-            for name, url in (order if i % 2 == 0 else order[::-1]):
+            for name, url in calls[i % 3:] + calls[:i % 3]:
                 s = time.perf_counter()
-                r = await c.post(url + "/v1/completions", json=body)
+                async with c.post(url + "/v1/completions", json=body) as r:
+                    text = await r.text()
                 out[name].append((time.perf_counter() - s) * 1e3)
-                if r.status_code != 200:
-                    raise RuntimeError(f"{name} request failed: {r.status_code} {r.text[:200]}")
+                if r.status != 200:
+                    raise RuntimeError(f"{name} request failed: {r.status} {text[:200]}")
                 if name == "gateway":
                     out["internal"].append(float(r.headers["x-gateway-overhead-ms"]))
+                    out["upstream"].append(server_timing(r.headers["server-timing"], "upstream"))
     return out
+
+
+def server_timing(header: str, metric: str) -> float:
+    """The ``dur`` of ``metric`` in a Server-Timing header (``upstream;dur=12.3, ...``)."""
+    for entry in header.split(","):
+        name, *params = (part.strip() for part in entry.split(";"))
+        if name == metric:
+            for param in params:
+                key, _, value = param.partition("=")
+                if key == "dur":
+                    return float(value)
+    raise ValueError(f"no {metric!r} duration in Server-Timing header {header!r}")
 
 
 def bench_gateway(cfg: Any) -> dict[str, Any]:
@@ -106,6 +132,8 @@ def bench_gateway(cfg: Any) -> dict[str, Any]:
         vllm.stop()
     d, g, i = (np.asarray(res[k]) for k in ("direct", "gateway", "internal"))
     diff = g - d
+    control = np.asarray(res["direct_again"]) - d
+    outside = g - np.asarray(res["upstream"])
     p = lambda x, q: round(float(np.percentile(x, q)), 3)  # noqa: E731
     lo, hi = _paired_p99_interval(diff)
     return {
@@ -119,6 +147,10 @@ def bench_gateway(cfg: Any) -> dict[str, Any]:
         "tail_difference_p50_ms": round(p(g, 50) - p(d, 50), 3),
         "tail_difference_p99_ms": round(p(g, 99) - p(d, 99), 3),
         "internal_p50_ms": p(i, 50), "internal_p99_ms": p(i, 99),
+        "control_p50_ms": p(control, 50), "control_p99_ms": p(control, 99),
+        "control_p99_ci95_ms": list(_paired_p99_interval(control)),
+        "added_p50_ms": p(outside, 50), "added_p99_ms": p(outside, 99),
+        "added_p99_ci95_ms": list(_paired_p99_interval(outside)),
     }
 
 

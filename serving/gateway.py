@@ -417,8 +417,10 @@ async def _forward(gw: Gateway, lane: Lane, req: EngineRequest, bucket: int, bod
         timer.finish(ok=resp.status == 200, content=content)
         if sampled is not None and resp.status == 200:
             gw.quality.submit(sampled)
-        # Time spent in the gateway itself (before the upstream call and after it), for benchmarks.
+        # Time spent in the gateway itself (before the upstream call and after it), and waiting
+        # for the upstream (W3C Server-Timing), so a client can split its latency per request.
         resp_headers["x-gateway-overhead-ms"] = f"{(timer.t_send - t_arrival + time.monotonic() - t_recv) * 1e3:.3f}"
+        resp_headers["server-timing"] = f"upstream;dur={(t_recv - timer.t_send) * 1e3:.3f}"
         return Response(content, status_code=resp.status, headers=resp_headers)
     if sampled is not None:
         gw.quality.submit(sampled)

@@ -11,6 +11,8 @@ import httpx
 import pytest
 from gateway_helpers import AUTH, TRUSTED, RunningGateway, running_gateway
 
+from batchpilot.serving.bench import server_timing
+
 pytestmark = [pytest.mark.live, pytest.mark.slow, pytest.mark.timeout(600)]
 
 
@@ -38,6 +40,9 @@ def test_completion_non_streaming(gw: RunningGateway) -> None:
     assert body["usage"]["completion_tokens"] == 5
     assert body["usage"]["prompt_tokens"] > 0
     assert body["choices"][0]["finish_reason"] == "length"
+    # The split a benchmark reads per request: time waiting for vLLM, time in the gateway.
+    upstream_ms = server_timing(r.headers["server-timing"], "upstream")
+    assert 0 < upstream_ms and 0 <= float(r.headers["x-gateway-overhead-ms"]) < upstream_ms + 1e3
 
 
 def test_completion_streaming_passes_sse_through(gw: RunningGateway) -> None:

@@ -316,3 +316,12 @@ async def test_a_stream_whose_client_left_before_its_first_byte_frees_its_slot()
     stream = SlotStream(body(), lambda: closed.append(True), status_code=200)
     await stream({"type": "http", "asgi": {"spec_version": "2.3"}}, receive, send)
     assert closed == [True] and not started
+
+
+def test_server_timing_header_parse() -> None:
+    from batchpilot.serving.bench import server_timing
+
+    assert server_timing("upstream;dur=12.5", "upstream") == 12.5
+    assert server_timing('db;desc="x", upstream ; dur=3', "upstream") == 3.0
+    with pytest.raises(ValueError, match="no 'upstream' duration"):
+        server_timing("upstream;desc=slow", "upstream")
