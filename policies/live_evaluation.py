@@ -12,8 +12,10 @@ that no path always runs first or last:
 - ``static`` / ``pid`` / ``ppo``: the client at the gateway, whose controller is switched
   through its admin API (``/admin/mode``: static, pid, policy). Before each gateway path the
   knobs are reset at once to the start-up ones (``/admin/freeze`` with ``force``) and the KV
-  dtype to the start-up one (``/admin/kv_dtype`` with ``force``, a managed restart), so a path
-  starts where the previous one started, not where it left the knobs.
+  dtype to the start-up one (``/admin/kv_dtype`` with ``force``, a managed restart), and the
+  control state is reset (``/admin/reset``: breaker level, PID's integral, a policy's residual,
+  the telemetry windows), so a path starts where the previous one started, not where it left the
+  knobs or under its breaker and latency windows.
 
 Every run replays the same window (same arrival times and lengths) with its own ``hash_ids``
 salt, so no run hits the prompts another run left in vLLM's prefix cache. Between runs the
@@ -253,8 +255,9 @@ def gateway_idle(gw: GatewayProcess) -> bool:
 
 
 def prepare_path(gw: GatewayProcess, path: str, timeout_s: float, policy_dir: str | None = None) -> None:
-    """Put the gateway in the state a path starts from: start-up KV dtype and knobs, and the
-    path's controller (``static`` while ``vllm_direct`` runs). ``policy_dir``: a policy path's
+    """Put the gateway in the state a path starts from: start-up KV dtype and knobs, the
+    path's controller (``static`` while ``vllm_direct`` runs) and fresh control state
+    (``/admin/reset``: breaker, controllers' memory, telemetry windows). ``policy_dir``: a policy path's
     artifact, loaded into the gateway first (``/admin/policy/reload``, no canary)."""
     init = gw.initial_knobs
     if gw.lane()["knobs_in_force"].get("kv_dtype") != init.get("kv_dtype"):
@@ -271,6 +274,8 @@ def prepare_path(gw: GatewayProcess, path: str, timeout_s: float, policy_dir: st
     if mode == "policy" and out.get("acting") != "policy":
         raise LiveEvaluationError(f"the gateway would not run the policy (acting={out.get('acting')}, "
                                   f"fallback: {out.get('fallback_reason')})")
+    # Not under the last run's breaker, PID integral or latency windows.
+    gw.admin("reset", {"force": True})
 
 
 # --- the client ------------------------------------------------------------------------------

@@ -159,6 +159,22 @@ async def set_kv_dtype(request: Request) -> dict[str, Any]:
         raise BadRequest("invalid_field", str(exc)) from None
 
 
+class ResetBody(_Body):
+    #: Required: a reset lifts the breaker, an override of the shield's state.
+    force: bool = False
+
+
+@router.post("/reset", dependencies=[Depends(_require_token)])
+async def reset_control(request: Request) -> dict[str, Any]:
+    """Body: ``{"force": true}``. Control state back to start-up (breaker, controllers'
+    memory, telemetry windows); knobs, mode and policy stay. Logged, counted, in status."""
+    body = await _body(request, ResetBody)
+    if not body.force:
+        raise BadRequest("force_required", "a reset lifts the breaker: send {\"force\": true} to mean it")
+    request.app.state.gateway.control.reset_state()
+    return {"ok": True}
+
+
 @router.post("/quality/reset", dependencies=[Depends(_require_token)])
 async def quality_reset(request: Request) -> dict[str, Any]:
     request.app.state.gateway.quality.reset()

@@ -326,6 +326,26 @@ class ControlLoop:
         self._note(f"knobs {'frozen' if frozen else 'released'}"
                    + (f", walking towards {knobs}" if self.target else ""))
 
+    def reset_state(self) -> None:
+        """Control state back to start-up on every lane: the breaker (and its shedding), every
+        controller's memory (PID's integral and settle timer, a policy's residual), the
+        telemetry windows and counters; knobs, mode, policy and the KV dwell are kept. For an
+        operator after maintenance, and for back-to-back experiments, where each run must not
+        start under the last one's breaker and latency windows. Lifting a breaker is an
+        override: logged, counted, in status."""
+        now = time.monotonic()
+        for ln in self.gw.lanes:
+            ctl = self.lane_ctl[ln.index]
+            last_switch = ctl.shield.last_dtype_switch
+            ctl.shield.reset(now)
+            ctl.shield.last_dtype_switch = last_switch  # a reset is no licence to switch again sooner
+            ctl.trip = BreakerTrip()
+            for controller in (ctl.pid, ctl.static, *self.policies.lane_policies(ln.index)):
+                controller.reset(ln.knobs)
+            ln.telemetry.reset(now)
+            ctl.last_acting, ctl.last_snapshot, ctl.stale_intervals = None, None, 0
+        self._override("reset", "control state reset: breaker, controller memory and telemetry windows")
+
     def _override(self, kind: str, what: str) -> None:
         self.gw.metrics.admin_overrides.labels(kind).inc()
         self.overrides = (self.overrides + [f"{time.strftime('%H:%M:%S')} {kind}: {what}"])[-20:]

@@ -171,6 +171,11 @@ class PolicyManager:
         assert self.policy is not None
         return self.policy.for_lane(lane_index), "policy"
 
+    def lane_policies(self, lane_index: int) -> list[PPOController]:
+        """The loaded policy's and the canary's controllers for one lane (to reset them)."""
+        loaded = [self.policy, self.canary.policy if self.canary is not None else None]
+        return [p.for_lane(lane_index) for p in loaded if p is not None]
+
     def canary_lanes(self, num_lanes: int) -> set[int] | None:
         """With several upstreams and a canary on trial: the lanes it drives (routing sends them
         a fixed ``share`` of requests, so the verdict compares like with like: least-loaded

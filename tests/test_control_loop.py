@@ -104,6 +104,28 @@ def test_a_forced_freeze_jumps_and_is_logged_counted_and_shown() -> None:
     assert any("operator override (force)" in e for e in loop.events)
 
 
+def test_a_reset_clears_the_breaker_and_controller_memory_and_is_counted() -> None:
+    """Back-to-back experiments (the live evaluation) must not start under the last run's
+    breaker, PID integral and latency windows; the KV dwell survives a reset."""
+    gw, loop = _gateway("pid", {"kind": "pid"})
+    lane = gw.lanes[0]
+    ctl = loop.lane_ctl[lane.index]
+    _ticks(loop, lane, 2)
+    lane.check_error_answer(500, b'{"object":"error","message":"CUDA out of memory"}')
+    _ticks(loop, lane, 1, start=2100.0)
+    lane.telemetry.on_arrival(2100.5, 100)
+    ctl.shield.last_dtype_switch = 2050.0
+    ctl.pid.integral, ctl.pid.prev_error = 1.5, -0.4  # what a run leaves behind
+    assert ctl.shield.breaker_level == 1 and ctl.last_acting == "pid"
+    loop.reset_state()
+    assert ctl.shield.breaker_level == 0 and ctl.shield.num_breached_in_row == 0
+    assert ctl.shield.last_dtype_switch == 2050.0  # no licence to switch KV again sooner
+    assert ctl.last_acting is None and lane.telemetry._arrivals == 0
+    assert ctl.pid.integral == 0.0 and ctl.pid.prev_error is None
+    assert gw.metrics.admin_overrides.labels("reset")._value.get() == 1
+    assert any("reset" in o for o in loop.status()["overrides"])
+
+
 def test_refused_operator_calls_change_nothing() -> None:
     import pytest
 
