@@ -532,19 +532,22 @@ def make_controller(policy: Mapping[str, Any], plan: WorkloadPlan, name: str | N
         raise EvaluationError(f"policy {name!r} cannot be built: {e}.{hint}") from e
 
 
-def start_knobs(policy: Mapping[str, Any], plan: WorkloadPlan) -> Knobs | None:
+def start_knobs(policy: Mapping[str, Any], plan: WorkloadPlan, controller: Controller | None = None) -> Knobs | None:
     """The knobs an episode starts with: a static setting from t=0 (vLLM started that way),
-    PID/AIMD at their ``initial_batch_cap``; None = the environment's defaults (PPO, as trained)."""
+    PID/AIMD at their ``initial_batch_cap``; a residual policy at the cap of the PID it corrects
+    (``controller.initial_batch_cap``: its factor 1 is that PID, so it starts where PID starts);
+    None = the environment's defaults (an absolute policy, as trained)."""
     kind = policy.get("kind")
     if kind == "static":
         cap = policy.get("batch_cap")
         cap = plan.max_num_seqs if cap is None else min(int(cap), plan.max_num_seqs)
         return Knobs(max(1, cap), str(policy.get("bucketing", "fifo")), str(policy.get("kv_dtype", "auto")))
-    if "initial_batch_cap" in policy:
-        cap = min(int(policy["initial_batch_cap"]), plan.max_num_seqs)
-        bucketing = str(policy.get("bucketing", plan.cfg.env.initial_bucketing))
-        return Knobs(max(1, cap), bucketing, str(plan.cfg.engine.get("kv_dtype", "auto")))
-    return None
+    start = policy.get("initial_batch_cap", getattr(controller, "initial_batch_cap", None))
+    if start is None:
+        return None
+    cap = min(int(start), plan.max_num_seqs)
+    bucketing = str(policy.get("bucketing", plan.cfg.env.initial_bucketing))
+    return Knobs(max(1, cap), bucketing, str(plan.cfg.engine.get("kv_dtype", "auto")))
 
 
 # --- episodes -------------------------------------------------------------------------------
@@ -646,7 +649,8 @@ def run_policy(
     engine starts once per controller, not once per seed)."""
     from batchpilot.envs.serving_env import ServingEnv
 
-    knobs = start_knobs(policy, plan)
+    controller = make_controller(policy, plan)
+    knobs = start_knobs(policy, plan, controller)
     if knobs is not None and knobs.kv_dtype != "auto" and not plan.kv_runnable.get(knobs.kv_dtype, False):
         raise EvaluationError(
             f"policy {policy.get('name', policy.get('kind'))!r} wants kv_dtype {knobs.kv_dtype!r}, which this "
@@ -655,7 +659,6 @@ def run_policy(
     as_shipped = bool(policy.get(AS_SHIPPED_KEY, False))
     env = ServingEnv(cfg=episode_config(plan, knobs, as_shipped))
     try:
-        controller = make_controller(policy, plan)
         warm = plan.cfg.engine.get("warmup")
         if plan.cfg.engine.kind == "vllm" and warm and float(warm.get("seconds", 0)) > 0:
             # A fresh live engine runs ~3x slower through its first minute: warm it first

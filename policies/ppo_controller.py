@@ -107,6 +107,11 @@ class PPOController:
             raise PolicyLoadError(f"policy artifact {path}: bad controller.pid in the manifest: {exc}") from exc
         #: PID: the base a residual policy scales, and who acts outside the training range.
         self.residual = ResidualPID(self._pid_cfg)
+        #: Where an episode under this policy starts: a residual policy where its PID starts
+        #: (factor 1 is that PID); None = the environment's default start (an absolute policy).
+        self.initial_batch_cap: int | None = (
+            self._pid_cfg.initial_batch_cap if self.action_mode == "residual_pid" else None
+        )
         self.ood_margin = float(ood_margin)
         self.obs_low, self.obs_high = _observation_range(cfg.get("observation_range"), path, self.ood_margin)
         self.num_decisions = 0
