@@ -787,6 +787,10 @@ class LiveScenarioConfig:
     chunk_tokens: int
     #: Appended to the managed vLLM's arguments.
     vllm_args: list[str]
+    #: Size the load to this machine: the window is replayed at this multiple of what vLLM
+    #: serves here (a saturated probe of the same requests, straight to vLLM, after warm-up);
+    #: ``time_scale`` then only picks the window's shape. null = the rate as written.
+    load_multiple: float | None
 
 # --- app configs: the top-level keys of conf/<app>.yaml -------------------------------------
 # Each app's top config lists its schema first (``- /schema/<app>@_here_``), so a mistyped

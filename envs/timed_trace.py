@@ -96,6 +96,20 @@ class TimedTraceFile:
         return ["--dataset-name", "timed_trace", "--timed-trace-chunk-hash-size", str(self.chunk_tokens),
                 "--timed-trace-sec-multiplier", "1"]
 
+    @property
+    def rate(self) -> float:
+        """Mean arrival rate of the window, requests per second of the replay clock."""
+        return len(self.records) / max(self.duration_s, 1e-9)
+
+    def time_stretched(self, factor: float) -> "TimedTraceFile":
+        """The same requests, every timestamp and the duration multiplied by ``factor``
+        (< 1: replayed faster, more load); order, gaps' shape and lengths unchanged."""
+        if not (math.isfinite(factor) and factor > 0):
+            raise ValueError(f"time stretch must be a finite number > 0, got {factor!r}")
+        records = tuple({**r, "timestamp": round(float(r["timestamp"]) * factor, 6)} for r in self.records)
+        return replace(self, records=records, duration_s=self.duration_s * factor,
+                       summary=f"{self.summary}; timestamps x{factor:.3g}")
+
     def salted(self, salt: int) -> list[dict[str, Any]]:
         """The records with every hash id moved into salt ``salt``'s range (no prefix shared
         with another salt's replay); timestamps and lengths unchanged."""

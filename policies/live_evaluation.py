@@ -449,6 +449,7 @@ def live_evaluate(cfg: DictConfig, model_dir: Path | None = None) -> dict[str, A
     client_cfg = OmegaConf.to_container(cfg.client, resolve=True)
     assert isinstance(client_cfg, dict)
     rows: list[dict[str, Any]] = []
+    load: dict[str, float] = {}
     salt = 0
     t_start = time.monotonic()
     with running_gateway(cfg, scenario, model_dir, served, out_dir / "gateway.log") as gw:
@@ -494,6 +495,16 @@ def live_evaluate(cfg: DictConfig, model_dir: Path | None = None) -> dict[str, A
                 print(f"live_evaluate: warm-up {path}: {res.get('completed')} of {len(warm)} completed "
                       f"in {time.monotonic() - t0:.0f} s", flush=True)
 
+        if scenario.load_multiple is not None:  # sized to this machine: a saturated probe first
+            load = capacity_probe(lambda recs: one_run(BASELINE, recs, "capacity_probe")[0], tf)
+            tf = tf.time_stretched(tf.rate / (float(scenario.load_multiple) * load["capacity_req_s"]))
+            load.update(load_multiple=float(scenario.load_multiple), replayed_rate_req_s=tf.rate,
+                        time_stretch=tf.duration_s / load["written_duration_s"])
+            print(f"live_evaluate: capacity probe: vLLM served the window's {len(tf)} requests at "
+                  f"{load['capacity_req_s']:.2f} req/s (all sent at once); replaying at "
+                  f"{tf.rate:.2f} req/s = {scenario.load_multiple} x that (written: {load['written_rate_req_s']:.2f})",
+                  flush=True)
+
         for rnd, paths_r in enumerate(order):
             for pos, path in enumerate(paths_r):
                 res, extra = one_run(path, tf.records, f"r{rnd}_{path}")
@@ -504,13 +515,15 @@ def live_evaluate(cfg: DictConfig, model_dir: Path | None = None) -> dict[str, A
                 print(f"live_evaluate: round {rnd} {path}: goodput {row['request_goodput']:.3f} req/s, "
                       f"{row['completed']}/{row['requests']} completed, {row['failed']} failed, "
                       f"preemptions {row['preemptions']:.0f}, wall {row['wall_s']:.0f} s", flush=True)
-                write_results(rows, out_dir, meta=_meta(cfg, tf, order, pdirs), plots=False)
-    files = write_results(rows, out_dir, meta=_meta(cfg, tf, order, pdirs), plots=bool(cfg.plots))
+                write_results(rows, out_dir, meta=_meta(cfg, tf, order, pdirs, load), plots=False)
+    files = write_results(rows, out_dir, meta=_meta(cfg, tf, order, pdirs, load), plots=bool(cfg.plots))
     if cfg.sim_twin:  # the same requests on the calibrated simulator (policies/live_twin.py)
         from batchpilot.policies.live_twin import header_priority, twin_of_rows, write_twin
 
         sc = OmegaConf.to_container(scenario, resolve=True)
         assert isinstance(sc, dict)
+        if load:  # the twin replays the window at the rate the live runs had
+            sc["time_scale"] = float(sc["time_scale"]) / load["time_stretch"]
         twin, match = twin_of_rows(tf, sc, {"ttft_ms": cfg.slo.ttft_ms, "tpot_ms": cfg.slo.tpot_ms}, rows,
                                    paths=paths, match=bool(cfg.twin_match),
                                    vllm_args=[*cfg.gateway.extra_vllm_args, *scenario.vllm_args],
@@ -523,12 +536,28 @@ def live_evaluate(cfg: DictConfig, model_dir: Path | None = None) -> dict[str, A
     return {"rows": rows, "files": files, "trace": tf}
 
 
-def _meta(cfg: DictConfig, tf: TimedTraceFile, order: list[list[str]], pdirs: Mapping[str, str]) -> dict[str, Any]:
+def _meta(cfg: DictConfig, tf: TimedTraceFile, order: list[list[str]], pdirs: Mapping[str, str],
+          load: Mapping[str, float]) -> dict[str, Any]:
     return {"scenario": OmegaConf.to_container(cfg.live_scenario, resolve=True), "trace": tf.summary,
             "requests_per_run": len(tf), "window_s": tf.duration_s, "order": order,
             "slo": {"ttft_ms": cfg.slo.ttft_ms, "tpot_ms": cfg.slo.tpot_ms},
             "warmup_requests": int(cfg.warmup.requests), "host_cpus": os.cpu_count(),
-            "policies": dict(pdirs)}
+            "policies": dict(pdirs), "load": dict(load)}
+
+
+def capacity_probe(run: Callable[[Sequence[Mapping[str, Any]]], Mapping[str, Any]],
+                   tf: TimedTraceFile) -> dict[str, float]:
+    """What vLLM serves on this machine for the window's own requests: all of them sent at
+    once, straight to vLLM, the client's request throughput. The scenarios' written rates were
+    sized on one machine; a faster one served ``mixed`` with every request inside the SLO
+    (nothing to control), a slower one would drown every path."""
+    res = run([{**r, "timestamp": 0.0} for r in tf.records])
+    cap = float(res.get("request_throughput") or 0.0)
+    if not (math.isfinite(cap) and cap > 0) or int(res.get("completed") or 0) < len(tf):
+        raise LiveEvaluationError(f"capacity probe: vLLM completed {res.get('completed')} of {len(tf)} requests "
+                                  f"({cap} req/s); cannot size the load (set live_scenario.load_multiple=null "
+                                  f"to replay the written rate)")
+    return {"capacity_req_s": cap, "written_rate_req_s": tf.rate, "written_duration_s": tf.duration_s}
 
 
 # --- results out -----------------------------------------------------------------------------

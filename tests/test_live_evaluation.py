@@ -75,6 +75,18 @@ def test_time_scale_and_max_requests() -> None:
     assert len(cut) == 7 and cut.records == slow.records[:7]
 
 
+def test_time_stretch_sets_the_rate_and_keeps_the_requests() -> None:
+    tf = convert_trace(AZURE, "azure", _opts(duration_s=60.0))
+    fast = tf.time_stretched(tf.rate / (3 * tf.rate))  # a load multiple of 3 on a 'capacity' of tf.rate
+    assert fast.rate == pytest.approx(3 * tf.rate) and fast.duration_s == pytest.approx(tf.duration_s / 3)
+    assert [(r["input_length"], r["output_length"], r["hash_ids"]) for r in fast.records] == \
+        [(r["input_length"], r["output_length"], r["hash_ids"]) for r in tf.records]
+    assert [r["timestamp"] for r in fast.records] == pytest.approx([r["timestamp"] / 3 for r in tf.records], abs=1e-5)
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="time stretch"):
+            tf.time_stretched(bad)
+
+
 def test_prefix_sharing_is_kept_and_salts_share_nothing() -> None:
     moon = convert_trace(MOONCAKE, "mooncake", _opts(duration_s=300.0))
     firsts = [r["hash_ids"][0] for r in moon.records]
@@ -233,7 +245,8 @@ def test_short_live_evaluation(tmp_path: Path, tiny_model_path: Path) -> None:
 
     n = 24
     cfg = load_config(["rounds=2", "paths=[vllm_direct,pid]", f"live_scenario.max_requests={n}",
-                       "warmup.requests=6", f"out_dir={tmp_path}"], config_name="live_evaluate")
+                       "live_scenario.load_multiple=2.0", "warmup.requests=6", f"out_dir={tmp_path}"],
+                      config_name="live_evaluate")
     out = live_evaluate(cfg, model_dir=tiny_model_path)
     rows = out["rows"]
     assert [(r["round"], r["path"]) for r in rows] == [(0, "vllm_direct"), (0, "pid"), (1, "pid"), (1, "vllm_direct")]
@@ -246,6 +259,12 @@ def test_short_live_evaluation(tmp_path: Path, tiny_model_path: Path) -> None:
         assert (tmp_path / name).is_file(), name
     data = json.loads((tmp_path / "results.json").read_text())
     assert len(data["rows"]) == 4 and data["meta"]["requests_per_run"] == n
+    # Sized to this machine: a saturated probe of the same requests, then 2x its throughput.
+    load = data["meta"]["load"]
+    assert load["capacity_req_s"] > 0 and load["load_multiple"] == 2.0
+    assert load["replayed_rate_req_s"] == pytest.approx(2.0 * load["capacity_req_s"], rel=1e-3)
+    assert data["meta"]["window_s"] == pytest.approx(n / load["replayed_rate_req_s"], rel=1e-3)
+    assert (tmp_path / "runs" / "capacity_probe.jsonl").is_file()
     assert [d["path"] for d in data["paired_differences"]] == ["pid"]
     # The twin, its speed matched to the live vllm_direct runs (the two of them, nothing else).
     twin = json.loads((tmp_path / "twin.json").read_text())
