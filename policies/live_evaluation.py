@@ -450,6 +450,7 @@ def live_evaluate(cfg: DictConfig, model_dir: Path | None = None) -> dict[str, A
     assert isinstance(client_cfg, dict)
     rows: list[dict[str, Any]] = []
     load: dict[str, float] = {}
+    sized: dict[str, Any] | None = None
     salt = 0
     t_start = time.monotonic()
     with running_gateway(cfg, scenario, model_dir, served, out_dir / "gateway.log") as gw:
@@ -497,12 +498,13 @@ def live_evaluate(cfg: DictConfig, model_dir: Path | None = None) -> dict[str, A
 
         if scenario.load_multiple is not None:  # sized to this machine: a saturated probe first
             load = capacity_probe(lambda recs: one_run(BASELINE, recs, "capacity_probe")[0], tf)
-            tf = tf.time_stretched(tf.rate / (float(scenario.load_multiple) * load["capacity_req_s"]))
+            sized, tf = sized_window(scenario, tf, float(scenario.load_multiple) * load["capacity_req_s"])
             load.update(load_multiple=float(scenario.load_multiple), replayed_rate_req_s=tf.rate,
-                        time_stretch=tf.duration_s / load["written_duration_s"])
-            print(f"live_evaluate: capacity probe: vLLM served the window's {len(tf)} requests at "
-                  f"{load['capacity_req_s']:.2f} req/s (all sent at once); replaying at "
-                  f"{tf.rate:.2f} req/s = {scenario.load_multiple} x that (written: {load['written_rate_req_s']:.2f})",
+                        requests=len(tf), time_scale=sized["time_scale"], window_trace_s=sized["duration_s"])
+            print(f"live_evaluate: capacity probe: vLLM served the window's {load['probe_requests']:.0f} requests "
+                  f"at {load['capacity_req_s']:.2f} req/s (all sent at once); replaying {len(tf)} requests at "
+                  f"{tf.rate:.2f} req/s = {scenario.load_multiple} x that over {tf.duration_s:.1f} s "
+                  f"(written: {load['written_rate_req_s']:.2f} req/s; time_scale {sized['time_scale']:.3g})",
                   flush=True)
 
         for rnd, paths_r in enumerate(order):
@@ -520,10 +522,8 @@ def live_evaluate(cfg: DictConfig, model_dir: Path | None = None) -> dict[str, A
     if cfg.sim_twin:  # the same requests on the calibrated simulator (policies/live_twin.py)
         from batchpilot.policies.live_twin import header_priority, twin_of_rows, write_twin
 
-        sc = OmegaConf.to_container(scenario, resolve=True)
+        sc = sized or OmegaConf.to_container(scenario, resolve=True)  # the window the runs replayed
         assert isinstance(sc, dict)
-        if load:  # the twin replays the window at the rate the live runs had
-            sc["time_scale"] = float(sc["time_scale"]) / load["time_stretch"]
         twin, match = twin_of_rows(tf, sc, {"ttft_ms": cfg.slo.ttft_ms, "tpot_ms": cfg.slo.tpot_ms}, rows,
                                    paths=paths, match=bool(cfg.twin_match),
                                    vllm_args=[*cfg.gateway.extra_vllm_args, *scenario.vllm_args],
@@ -557,7 +557,26 @@ def capacity_probe(run: Callable[[Sequence[Mapping[str, Any]]], Mapping[str, Any
         raise LiveEvaluationError(f"capacity probe: vLLM completed {res.get('completed')} of {len(tf)} requests "
                                   f"({cap} req/s); cannot size the load (set live_scenario.load_multiple=null "
                                   f"to replay the written rate)")
-    return {"capacity_req_s": cap, "written_rate_req_s": tf.rate, "written_duration_s": tf.duration_s}
+    return {"capacity_req_s": cap, "probe_requests": float(len(tf)), "written_rate_req_s": tf.rate,
+            "written_duration_s": tf.duration_s}
+
+
+def sized_window(scenario: DictConfig, tf: TimedTraceFile, rate: float) -> tuple[dict[str, Any], TimedTraceFile]:
+    """The scenario's trace replayed at ``rate`` (req/s) for as long as written: the trace runs
+    faster by rate / written rate and the window (trace seconds) grows by as much, so a faster
+    machine gets more requests, not a shorter run (a 1 s control loop needs the seconds); a
+    last exact stretch makes the mean rate ``rate``. Returns the scenario as replayed (its
+    ``time_scale`` and ``duration_s``) and the window."""
+    speed = rate / tf.rate
+    sc = OmegaConf.to_container(scenario, resolve=True)
+    assert isinstance(sc, dict)
+    sc["time_scale"] = float(sc["time_scale"]) * speed
+    if sc["duration_s"] is not None:
+        sc["duration_s"] = float(sc["duration_s"]) * speed
+    window = scenario_trace(OmegaConf.create(sc))
+    fine = window.rate / rate
+    sc["time_scale"] /= fine
+    return sc, window.time_stretched(fine)
 
 
 # --- results out -----------------------------------------------------------------------------
