@@ -48,6 +48,7 @@ or ``ServingEnv(cfg=composed_hydra_config)``.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Sequence
 
 import gymnasium as gym
@@ -442,7 +443,7 @@ class ServingEnv(gym.Env):
             request_throughput=0.0, output_throughput=0.0, request_goodput=0.0,
             ttft_p50_ms=0.0, ttft_p99_ms=0.0, tpot_p50_ms=0.0, tpot_p99_ms=0.0,
             e2el_p50_ms=0.0, e2el_p99_ms=0.0, slo_attainment=1.0, preemptions=0, rejected=0,
-            shield_interventions=0, knobs=self.knobs, time_since_dtype_switch_s=0.0,
+            shield_interventions=0, knobs=self.knobs, time_since_dtype_switch_s=math.inf,
         )
 
     def _snapshot(self) -> Snapshot:

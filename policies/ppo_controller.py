@@ -20,6 +20,7 @@ Two guards keep a policy from being much worse than the PID baseline, whatever i
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 from pathlib import Path
 from typing import Any, Mapping
@@ -173,9 +174,11 @@ class PPOController:
         outside = self.out_of_range(obs)
         self.fell_back = bool(outside)
         if outside:
+            # PID takes the cap; the order stays the one in force (the policy's last in-range
+            # choice): PID's configured order is no safer, only different.
             self.num_fallbacks += 1
             self.last_fallback = outside
-            return self.residual.base(snapshot, knobs)
+            return dataclasses.replace(self.residual.base(snapshot, knobs), bucketing=None)
         action = self.runtime.act(obs, self.mask)
         kv = {"kv16_dtype": self.kv16_dtype, "kv8_dtype": self.kv8_dtype}
         if self.action_mode == "residual_pid":

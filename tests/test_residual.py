@@ -99,7 +99,7 @@ def _snapshot_from(env: ServingEnv):
     return env.snapshot
 
 
-def test_outside_the_training_range_pid_decides_and_it_is_counted(tmp_path: Path):
+def test_outside_the_training_range_pid_sets_the_cap_the_order_stays_and_it_is_counted(tmp_path: Path):
     env = _env()
     snap = _snapshot_from(env)
     n = len(FEATURE_NAMES)
@@ -114,7 +114,10 @@ def test_outside_the_training_range_pid_decides_and_it_is_counted(tmp_path: Path
     pid.reset(knobs)
     ctl.reset(knobs)
     p = ctl.decide(snap, knobs)
-    assert p == pid.base(snap, knobs)  # exactly PID's decision
+    base = pid.base(snap, knobs)
+    assert base.bucketing == "weighted"  # PID's own order (conf/policy/pid.yaml)
+    # PID's cap exactly; the order in force stays (None = keep), not PID's configured one
+    assert (p.batch_cap, p.bucketing, p.kv_dtype) == (base.batch_cap, None, base.kv_dtype)
     assert ctl.num_fallbacks == 1 and ctl.num_decisions == 1 and ctl.last_fallback
 
 

@@ -8,6 +8,7 @@ policy trained in simulation sees the same features in production.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -59,7 +60,7 @@ class Snapshot:
     rejected: int  # in the interval
     shield_interventions: int  # in the interval
     knobs: Knobs
-    time_since_dtype_switch_s: float
+    time_since_dtype_switch_s: float  # inf: no switch since start-up (the shield's dwell is met)
     prefix_cache_hit_rate: float = 0.0
 
     @property
@@ -93,7 +94,7 @@ FEATURES: tuple[tuple[str, str, str], ...] = (
     ("bucketing_shortest_first", "bucketing mode is shortest-first", "one-hot"),
     ("bucketing_weighted", "bucketing mode is weighted", "one-hot"),
     ("kv_8bit", "KV cache runs an 8-bit dtype", "0/1"),
-    ("time_since_dtype_switch", "seconds since the last KV dtype switch", "/ 600, clipped at 1"),
+    ("time_since_dtype_switch", "seconds since the last KV dtype switch (none since start-up: 1)", "/ 600, clipped at 1"),
     ("shield_interventions", "shield interventions in the interval", "clipped at 1"),
 )
 FEATURE_NAMES: tuple[str, ...] = tuple(f[0] for f in FEATURES)
@@ -143,7 +144,8 @@ class Telemetry:
     #: Requests whose first token is recorded and that have not finished yet.
     _first_seen: set = field(default_factory=set)
     _last_time: float = 0.0
-    _last_dtype_switch: float = 0.0
+    #: When the KV dtype last switched; None = not since start-up (as the shield's dwell sees it).
+    _last_dtype_switch: float | None = None
 
     def reset(self, now: float) -> None:
         self._arrivals = self._preemptions = self._rejected = self._shield = 0
@@ -152,8 +154,7 @@ class Telemetry:
         self._arrival_window.clear()
         self._ttft_window.clear()
         self._first_seen.clear()
-        self._last_time = now
-        self._last_dtype_switch = now
+        self._last_time = now  # the last KV switch stays: a reset of the windows is no switch
 
     # --- events --------------------------------------------------------------------------
     def on_arrival(self, t: float, prompt_len: int) -> None:
@@ -252,7 +253,7 @@ class Telemetry:
             rejected=self._rejected,
             shield_interventions=self._shield,
             knobs=knobs,
-            time_since_dtype_switch_s=now - self._last_dtype_switch,
+            time_since_dtype_switch_s=math.inf if self._last_dtype_switch is None else now - self._last_dtype_switch,
             prefix_cache_hit_rate=prefix_cache_hit_rate,
         )
         self._arrivals = self._preemptions = self._rejected = self._shield = 0
