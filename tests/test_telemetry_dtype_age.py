@@ -36,3 +36,15 @@ def test_a_switch_counts_from_when_it_happened_and_a_reset_keeps_it():
     assert snap.time_since_dtype_switch_s == 300.0
     assert abs(float(t.observation(snap)[AGE]) - 0.5) < 1e-6
     assert t.observation(_snap(t, 1000.0))[AGE] == 1.0  # past the 600 s scale: saturated
+
+
+def test_the_shipped_policy_keeps_acting_on_a_gateway_up_for_an_hour():
+    """The regression this guards: the age read 0 at start-up, grew past the training range
+    after ~159 s, and every later interval fell back to PID."""
+    from batchpilot.policies.ppo_controller import PPOController
+
+    ctl = PPOController.from_dir(None, max_num_seqs=256, max_model_len=8192)
+    t = Telemetry(SLO(ttft_ms=1000.0, tpot_ms=100.0), max_num_seqs=256, max_model_len=8192)
+    t.reset(0.0)
+    obs = ctl.observation(_snap(t, 3600.0))
+    assert "time_since_dtype_switch" not in ctl.out_of_range(obs)
