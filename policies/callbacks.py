@@ -241,7 +241,7 @@ class EpisodeMetricsCallback(BaseCallback):
 
 class ObservationRangeCallback(BaseCallback):
     """The per-feature range of the raw (un-normalised) observations training saw. Exported
-    with the policy: at run time an observation outside it hands the interval to PID
+    with the policy: at run time an observation outside it hands the cap to PID
     (``PPOController.out_of_range``), since the policy never learnt what to do there."""
 
     def __init__(self) -> None:

@@ -13,7 +13,7 @@ Two guards keep a policy from being much worse than the PID baseline, whatever i
   (``batchpilot.core.residual``; the PID it corrects is recorded in the manifest);
 * an observation outside the range seen in training (manifest
   ``training.config.observation_range``, widened by ``ood_margin`` of each feature's span) hands
-  the interval to that PID unchanged: the policy is not asked where it has never been.
+  the cap to that PID (the order in force stays): the policy is not asked where it has never been.
   ``num_fallbacks`` counts those intervals and ``last_fallback`` names the features.
 """
 
