@@ -449,6 +449,11 @@ class PPOPolicyConfig:
     max_model_len: int | None = None
     #: Widening of the training range beyond which an observation hands the interval to PID.
     ood_margin: float = 0.25
+    #: Run the folder's KV-precision agent (``<path>/kv_agent``) when it has one.
+    kv_agent: bool = True
+    #: The engine's restart time for a KV switch, which the agent weighs (the shield's
+    #: ``dtype_restart_s``); None: the KV agent is not run.
+    kv_restart_s: float | None = None
 
 
 # The conf/policy files' schemas: the controller's dataclass plus ``kind``, which selects the

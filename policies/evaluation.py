@@ -491,6 +491,8 @@ def policy_config(name: str, ecfg: EvalConfig, plan: WorkloadPlan) -> dict[str, 
             d["kv_runnable"] = dict(plan.kv_runnable)
         if d.get("max_model_len") is None:
             d["max_model_len"] = plan.max_model_len
+        if d.get("kv_restart_s") is None:  # what a KV switch costs on this deployment
+            d["kv_restart_s"] = float(plan.cfg.shield.dtype_restart_s)
     return d
 
 

@@ -23,6 +23,7 @@ import numpy as np
 
 from batchpilot.core.actions import ACTION_NVEC, BATCH_STEPS, KV_CHOICES
 from batchpilot.core.knobs import BUCKETING_MODES
+from batchpilot.core.kv_epoch import KV_ACTIONS
 from batchpilot.core.telemetry import FEATURE_NAMES, OBS_HIGH, OBS_LOW
 from batchpilot.policies.artifact import Normalization, write_artifact
 from batchpilot.policies.runtime import PolicyRuntime
@@ -42,7 +43,11 @@ class ExportError(RuntimeError):
 
 
 def action_section(nvec: Sequence[int]) -> dict[str, Any]:
-    """The manifest's action description: batchpilot's ``MultiDiscrete([5, 3, 3])``."""
+    """The manifest's action description: batchpilot's ``MultiDiscrete([5, 3, 3])``, or the KV
+    agent's ``MultiDiscrete([2])`` (``batchpilot.core.kv_epoch``)."""
+    if tuple(nvec) == (len(KV_ACTIONS),):
+        return {"type": "MultiDiscrete", "nvec": [len(KV_ACTIONS)], "names": ["kv_precision"],
+                "meaning": {"kv_precision": list(KV_ACTIONS)}}
     if tuple(nvec) != ACTION_NVEC:
         raise ExportError(
             f"model action space nvec {list(nvec)} is not batchpilot's {list(ACTION_NVEC)}"
@@ -254,7 +259,8 @@ def export_policy(
         train_config=train_config,
         obs_bounds=(OBS_LOW, OBS_HIGH),
     )
-    runtime = PolicyRuntime.from_dir(out, expected_features=tuple(features))
+    runtime = PolicyRuntime.from_dir(out, expected_features=tuple(features),
+                                     expected_nvec=tuple(int(n) for n in act_space.nvec))
     check_parity(model, vecnormalize, runtime, n=parity_samples)
     return out
 

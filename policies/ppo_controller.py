@@ -33,6 +33,7 @@ from batchpilot.core.knobs import Knobs, Proposal
 from batchpilot.core.residual import ACTION_MODES, ResidualPID, residual_pid_config
 from batchpilot.core.telemetry import FEATURE_NAMES, SLO, Snapshot, observation_from_snapshot
 from batchpilot.policies.artifact import PolicyLoadError
+from batchpilot.policies.kv_agent import KV_AGENT_SUBDIR, KVAgent
 from batchpilot.policies.runtime import PolicyRuntime
 from batchpilot.schemas import PPOPolicyConfig
 
@@ -79,6 +80,7 @@ class PPOController:
         max_model_len: int | None = None,
         kv_runnable: Mapping[str, bool] | None = None,
         ood_margin: float = 0.25,
+        kv_agent: KVAgent | None = None,
     ) -> None:
         self.runtime = runtime
         path = runtime.artifact.path
@@ -120,14 +122,30 @@ class PPOController:
         self.last_fallback: list[str] = []
         #: Whether the last decision was PID's because the observation was out of range.
         self.fell_back = False
+        #: The KV-precision agent (one decision per epoch; ``policies/kv_agent.py``), if any.
+        self.kv_agent = kv_agent
         self._lanes: dict[Any, PPOController] = {}
 
     @classmethod
-    def from_dir(cls, path: str | os.PathLike[str] | None = None, **kwargs: Any) -> "PPOController":
-        """Load an artifact folder (``None`` = the shipped policy). Raises ``PolicyLoadError``
-        with what is wrong; the caller falls back to PID."""
+    def from_dir(
+        cls,
+        path: str | os.PathLike[str] | None = None,
+        *,
+        kv_agent: bool = True,
+        kv_restart_s: float | None = None,
+        **kwargs: Any,
+    ) -> "PPOController":
+        """Load an artifact folder (``None`` = the shipped policy), with its KV agent
+        (``<folder>/kv_agent``) when it has one and ``kv_agent`` is true. The agent weighs the
+        engine's restart time ``kv_restart_s`` (the shield's ``dtype_restart_s``); without
+        it the agent is not loaded. Raises ``PolicyLoadError`` with what is wrong; the caller
+        falls back to PID."""
         p = Path(path) if path is not None else PRETRAINED_DIR
-        return cls(PolicyRuntime.from_dir(p), **kwargs)
+        ctl = cls(PolicyRuntime.from_dir(p), **kwargs)
+        if kv_agent and kv_restart_s is not None and (p / KV_AGENT_SUBDIR).is_dir():
+            ctl.kv_agent = KVAgent.from_dir(p / KV_AGENT_SUBDIR, restart_s=kv_restart_s,
+                                            kv16_dtype=ctl.kv16_dtype, kv8_dtype=ctl.kv8_dtype)
+        return ctl
 
     def set_kv_runnable(self, kv_runnable: Mapping[str, bool] | None) -> None:
         """Which KV dtypes the engine can run (e.g. from ``engine.capabilities().can_run``)."""
@@ -144,12 +162,15 @@ class PPOController:
             clone.residual = ResidualPID(self._pid_cfg)
             clone._lanes = {}
             clone.last_fallback = []
+            clone.kv_agent = self.kv_agent.fresh() if self.kv_agent is not None else None
             self._lanes[key] = clone
         return self._lanes[key]
 
     # --- Controller protocol -------------------------------------------------------------
     def reset(self, knobs: Knobs) -> None:
         self.residual.reset(knobs)  # the network is memoryless; the PID it corrects is not
+        if self.kv_agent is not None:
+            self.kv_agent.reset()
 
     def observation(self, snapshot: Snapshot) -> np.ndarray:
         return observation_from_snapshot(
@@ -169,6 +190,13 @@ class PPOController:
         return [FEATURE_NAMES[i] for i in bad]
 
     def decide(self, snapshot: Snapshot, knobs: Knobs) -> Proposal:
+        proposal = self._decide_batch(snapshot, knobs)
+        if self.kv_agent is None:
+            return proposal
+        # The KV agent owns the precision: its choice at an epoch's end, else keep.
+        return dataclasses.replace(proposal, kv_dtype=self.kv_agent.decide(snapshot, knobs))
+
+    def _decide_batch(self, snapshot: Snapshot, knobs: Knobs) -> Proposal:
         self.num_decisions += 1
         obs = self.observation(snapshot)
         outside = self.out_of_range(obs)
@@ -213,4 +241,6 @@ def build_ppo_controller(cfg_policy: Any, max_num_seqs: int) -> PPOController:
         max_model_len=pc.max_model_len,
         kv_runnable=None if pc.kv_runnable is None else dict(pc.kv_runnable),
         ood_margin=pc.ood_margin,
+        kv_agent=pc.kv_agent,
+        kv_restart_s=pc.kv_restart_s,
     )

@@ -243,7 +243,8 @@ class ControlLoop:
             self._use_memory_model(ln, self.lane_ctl[ln.index], mem)
         caps = self.lane_ctl[gw.lanes[0].index].shield.capabilities
         self.policies = PolicyManager(cfg.control, gw.metrics, max_num_seqs=cfg.max_num_seqs,
-                                      kv_runnable={d: caps.can_run(d) for d in caps.kv_dtypes}, note=self._note)
+                                      kv_runnable={d: caps.can_run(d) for d in caps.kv_dtypes}, note=self._note,
+                                      kv_restart_s=shield_cfg.dtype_restart_s)
         self._task: asyncio.Task | None = None
 
     # --- lifecycle -----------------------------------------------------------------------

@@ -78,16 +78,19 @@ class Canary:
 class PolicyManager:
     """Mode, policy, canary and fallback; no I/O, so unit tests drive it directly.
 
-    ``max_num_seqs`` and ``kv_runnable`` describe the upstream engines (what a policy's running
-    counts are normalised by, which KV dtypes its mask allows); ``note`` reports notable events.
+    ``max_num_seqs``, ``kv_runnable`` and ``kv_restart_s`` describe the upstream engines (what a
+    policy's running counts are normalised by, which KV dtypes its mask allows, what a KV switch
+    costs its KV agent); ``note`` reports notable events.
     """
 
     def __init__(self, cfg: ControlConfig, metrics: GatewayMetrics, *, max_num_seqs: int,
-                 kv_runnable: Mapping[str, bool], note: Callable[[str], None]) -> None:
+                 kv_runnable: Mapping[str, bool], note: Callable[[str], None],
+                 kv_restart_s: float | None = None) -> None:
         self.cfg = cfg
         self.metrics = metrics
         self.max_num_seqs = max_num_seqs
         self.kv_runnable = dict(kv_runnable)
+        self.kv_restart_s = kv_restart_s
         self.note = note
         self.mode = cfg.mode
         self.policy: PPOController | None = None
@@ -105,7 +108,8 @@ class PolicyManager:
 
     # --- loading -------------------------------------------------------------------------
     def _build(self, path: str) -> PPOController:
-        return PPOController.from_dir(path, max_num_seqs=self.max_num_seqs, kv_runnable=self.kv_runnable)
+        return PPOController.from_dir(path, max_num_seqs=self.max_num_seqs, kv_runnable=self.kv_runnable,
+                                      kv_restart_s=self.kv_restart_s)
 
     def load_policy(self, path: str | None) -> bool:
         """Load the policy the controller modes use; on failure fall back to PID and say why."""
