@@ -106,9 +106,17 @@ class QualityGuard:
         return Sample(lane, b, "/v1/chat/completions" if chat else "/v1/completions", prompt_len)
 
     def submit(self, sample: Sample) -> None:
-        t = asyncio.create_task(self._replay(sample))
+        """Replay ``sample`` in the background; the task is kept (not garbage-collected mid-run)
+        and a failure the replay did not expect is logged with its traceback, not lost."""
+        t = asyncio.create_task(self._replay(sample), name="batchpilot-quality-replay")
         self._tasks.add(t)
-        t.add_done_callback(self._tasks.discard)
+        t.add_done_callback(self._done)
+
+    def _done(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            self.metrics.quality_samples.labels("error").inc()
+            log.error("background task %s failed", task.get_name(), exc_info=task.exception())
 
     async def compare(self, client_a: httpx.AsyncClient, client_b: httpx.AsyncClient, path: str, body: dict[str, Any]) -> float:
         """Token agreement of the same greedy request on two servers."""
@@ -140,8 +148,10 @@ class QualityGuard:
                 s.lane.release(req.request_id)
 
     async def aclose(self) -> None:
+        """Cancel the replays under way and wait for them (each frees its admission slot)."""
         for t in list(self._tasks):
             t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
         if self._ref is not None:
             await self._ref.aclose()
 

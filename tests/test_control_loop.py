@@ -159,6 +159,59 @@ def test_an_operator_kv_switch_goes_through_the_shield_unless_forced() -> None:
         loop.force_kv_dtype("fp8", force=True)  # force never makes an impossible dtype possible
 
 
+def test_an_operator_kv_switch_within_the_dwell_is_refused_unless_forced() -> None:
+    """The dwell counts for the operator too: a switch a minute after the last one is refused
+    with the shield's reason and changes nothing (knobs, dwell clock, overrides); ``force``
+    passes it, counted."""
+    import time
+
+    import pytest
+
+    gw, loop = _gateway("pid", {"kind": "pid"})
+    lane = gw.lanes[0]
+    ctl = loop.lane_ctl[lane.index]
+    ctl.shield.capabilities.kv_dtypes["fp8"] = None  # as if its operator declared fp8
+    dwell = ctl.shield.cfg.min_dtype_dwell_s
+    last = ctl.shield.last_dtype_switch = time.monotonic() - 60.0  # a switch a minute ago
+    with pytest.raises(ValueError, match=rf"shield refuses.*s after the last one \(min {dwell:.0f}s\)"):
+        loop.force_kv_dtype("fp8")
+    assert lane.knobs.kv_dtype == "auto" and ctl.shield.last_dtype_switch == last
+    assert gw.metrics.admin_overrides.labels("kv_dtype")._value.get() == 0
+    assert gw.metrics.kv_recommendation.labels(lane.name, "fp8")._value.get() == 0
+    out = loop.force_kv_dtype("fp8", force=True)
+    assert out["forced"] and gw.metrics.admin_overrides.labels("kv_dtype")._value.get() == 1
+    assert ctl.shield.last_dtype_switch > last  # the forced switch starts a new dwell
+
+
+def test_an_operator_8bit_switch_is_refused_while_the_quality_guard_blocks_it() -> None:
+    """The quality guard's 8-bit block holds for the operator too (it used to be skipped), before
+    the shield's own checks; ``force`` passes it, counted. 16-bit is never blocked by it."""
+    import math
+
+    import pytest
+
+    from batchpilot.serving.quality_guard import QualityGuard
+    from batchpilot.serving.settings import QualityGuardConfig
+
+    gw, loop = _gateway("pid", {"kind": "pid"})
+    lane = gw.lanes[0]
+    ctl = loop.lane_ctl[lane.index]
+    ctl.shield.capabilities.kv_dtypes["fp8"] = None
+    assert ctl.shield.last_dtype_switch == -math.inf  # no dwell in the way
+    gw.quality = QualityGuard(QualityGuardConfig(min_samples=5), gw.metrics)
+    for _ in range(5):
+        gw.quality.record(0.5)  # replays disagree with the 16-bit reference
+    assert gw.quality.blocks_8bit
+    with pytest.raises(ValueError, match=r"quality guard blocks 8-bit KV \(output-diff rate 100.0%\)"):
+        loop.force_kv_dtype("fp8")
+    assert lane.knobs.kv_dtype == "auto" and ctl.shield.last_dtype_switch == -math.inf
+    assert gw.metrics.admin_overrides.labels("kv_dtype")._value.get() == 0
+    assert loop.force_kv_dtype("auto")["upstreams"] == {"vllm0": "already"}  # 16-bit: not the guard's
+    out = loop.force_kv_dtype("fp8", force=True)
+    assert out["forced"] and out["upstreams"] == {"vllm0": "recommended (not managed)"}
+    assert gw.metrics.admin_overrides.labels("kv_dtype")._value.get() == 1
+
+
 def test_the_gateway_admits_by_memory_per_request() -> None:
     """A burst of long requests used to be admitted up to the cap (64 here); the lane's
     admission now asks its shield, per request, with prompt + max_tokens, and holds the rest.

@@ -1,6 +1,8 @@
 """Gateway pieces that need no vLLM: config validation, prompt counting, the quality guard's
 rate and threshold, token agreement, the canary's promote/rollback verdict, the hot-path HTTP
-client's connection pool, core groups, and the queue's handling of a client that leaves."""
+client's connection pool, core groups, and a client that leaves at every stage of its request
+(queued, while its prompt is counted, during the upstream call or its body's read, between the
+handler's return and the response's start): its slot is freed each time."""
 
 from __future__ import annotations
 
@@ -350,3 +352,215 @@ def test_every_managed_vllm_process_asks_for_amx_first() -> None:
 
     assert permitted() == "False"  # a new process starts without it (nor is it kept over exec)
     assert permitted("batchpilot.serving.vllm_launch") == str(has_amx)
+
+
+# --- a client that leaves at every stage of a request frees its slot ----------------------------
+class _FakeStreamAnswer:
+    """What ``Http1Pool.request`` returns: status and headers read, the body still to come."""
+
+    def __init__(self, body: list[bytes], stall: asyncio.Event | None = None) -> None:
+        self.status = 200
+        self.headers = [("content-type", "text/event-stream" if len(body) > 1 else "application/json")]
+        self._body, self._stall = body, stall
+        self.closed = False
+
+    async def aiter(self) -> AsyncIterator[bytes]:
+        for chunk in self._body:
+            if self._stall is not None:
+                await self._stall.wait()
+            yield chunk
+
+    async def read(self) -> bytes:
+        return b"".join([c async for c in self.aiter()])
+
+    def aclose(self) -> None:
+        self.closed = True
+
+
+class _FakePool:
+    """The upstream's hot-path client: ``request`` waits for ``answer`` (an upstream call in
+    progress), then returns ``response``."""
+
+    def __init__(self, response: _FakeStreamAnswer | None = None) -> None:
+        self.response = response
+        self.sent = asyncio.Event()
+        self.answer = asyncio.Event()
+        self.cancelled = False
+        if response is not None:
+            self.answer.set()
+
+    async def request(self, method: str, path: str, headers: list, body: bytes) -> _FakeStreamAnswer:
+        self.sent.set()
+        try:
+            await self.answer.wait()
+        except asyncio.CancelledError:
+            self.cancelled = True
+            raise
+        assert self.response is not None
+        return self.response
+
+    def close(self) -> None:
+        pass
+
+
+def _proxy_setup(body: dict, pool: _FakePool):
+    """A gateway with one (fake) upstream and what ``_proxy`` needs of a Starlette request: the
+    body, then ``http.disconnect`` once ``left`` is set (the client goes away)."""
+    import json
+    from types import SimpleNamespace
+
+    from starlette.requests import Request as StarletteRequest
+
+    from batchpilot.serving.gateway import AppSettings, Gateway
+    from batchpilot.serving.upstream import EngineInfo
+
+    gw = Gateway(AppSettings(serve=ServeConfig.from_cfg({"upstreams": ["http://127.0.0.1:9"]})))
+    lane = gw.lanes[0]
+    lane.upstream.healthy = True
+    lane.upstream.info = EngineInfo(model="m", max_model_len=2048)
+    lane.upstream.pool = pool
+    raw = json.dumps(body).encode()
+    left = asyncio.Event()
+    sent_body = [False]
+
+    async def receive() -> dict:
+        if not sent_body[0]:
+            sent_body[0] = True
+            return {"type": "http.request", "body": raw, "more_body": False}
+        await left.wait()
+        return {"type": "http.disconnect"}
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "query_string": b"",
+             "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())],
+             "app": SimpleNamespace(state=SimpleNamespace(gateway=gw)), "client": ("127.0.0.1", 1)}
+    return gw, lane, StarletteRequest(scope, receive), left
+
+
+async def _until(cond, what: str) -> None:
+    for _ in range(200):
+        if cond():
+            return
+        await asyncio.sleep(0.005)
+    raise AssertionError(f"never happened: {what}")
+
+
+@pytest.mark.anyio
+async def test_a_client_leaving_while_its_prompt_is_counted_never_keeps_a_slot() -> None:
+    """The client leaves while the upstream's ``/tokenize`` counts its prompt (no slot yet, no
+    disconnect watcher yet): the watcher that starts after counting sees it gone, the request
+    is cancelled wherever it is (here: in its upstream call) and its slot is freed."""
+    from batchpilot.serving.errors import ClientGone
+    from batchpilot.serving.gateway import _proxy
+
+    pool = _FakePool()  # the upstream call never answers: only the client's leaving ends it
+    gw, lane, request, left = _proxy_setup({"prompt": "hello world", "max_tokens": 4}, pool)
+    counting, counted = asyncio.Event(), asyncio.Event()
+
+    async def tokenize(body) -> int:
+        counting.set()
+        await counted.wait()
+        return 3
+
+    lane.upstream.tokenize = tokenize
+    handler = asyncio.create_task(_proxy(request, "/v1/completions", False))
+    await asyncio.wait_for(counting.wait(), 5)
+    assert lane.admission.num_in_flight == 0 and lane.admission.num_waiting == 0
+    left.set()  # the client goes away mid-count
+    counted.set()
+    with pytest.raises(ClientGone):
+        await asyncio.wait_for(handler, 5)
+    assert lane.admission.num_in_flight == 0 and lane.admission.num_waiting == 0
+    lane.admission.check_counts()
+    await lane.upstream.client.aclose()
+
+
+@pytest.mark.anyio
+async def test_a_client_leaving_during_a_non_stream_upstream_call_frees_its_slot() -> None:
+    """The client leaves while the upstream generates its (non-stream) answer: the upstream
+    call is cancelled (vLLM aborts the request when its connection closes) and the slot freed."""
+    from batchpilot.serving.errors import ClientGone
+    from batchpilot.serving.gateway import _proxy
+
+    pool = _FakePool()
+    gw, lane, request, left = _proxy_setup({"prompt": "hello world", "max_tokens": 4}, pool)
+
+    async def tokenize(body) -> int:
+        return 3
+
+    lane.upstream.tokenize = tokenize
+    handler = asyncio.create_task(_proxy(request, "/v1/completions", False))
+    await asyncio.wait_for(pool.sent.wait(), 5)
+    assert lane.admission.num_in_flight == 1  # admitted, waiting for the upstream's answer
+    left.set()
+    with pytest.raises(ClientGone):
+        await asyncio.wait_for(handler, 5)
+    assert pool.cancelled and lane.admission.num_in_flight == 0
+    assert gw.metrics.rejected.labels("cancelled")._value.get() == 0  # it was admitted: not a queue leaver
+    lane.admission.check_counts()
+    await lane.upstream.client.aclose()
+
+
+@pytest.mark.anyio
+async def test_a_client_leaving_while_a_non_stream_body_is_read_frees_its_slot() -> None:
+    """The upstream answered (status, headers) and its body is still coming when the client
+    leaves: the upstream response is closed and the slot freed."""
+    from batchpilot.serving.errors import ClientGone
+    from batchpilot.serving.gateway import _proxy
+
+    stall = asyncio.Event()
+    answer = _FakeStreamAnswer([b'{"choices": []}'], stall=stall)
+    pool = _FakePool(answer)
+    gw, lane, request, left = _proxy_setup({"prompt": "hello world", "max_tokens": 4}, pool)
+
+    async def tokenize(body) -> int:
+        return 3
+
+    lane.upstream.tokenize = tokenize
+    handler = asyncio.create_task(_proxy(request, "/v1/completions", False))
+    await asyncio.wait_for(pool.sent.wait(), 5)
+    await asyncio.sleep(0.01)  # the body read is under way (stalled)
+    assert lane.admission.num_in_flight == 1
+    left.set()
+    with pytest.raises(ClientGone):
+        await asyncio.wait_for(handler, 5)
+    assert answer.closed and lane.admission.num_in_flight == 0
+    await lane.upstream.client.aclose()
+
+
+@pytest.mark.anyio
+async def test_a_client_leaving_between_the_handler_and_the_response_frees_its_slot() -> None:
+    """A non-stream answer frees its slot before the handler returns; a stream's slot is held by
+    the response the handler returns, and a client gone before that response starts frees it
+    (and the upstream's stream is closed, so vLLM aborts it)."""
+    from batchpilot.serving.gateway import _proxy
+
+    # Non-stream: freed when the answer is read, before the handler returns.
+    pool = _FakePool(_FakeStreamAnswer([b'{"choices": [{"text": "hi"}]}']))
+    gw, lane, request, left = _proxy_setup({"prompt": "hello world", "max_tokens": 4}, pool)
+
+    async def tokenize(body) -> int:
+        return 3
+
+    lane.upstream.tokenize = tokenize
+    resp = await _proxy(request, "/v1/completions", False)
+    assert resp.status_code == 200 and lane.admission.num_in_flight == 0
+    await lane.upstream.client.aclose()
+
+    # Stream: the handler returns with the slot held; the client is gone when the response starts.
+    answer = _FakeStreamAnswer([b"data: 1\n\n", b"data: [DONE]\n\n"])
+    pool = _FakePool(answer)
+    gw, lane, request, left = _proxy_setup({"prompt": "hello world", "max_tokens": 4, "stream": True}, pool)
+    lane.upstream.tokenize = tokenize
+    resp = await _proxy(request, "/v1/completions", False)
+    assert lane.admission.num_in_flight == 1 and not answer.closed
+
+    async def gone() -> dict:
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        await asyncio.sleep(10)  # nothing reaches a client that left
+
+    await asyncio.wait_for(resp({"type": "http", "asgi": {"spec_version": "2.3"}}, gone, send), 5)
+    assert lane.admission.num_in_flight == 0 and answer.closed
+    lane.admission.check_counts()
+    await lane.upstream.client.aclose()
