@@ -8,13 +8,19 @@ A prompt far over the model's length is refused before it is tokenized (a 1 MB p
 event loop for over a second): no token of the tokenizer is longer than its longest vocabulary
 entry, so ``characters / longest entry`` is a lower bound on the tokens. Long prompts under
 that bound are tokenized in a worker thread.
+
+What a body's size costs (collecting its texts, counting characters: a list of 1.6 million
+prompts held the loop half a second) is ``prompt_text``, a pure function: the gateway runs it in
+the worker thread that parses a large body, and ``count`` takes its result.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 
@@ -51,6 +57,26 @@ def _texts(body: dict[str, Any], chat: bool) -> list[str] | list[int]:
     return [str(p)]
 
 
+@dataclass(frozen=True, slots=True)
+class PromptText:
+    """A body's prompt as counting needs it, computed once (``prompt_text``): the texts (or
+    ``token_ids``, the length of a prompt given as token ids) and their characters."""
+
+    texts: list[str]
+    token_ids: int | None
+    max_chars: int
+    total_chars: int
+
+
+def prompt_text(body: dict[str, Any], chat: bool) -> PromptText:
+    """The prompt of a validated body; linear in its size (run it off the loop for big ones)."""
+    texts = _texts(body, chat)
+    if texts and isinstance(texts[0], int):
+        return PromptText([], len(texts), 0, 0)
+    chars = [len(t) for t in texts]
+    return PromptText(texts, None, max(chars, default=0), sum(chars))  # type: ignore[arg-type]
+
+
 class PromptCounter:
     """``count(body, chat)`` -> prompt tokens. For a batch of prompts, the longest counts (it
     decides the bucket and the length check)."""
@@ -73,27 +99,32 @@ class PromptCounter:
                                 else (4 if self.mode == "chars" else None))
 
     async def count(
-        self, body: dict[str, Any], chat: bool, tokenize: Callable[[dict[str, Any]], Awaitable[int]],
-        limit: int | None = None,
+        self, body: dict[str, Any], chat: bool, tokenize: Callable[[dict[str, Any] | bytes], Awaitable[int]],
+        limit: int | None = None, *, text: PromptText | None = None, off_loop: bool = False,
     ) -> int:
-        """Prompt tokens; raises ``PromptTooLong`` when they surely exceed ``limit``."""
-        texts = _texts(body, chat)
-        if texts and isinstance(texts[0], int):
-            return len(texts)
-        chars = [len(t) for t in texts]
+        """Prompt tokens; raises ``PromptTooLong`` when they surely exceed ``limit``. ``text``:
+        ``prompt_text(body, chat)`` when the caller has it (computed off the loop); ``off_loop``:
+        the body is large, so the upstream's ``/tokenize`` request is encoded in a worker thread."""
+        if text is None:
+            text = prompt_text(body, chat)
+        if text.token_ids is not None:
+            return text.token_ids
+        texts = text.texts
         if limit is not None and self.max_token_chars:
-            at_least = (sum(chars) if chat else max(chars, default=0)) / self.max_token_chars
+            at_least = (text.total_chars if chat else text.max_chars) / self.max_token_chars
             if at_least > limit:
                 raise PromptTooLong(f"the prompt has at least {math.ceil(at_least)} tokens "
-                                    f"({sum(chars)} characters), more than the model's max_model_len={limit}")
+                                    f"({text.total_chars} characters), more than the model's max_model_len={limit}")
         if self.mode == "upstream":
             req = {"model": body.get("model")}
             req["messages" if chat else "prompt"] = body["messages" if chat else "prompt"]
+            if off_loop or text.total_chars > OFF_LOOP_CHARS:
+                return await tokenize(await asyncio.to_thread(_encode, req))
             return await tokenize(req)
         if self.mode == "local":
             if not texts:
                 enc = []
-            elif sum(chars) > OFF_LOOP_CHARS:
+            elif text.total_chars > OFF_LOOP_CHARS:
                 enc = await asyncio.to_thread(self.tokenizer.encode_batch, texts, add_special_tokens=False)
             else:
                 enc = self.tokenizer.encode_batch(texts, add_special_tokens=False)
@@ -103,3 +134,7 @@ class PromptCounter:
         if chat:
             return sum(lens) + CHAT_TOKENS_PER_MESSAGE * len(texts) + 1
         return max(lens, default=0) + 1  # + BOS
+
+
+def _encode(req: dict[str, Any]) -> bytes:
+    return json.dumps(req).encode()

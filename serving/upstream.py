@@ -322,10 +322,15 @@ class Upstream:
             raise UpstreamDown(f"upstream {self.name} /metrics: {exc!r}") from exc
         return r.text
 
-    async def tokenize(self, body: dict[str, Any]) -> int:
-        """Prompt tokens as the upstream counts them (``/tokenize``)."""
+    async def tokenize(self, body: dict[str, Any] | bytes) -> int:
+        """Prompt tokens as the upstream counts them (``/tokenize``); ``body`` as a dict or as
+        JSON already encoded (a large prompt is encoded off the event loop)."""
+        if isinstance(body, bytes):
+            kwargs: dict[str, Any] = {"content": body, "headers": {"content-type": "application/json"}}
+        else:
+            kwargs = {"json": body}
         try:
-            r = await self.client.post("/tokenize", json=body, timeout=5.0)
+            r = await self.client.post("/tokenize", timeout=5.0, **kwargs)
         except httpx.HTTPError as exc:
             raise UpstreamDown(f"upstream {self.name} /tokenize: {exc!r}") from exc
         if r.status_code != 200:

@@ -12,7 +12,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import httpx
 
@@ -112,6 +112,8 @@ class Outcome:
     t_start: float
     t_end: float
     body: Any = None
+    #: Streams: when the first chunk arrived (None: none did, or not a stream).
+    t_first: float | None = None
 
 
 @dataclass
@@ -123,15 +125,24 @@ class LoadResult:
 
 
 async def one_request(client: httpx.AsyncClient, url: str, body: dict[str, Any], *, stream: bool = False,
-                      headers: dict[str, str] | None = None, timeout_s: float = 120.0) -> Outcome:
+                      headers: dict[str, str] | None = None, timeout_s: float = 120.0,
+                      on_first_chunk: Callable[[], None] | None = None) -> Outcome:
+    """One completion; ``on_first_chunk`` is called when a stream's first chunk arrives."""
     t0 = time.monotonic()
+    t_first = None
     path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
     try:
         if stream:
             async with client.stream("POST", url + path, json={**body, "stream": True}, headers=headers,
                                      timeout=timeout_s) as r:
-                data = await r.aread()
-                status, text = r.status_code, data.decode(errors="replace")
+                chunks = []
+                async for chunk in r.aiter_bytes():
+                    if t_first is None:
+                        t_first = time.monotonic()
+                        if on_first_chunk is not None:
+                            on_first_chunk()
+                    chunks.append(chunk)
+                status, text = r.status_code, b"".join(chunks).decode(errors="replace")
                 ra = r.headers.get("retry-after")
         else:
             r = await client.post(url + path, json=body, headers=headers, timeout=timeout_s)
@@ -146,7 +157,7 @@ async def one_request(client: httpx.AsyncClient, url: str, body: dict[str, Any],
             reason = httpx.Response(200, content=text).json()["error"].get("reason")
         except Exception:
             reason = None
-    return Outcome(status, reason, ra, t0, time.monotonic(), text)
+    return Outcome(status, reason, ra, t0, time.monotonic(), text, t_first)
 
 
 async def burst(url: str, n: int, rate: float, body: dict[str, Any], *, stream_every: int = 0,

@@ -1,0 +1,429 @@
+"""Issue 12's hardening, checked in process (no vLLM): the real app and ``Gateway`` in front of an
+upstream that is never called, driven through ASGI. A large body's per-item work runs off the
+event loop and an over-long prompt list is refused before its items are looked at; a client
+that leaves while queued is counted as 499; every ``/admin/*`` route (read from the app, so new
+ones are covered) refuses a missing or wrong token; the managed engines' log is private. The
+last test runs ``scripts/serve.py`` for real (a fake upstream, no vLLM) and looks for the admin
+token in Hydra's config dump and the process's command line."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import gc
+import json
+import os
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any, Iterator
+
+import httpx
+import pytest
+
+from batchpilot.serving import gateway as gateway_mod
+from batchpilot.serving.errors import BadRequest
+from batchpilot.serving.gateway import AppSettings, Gateway, build_app
+from batchpilot.serving.settings import ServeConfig
+from batchpilot.serving.upstream import EngineInfo, _open_log, free_port
+
+TOKEN = "in-process-admin-token"
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+def _settings(**serve: Any) -> AppSettings:
+    cfg = {"upstreams": ["http://127.0.0.1:9"], "tokenizer": "chars", **serve}
+    return AppSettings(serve=ServeConfig.from_cfg(cfg))
+
+
+@contextlib.contextmanager
+def _app(monkeypatch: pytest.MonkeyPatch, token: str | None = TOKEN, **serve: Any) -> Iterator[tuple[Any, Gateway]]:
+    """The real app with a real ``Gateway`` (its lifespan not run: nothing starts), its one
+    upstream marked healthy. Requests that reach the upstream would fail; none should."""
+    if token is None:
+        monkeypatch.delenv("BATCHPILOT_ADMIN_TOKEN", raising=False)
+    else:
+        monkeypatch.setenv("BATCHPILOT_ADMIN_TOKEN", token)
+    settings = _settings(**serve)
+    app = build_app(settings)
+    gw = Gateway(settings)
+    app.state.gateway = gw
+    up = gw.lanes[0].upstream
+    up.healthy = True
+    up.info = EngineInfo(model="tiny", max_model_len=2048)
+    try:
+        yield app, gw
+    finally:
+        up.pool.close()
+
+
+def _count(gw: Gateway, route: str, status: int) -> float:
+    return gw.metrics.requests.labels(route, str(status))._value.get()
+
+
+# --- a large body's work is done off the event loop --------------------------------------------
+def _inspect(raw: bytes, chat: bool = False) -> Any:
+    return gateway_mod._inspect_body(raw, chat, 256, 2048)
+
+
+@pytest.mark.anyio
+async def test_a_large_bodys_work_runs_in_the_worker_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Parse, validation, sequence count and the prompt's texts and characters all run in the
+    parse's worker thread for a body over the threshold, with the cyclic GC paused, and on the
+    loop below it."""
+    seen: dict[str, tuple[int, bool]] = {}
+    for name in ("json_object", "_validate", "num_sequences", "prompt_text"):
+        real = getattr(gateway_mod, name)
+
+        def spy(*args: Any, _real: Any = real, _name: str = name) -> Any:
+            seen[_name] = (threading.get_ident(), gc.isenabled())
+            return _real(*args)
+
+        monkeypatch.setattr(gateway_mod, name, spy)
+    loop_thread = threading.get_ident()
+    big = json.dumps({"prompt": ["x" * 2000] * 200 + ["y"], "max_tokens": 2, "junk": [[]] * 1000}).encode()
+    assert len(big) > gateway_mod._OFF_LOOP_BYTES
+    parsed = await gateway_mod._parse_body(big, False, 256, 2048)
+    assert parsed.seqs == 201 and parsed.text.max_chars == 2000 and parsed.text.total_chars == 400_001
+    assert set(parsed.body) == {"prompt", "max_tokens"}  # what the gateway reads; the rest was freed there
+    assert set(seen) == {"json_object", "_validate", "num_sequences", "prompt_text"}
+    assert {t for t, _ in seen.values()} & {loop_thread} == set(), seen
+    assert not any(enabled for _, enabled in seen.values()) and gc.isenabled()
+    seen.clear()
+    small = await gateway_mod._parse_body(b'{"prompt": "hi"}', False, 256, 2048)
+    assert small.seqs == 1 and set(seen.values()) == {(loop_thread, True)}
+
+
+def test_the_gc_pause_nests_across_threads() -> None:
+    assert gc.isenabled()
+    with gateway_mod._gc_paused():
+        with gateway_mod._gc_paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled()  # another parse still runs
+    assert gc.isenabled()
+    gc.disable()  # someone else's choice is kept
+    try:
+        with gateway_mod._gc_paused():
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+
+
+def test_an_over_long_prompt_list_is_refused_before_its_items_are_read() -> None:
+    """1.6 million prompts (7.6 MiB, under the body cap) held the loop ~0.5 s in per-item checks
+    before being refused as too many sequences: the list's length alone decides now. The last
+    item is not a valid prompt: had the items been checked, the reason would be invalid_field.
+    The same for token ids and chat messages (each at least one token) over max_model_len."""
+    many = json.dumps({"prompt": ["a"] * 1_600_000 + [{}]}).encode()
+    assert len(many) < 8 << 20
+    for raw, chat, reason, says in [
+        (many, False, "too_many_sequences", "1600001 prompts"),
+        (json.dumps({"prompt": [1] * 3000 + [{}]}).encode(), False, "prompt_too_long", "3001 token ids"),
+        (json.dumps({"messages": [{"role": "user"}] * 3000 + [7]}).encode(), True, "prompt_too_long", "3001 messages"),
+    ]:
+        with pytest.raises(BadRequest) as exc:
+            _inspect(raw, chat)
+        assert exc.value.reason == reason and says in exc.value.message
+    # Within the limits the items are checked, and n/best_of multiply the prompts.
+    with pytest.raises(BadRequest, match="'prompt' must be"):
+        _inspect(json.dumps({"prompt": ["a", {}]}).encode())
+    with pytest.raises(BadRequest, match="'messages' must be"):
+        _inspect(json.dumps({"messages": [{"role": "user"}, 7]}).encode(), True)
+    with pytest.raises(BadRequest) as exc:
+        _inspect(json.dumps({"prompt": ["a"] * 100, "n": 3}).encode())
+    assert exc.value.reason == "too_many_sequences"
+    assert _inspect(json.dumps({"prompt": [1] * 2048}).encode()).text.token_ids == 2048
+
+
+@pytest.mark.parametrize("raw", [b'{"prompt": "x", "echo": true}', b' \r\n\t{"prompt": [1, 2]}',
+                                 '{"prompt": "caf\u00e9 \u2603"}'.encode()])
+def test_the_model_is_spliced_into_the_clients_bytes(raw: bytes) -> None:
+    parsed = _inspect(raw)
+    out = gateway_mod._with_model(parsed, 'ti"ny')
+    assert json.loads(out) == {**json.loads(raw), "model": 'ti"ny'}
+    assert out.endswith(raw[raw.index(b"{") + 1:])  # the client's bytes after the brace, untouched
+
+
+@pytest.mark.parametrize("encoding", ["utf-16", "utf-16-le", "utf-32", "utf-8-sig"])
+def test_a_body_in_another_unicode_encoding_goes_upstream_as_utf8(encoding: str) -> None:
+    raw = ' {"prompt": "caf\u00e9", "echo": true}'.encode(encoding)
+    parsed = _inspect(raw)
+    assert parsed.raw == ' {"prompt": "caf\u00e9", "echo": true}'.encode()
+    assert json.loads(gateway_mod._with_model(parsed, "tiny")) == {"prompt": "caf\u00e9", "echo": True, "model": "tiny"}
+
+
+@pytest.mark.anyio
+async def test_a_large_prompt_reaches_tokenize_encoded_off_the_loop() -> None:
+    """Upstream counting: a large body's ``/tokenize`` request is encoded in a worker thread
+    (the upstream gets bytes), a small one is handed over as a dict."""
+    from batchpilot.serving.tokens import PromptCounter, prompt_text
+
+    counter = PromptCounter("upstream", None)
+    got: list[Any] = []
+
+    async def tokenize(req: dict[str, Any] | bytes) -> int:
+        got.append(req)
+        return 7
+
+    body = {"prompt": "hello", "model": "tiny"}
+    text = prompt_text(body, False)
+    assert await counter.count(body, False, tokenize, 2048, text=text, off_loop=True) == 7
+    assert await counter.count(body, False, tokenize, 2048, text=text) == 7
+    assert json.loads(got[0]) == {"model": "tiny", "prompt": "hello"} and got[1] == {"model": "tiny", "prompt": "hello"}
+
+
+# --- 499: a client that leaves while queued is counted -------------------------------------------
+@pytest.mark.anyio
+async def test_a_client_gone_while_queued_is_counted_as_499(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through the whole app (the counting middleware, the proxy, a real lane): the only slot is
+    taken, a request queues, its client disconnects; the request leaves the queue and
+    ``batchpilot:requests_total{route="/v1/completions",status="499"}`` goes up by one."""
+    from batchpilot.core.engine import Request as EngineRequest
+
+    with _app(monkeypatch, control={"initial_batch_cap": 1}) as (app, gw):
+        lane = gw.lanes[0]
+        holder = EngineRequest("holder", time.monotonic(), 10, 10, 1)
+        await lane.acquire(holder, time.monotonic() + 60)  # the one slot: the next request queues
+        gone = asyncio.Event()
+        raw = json.dumps({"prompt": "queued", "max_tokens": 2}).encode()
+        sent_body = False
+        messages: list[dict[str, Any]] = []
+
+        async def receive() -> dict[str, Any]:
+            nonlocal sent_body
+            if not sent_body:
+                sent_body = True
+                return {"type": "http.request", "body": raw, "more_body": False}
+            await gone.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message: dict[str, Any]) -> None:
+            messages.append(message)
+
+        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+                 "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions", "query_string": b"",
+                 "root_path": "", "headers": [(b"content-type", b"application/json"),
+                                              (b"content-length", str(len(raw)).encode())],
+                 "client": ("127.0.0.1", 5000), "server": ("127.0.0.1", 8000), "app": app}
+        before = _count(gw, "/v1/completions", 499)
+        task = asyncio.create_task(app(scope, receive, send))
+        while lane.admission.num_waiting == 0:  # queued behind the held slot
+            assert not task.done(), messages
+            await asyncio.sleep(0.001)
+        gone.set()
+        await task
+        assert _count(gw, "/v1/completions", 499) == before + 1
+        assert lane.admission.num_waiting == 0 and lane.admission.is_in_flight("holder")
+        assert gw.metrics.rejected.labels("cancelled")._value.get() == 1
+        lane.release("holder")
+        assert lane.admission.num_in_flight == 0
+
+
+# --- every admin route needs the token ------------------------------------------------------------
+def _admin_routes(app: Any) -> list[tuple[str, str]]:
+    out = [(m, r.path) for r in app.routes if getattr(r, "path", "").startswith("/admin")
+           for m in sorted(getattr(r, "methods", None) or ())]
+    # The enumeration finds what the API documents (and anything added since).
+    assert {p for _, p in out} >= {"/admin/status", "/admin/policy/reload", "/admin/mode", "/admin/freeze",
+                                   "/admin/kv_dtype", "/admin/reset", "/admin/quality/reset"}, out
+    return out
+
+
+BAD_AUTH = [None, "", "Bearer", "Bearer ", "Bearer nope", f"Basic {TOKEN}", f"Bearer {TOKEN}x", f"Bearer x{TOKEN}",
+            f"Bearer {TOKEN[:-1]}", f"Token {TOKEN}", f"Bearer  {TOKEN}"]
+
+
+@pytest.mark.anyio
+async def test_every_admin_route_refuses_a_missing_or_wrong_token(monkeypatch: pytest.MonkeyPatch) -> None:
+    with _app(monkeypatch) as (app, gw):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://gw") as c:
+            for method, path in _admin_routes(app):
+                for auth in BAD_AUTH:
+                    headers = {"content-type": "application/json"}
+                    if auth is not None:
+                        headers["authorization"] = auth
+                    # A body that would change state (or be refused as malformed) if it got in.
+                    for body in (b'{"frozen": true, "force": true, "mode": "static", "dtype": "fp8"}', b"\xff{"):
+                        r = await c.request(method, path, content=body if method == "POST" else None, headers=headers)
+                        assert r.status_code == 401, (method, path, auth, r.text)
+                        assert r.json()["error"]["reason"] == "unauthorized"
+        assert gw.control is None and gw.metrics.requests.labels("/admin/status", "401")._value.get() > 0
+
+
+@pytest.mark.anyio
+async def test_without_a_token_every_admin_route_is_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    with _app(monkeypatch, token=None) as (app, _):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as c:
+            for method, path in _admin_routes(app):
+                for auth in ("Bearer ", "Bearer None", "Bearer null", None):
+                    r = await c.request(method, path, headers={"authorization": auth} if auth is not None else {})
+                    assert r.status_code == 403 and r.json()["error"]["reason"] == "admin_disabled", (method, path)
+
+
+# --- the managed engine's log ------------------------------------------------------------------------
+def test_the_engine_log_is_opened_without_following_links_and_private(tmp_path: Path) -> None:
+    target = tmp_path / "elsewhere"
+    target.write_text("someone else's file\n")
+    link = tmp_path / "vllm-8001.log"
+    link.symlink_to(target)
+    with pytest.raises(OSError) as exc:
+        _open_log(link)
+    assert exc.value.errno == errno.ELOOP
+    assert target.read_text() == "someone else's file\n"
+    dangling = tmp_path / "vllm-8002.log"
+    dangling.symlink_to(tmp_path / "not-yet")
+    with pytest.raises(OSError):
+        _open_log(dangling)
+    assert not (tmp_path / "not-yet").exists()
+    old = os.umask(0)  # the mode is the opener's, not the umask's
+    try:
+        fd = _open_log(tmp_path / "vllm-8003.log")
+    finally:
+        os.umask(old)
+    try:
+        os.write(fd, b"first\n")
+        assert stat.S_IMODE(os.fstat(fd).st_mode) == 0o600
+        assert os.get_inheritable(fd) is False
+    finally:
+        os.close(fd)
+    fd = _open_log(tmp_path / "vllm-8003.log")  # a restart appends
+    os.write(fd, b"second\n")
+    os.close(fd)
+    assert (tmp_path / "vllm-8003.log").read_text() == "first\nsecond\n"
+
+
+def test_the_default_engine_log_folder_is_private_and_unpredictable(tmp_path: Path) -> None:
+    """No ``serve.log_dir``: a fresh ``mkdtemp`` folder per gateway (mode 0700, a random name),
+    never a fixed /tmp path another user could prepare. A configured one is created private."""
+    settings = AppSettings(serve=ServeConfig.from_cfg({"managed": True, "model": str(tmp_path), "tokenizer": "chars"}))
+    dirs = []
+    try:
+        for _ in range(2):
+            gw = Gateway(settings)
+            dirs.append(gw.log_dir)
+            for ln in gw.lanes:
+                ln.upstream.pool.close()
+        a, b = dirs
+        assert a != b and a.name != b.name and a.parent == b.parent == Path(tempfile.gettempdir())
+        for d in dirs:
+            st = d.stat()
+            assert stat.S_ISDIR(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o700 and st.st_uid == os.getuid()
+            assert gw.lanes[0].upstream.managed.log_path.parent in dirs
+        configured = tmp_path / "logs" / "engines"
+        gw = Gateway(AppSettings(serve=ServeConfig.from_cfg(
+            {"managed": True, "model": str(tmp_path), "tokenizer": "chars", "log_dir": str(configured)})))
+        gw.lanes[0].upstream.pool.close()
+        assert gw.log_dir == configured and stat.S_IMODE(configured.stat().st_mode) == 0o700
+    finally:
+        for d in dirs:
+            shutil.rmtree(d, ignore_errors=True)
+
+
+# --- the admin token stays out of the config dump and the command line -------------------------------
+def test_an_admin_token_in_the_config_is_refused() -> None:
+    from batchpilot.config import load_config
+
+    with pytest.raises(ValueError, match="BATCHPILOT_ADMIN_TOKEN"):
+        AppSettings.from_cfg(load_config(["serve.managed=true", "+serve.admin_token=secret"], config_name="serve_app"))
+
+
+class _FakeVLLM(BaseHTTPRequestHandler):
+    """Just enough of vLLM's API for the gateway to start in front of it."""
+
+    protocol_version = "HTTP/1.1"
+
+    def _answer(self, body: bytes, ctype: str = "application/json") -> None:
+        self.send_response(200)
+        self.send_header("content-type", ctype)
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self) -> None:  # noqa: N802
+        if self.path.startswith("/v1/models"):
+            self._answer(json.dumps({"data": [{"id": "fake", "max_model_len": 2048}]}).encode())
+        elif self.path.startswith("/metrics"):
+            self._answer(b"", "text/plain")
+        else:
+            self._answer(b"{}")
+
+    def do_POST(self) -> None:  # noqa: N802
+        self.rfile.read(int(self.headers.get("content-length") or 0))
+        self._answer(b'{"count": 1}')
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("source", ["env", "file"])
+def test_a_serve_runs_config_dump_and_command_line_hold_no_token(tmp_path: Path, source: str) -> None:
+    """``scripts/serve.py`` composed and run as an operator would (Hydra's output folder with its
+    ``.hydra`` dump on), in front of a fake upstream (no vLLM). The token, given by
+    ``$BATCHPILOT_ADMIN_TOKEN`` or ``serve.admin_token_file``, guards the admin API of the
+    running gateway, and appears in no file of the run folder and not on its command line."""
+    from batchpilot.config import REPO_ROOT
+
+    token = f"tok-{os.urandom(12).hex()}"
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _FakeVLLM)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    env = {k: v for k, v in os.environ.items() if k not in ("BATCHPILOT_ADMIN_TOKEN", "BATCHPILOT_TRUSTED_KEYS")}
+    port = free_port()
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, str(REPO_ROOT / "scripts" / "serve.py"), f"serve.upstreams=[http://127.0.0.1:{server.server_port}]",
+           f"serve.port={port}", "serve.startup_timeout_s=60", f"hydra.run.dir={run_dir}"]
+    if source == "env":
+        env["BATCHPILOT_ADMIN_TOKEN"] = token
+    else:
+        secret = tmp_path / "admin-token"
+        secret.write_text(token + "\n")
+        secret.chmod(0o600)
+        cmd.append(f"serve.admin_token_file={secret}")
+    out = (tmp_path / "gateway.out").open("wb")
+    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 240
+        while True:
+            assert proc.poll() is None, (tmp_path / "gateway.out").read_text()
+            assert time.monotonic() < deadline, "the gateway did not become ready"
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{url}/readyz", timeout=2).status_code == 200:
+                    break
+            time.sleep(0.2)
+        # The token was read and guards the API: it is the gateway's, from env or file.
+        assert httpx.get(f"{url}/admin/status", timeout=10).status_code == 401
+        assert httpx.get(f"{url}/admin/status", headers={"authorization": f"Bearer {token}"}, timeout=10).status_code == 200
+        cmdline = Path(f"/proc/{proc.pid}/cmdline").read_bytes()
+        assert b"serve.upstreams" in cmdline and token.encode() not in cmdline
+        dump = run_dir / ".hydra" / "config.yaml"
+        assert "upstreams" in dump.read_text()  # the dump is there, and it is the run's config
+        for f in run_dir.rglob("*"):
+            if f.is_file():
+                assert token not in f.read_text(errors="replace"), f
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+        out.close()
+        server.shutdown()
+        server.server_close()
+    assert token not in (tmp_path / "gateway.out").read_text(errors="replace")
