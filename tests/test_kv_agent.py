@@ -186,3 +186,12 @@ def test_a_broken_agent_is_a_load_error(tmp_path):
     (tmp_path / KV_AGENT_SUBDIR / "manifest.json").write_text("{not json")
     with pytest.raises(PolicyLoadError):
         PPOController.from_dir(tmp_path, max_num_seqs=256, max_model_len=8192, kv_restart_s=40.0)
+
+
+def test_the_docs_list_the_kv_features_in_order():
+    from batchpilot.config import REPO_ROOT
+
+    text = (REPO_ROOT / "docs" / "observation.md").read_text()
+    section = text[text.index("## The KV-precision agent's observation"):]
+    rows = [line.split("|")[2].strip().strip("`") for line in section.splitlines() if line.startswith("| ") and "`" in line]
+    assert rows == list(KV_FEATURE_NAMES)

@@ -17,7 +17,8 @@ import numpy as np
 from batchpilot.core.engine import KV_DTYPES_8BIT
 from batchpilot.core.telemetry import Snapshot
 
-#: The KV agent's observation, in order: (name, what it is, how it is normalised).
+#: The KV agent's observation, in order: (name, what it is, how it is normalised). Written out
+#: in docs/observation.md; keep the two in step.
 KV_FEATURES: tuple[tuple[str, str, str], ...] = (
     ("kv_usage_mean", "mean KV blocks in use over the epoch (0..1)", "as is"),
     ("kv_usage_max", "peak KV blocks in use over the epoch", "as is"),
