@@ -6,7 +6,9 @@ it happens in front of one upstream ``vllm serve``:
 * shed: queued requests above the kept priority get 429 + ``Retry-After`` ("shed_low_priority");
 * a KV switch restarts a managed upstream in the background (drained first, one lane at a time,
   by the supervisor) and the new dtype is in force once it is up; an unmanaged upstream is only
-  advised (log + ``batchpilot:kv_dtype_recommended``); the quality guard's block on 8-bit wins;
+  advised (log + ``batchpilot:kv_dtype_recommended``); the quality guard's block on 8-bit wins.
+  Every restart onto another dtype (the controller's, the quality guard's fallback, the
+  operator's) is ``restart_onto``, which starts the shield's dwell again once it is in force;
 * a breaker restart (level 3) restarts a managed upstream (core requests stay queued); an
   unmanaged one is advised in the log and the events.
 """
@@ -14,10 +16,12 @@ it happens in front of one upstream ``vllm serve``:
 from __future__ import annotations
 
 import logging
+import time
 from typing import TYPE_CHECKING, Callable
 
 from batchpilot.core.engine import KV_DTYPES_8BIT, EngineCapabilities
 from batchpilot.core.knobs import Knobs
+from batchpilot.core.shield import Shield
 from batchpilot.serving.lanes import Lane
 
 if TYPE_CHECKING:
@@ -27,18 +31,19 @@ log = logging.getLogger(__name__)
 
 
 class LanePlant:
-    """One lane's engine side, for ``actuate``. ``acting`` names the controller whose decision
-    is carried out (for the events)."""
+    """One lane's engine side, for ``actuate``; ``shield`` gives the lane's shield (its
+    capabilities, its dwell clock). ``acting`` names the controller whose decision is carried
+    out (for the events)."""
 
-    def __init__(self, gw: "Gateway", lane: Lane, caps: Callable[[], EngineCapabilities], note: Callable[[str], None]) -> None:
+    def __init__(self, gw: "Gateway", lane: Lane, shield: Callable[[], Shield], note: Callable[[str], None]) -> None:
         self.gw = gw
         self.lane = lane
-        self._caps = caps
+        self._shield = shield
         self._note = note
         self.acting = "controller"
 
     def capabilities(self) -> EngineCapabilities:
-        return self._caps()
+        return self._shield().capabilities
 
     def set_knobs(self, knobs: Knobs) -> None:
         self.lane.set_knobs(knobs)
@@ -55,12 +60,21 @@ class LanePlant:
             return False  # the quality guard keeps 16-bit
         if lane.upstream.managed is not None:
             self._note(f"{self.acting} switches {lane.name} KV cache to {dtype}: restarting it")
-            self.gw.supervisor.spawn(self.gw.supervisor.restart(lane, cause="kv_dtype", kv_dtype=dtype),
-                                     "batchpilot-restart")
+            self.gw.supervisor.spawn(self.restart_onto(dtype, "kv_dtype"), "batchpilot-restart")
         else:
             self.gw.metrics.kv_recommendation.labels(lane.name, dtype).set(1)
             log.info("recommend kv_cache_dtype=%s for %s (not managed: not applied)", dtype, lane.name)
         return False  # in force only once the restart is done
+
+    async def restart_onto(self, dtype: str, cause: str) -> bool:
+        """Restart the upstream onto ``dtype``; once it runs it, the shield's dwell starts again,
+        whoever asked: the quality guard's fallback to 16-bit did not start it, and the
+        controller switched back to 8-bit 179 s after it once the block was lifted (dwell 600 s).
+        False: no restart (one already asked for or under way, or it failed)."""
+        done = await self.gw.supervisor.restart(self.lane, cause=cause, kv_dtype=dtype)
+        if done:
+            self._shield().last_dtype_switch = time.monotonic()
+        return done
 
     def restart(self, cause: str) -> bool:
         lane = self.lane

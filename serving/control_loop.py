@@ -239,8 +239,9 @@ class ControlLoop:
                 static=static,
             )
             ctl = self.lane_ctl[ln.index]
-            ctl.plant = LanePlant(gw, ln, lambda c=ctl: c.shield.capabilities, self._note)
+            ctl.plant = LanePlant(gw, ln, lambda c=ctl: c.shield, self._note)
             self._use_memory_model(ln, self.lane_ctl[ln.index], mem)
+            ln.before_admit = self._check_engine
         caps = self.lane_ctl[gw.lanes[0].index].shield.capabilities
         self.policies = PolicyManager(cfg.control, gw.metrics, max_num_seqs=cfg.max_num_seqs,
                                       kv_runnable={d: caps.can_run(d) for d in caps.kv_dtypes}, note=self._note,
@@ -284,6 +285,13 @@ class ControlLoop:
             self._note(f"memory budget of {ln.name} unknown ({mem.source.removeprefix('unknown: ')}): holding its "
                        f"cap at or below the safe cap {self.cfg.control.safe_batch_cap}, per-request memory "
                        "checks off, until the engine reports its KV pool")
+
+    def _check_engine(self, ln: Lane) -> None:
+        """The memory model again when the upstream reports another engine (restarted, first
+        seen: its KV pool may differ); at each decision and before each admission pass."""
+        ctl = self.lane_ctl[ln.index]
+        if ln.upstream.info is not ctl.info:
+            self._refresh_memory_model(ln, ctl)
 
     def _refresh_memory_model(self, ln: Lane, ctl: LaneControl) -> None:
         mem, caps = upstream_engine_model(ln, self.cfg.max_num_seqs, ln.upstream.managed is not None,
@@ -393,8 +401,9 @@ class ControlLoop:
         if managed:
             async def one_by_one() -> None:
                 for ln in managed:  # the supervisor's lock also serialises them
-                    await self.gw.supervisor.restart(ln, cause="admin", kv_dtype=dtype)
-                    self.lane_ctl[ln.index].shield.last_dtype_switch = time.monotonic()
+                    plant = self.lane_ctl[ln.index].plant
+                    assert plant is not None  # wired in __init__
+                    await plant.restart_onto(dtype, "admin")  # the dwell starts again once it runs
 
             self.gw.supervisor.spawn(one_by_one(), "batchpilot-admin-kv-dtype")
         if force:
@@ -445,8 +454,7 @@ class ControlLoop:
         t0 = time.perf_counter()
         self.num_ticks += 1
         ctl = self.lane_ctl[lane.index]
-        if lane.upstream.info is not ctl.info:  # restarted (or first seen): its KV pool may differ
-            self._refresh_memory_model(lane, ctl)
+        self._check_engine(lane)
         for what in lane.take_oom_reports():  # what vLLM reported since the last tick: the breaker's OOM
             ctl.shield.report_oom(f"{lane.name} {what}")
         m = await self._scrape(lane) if lane.upstream.healthy else {}
@@ -542,7 +550,7 @@ class ControlLoop:
                 and lane.upstream.managed is not None and not lane.upstream.restarting:
             self._note(f"quality guard: output-diff rate {guard.diff_rate:.1%} above threshold; "
                        f"{lane.name} back to 16-bit KV")
-            self.gw.supervisor.spawn(self.gw.supervisor.restart(lane, cause="quality", kv_dtype="auto"), "batchpilot-restart")
+            self.gw.supervisor.spawn(plant.restart_onto("auto", "quality"), "batchpilot-restart")
 
     def status(self) -> dict[str, Any]:
         return {

@@ -13,6 +13,7 @@ import logging
 import re
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 from batchpilot.core.admission import Admission, AdmissionConfig, Rejection
 from batchpilot.core.engine import Request
@@ -73,6 +74,10 @@ class Lane:
     #: memory (an out-of-memory error answer, the engine process exiting); the control loop
     #: hands it to the shield's breaker (``Shield.report_oom``).
     oom_reports: list[str] = field(default_factory=list)
+    #: Called before each admission pass (the control loop's: it rebuilds the lane's memory model
+    #: when the upstream reports another engine, so a restart that brought back another KV pool
+    #: admits nothing against the previous pool's model while no decision has run since).
+    before_admit: Callable[["Lane"], None] | None = None
 
     @classmethod
     def build(
@@ -184,6 +189,8 @@ class Lane:
         if not self.available:
             self._publish_queue()
             return
+        if self.before_admit is not None:
+            self.before_admit(self)
         now = time.monotonic()
         if self.admission.expires:  # past their deadline or wait limit: refused, never run late
             for rej in self.admission.expire(now):

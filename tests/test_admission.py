@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import pytest
 from hypothesis import settings
@@ -415,6 +416,37 @@ def test_without_a_memory_check_admission_counts_only() -> None:
     for i in range(100):
         a.submit(Request(f"L{i}", float(i), 4000, 1000), float(i))
     assert len(a.admit(100.0)) == 100 and a.kv_blocks_in_flight == 0 and a.predicted_fraction() is None
+
+
+def test_requests_admitted_by_count_are_booked_once_the_memory_check_is_set() -> None:
+    """Requests admitted while the KV budget was unknown (no memory check: by count) were booked
+    at 0 KV blocks, so once it was known admission under-counted them (it predicted 1.3 % while
+    they needed 245 %) and admitted more. Setting the check books them through it; nothing more
+    goes in until they leave room, and setting it again (a new model) books them again."""
+    from batchpilot.core.engine import Request
+
+    sh = _memory_shield()
+    a = Admission(AdmissionConfig(max_num_long=1000), Knobs(batch_cap=100))
+    for i in range(40):
+        a.submit(Request(f"L{i}", float(i), 4000, 1000), float(i))
+    assert len(a.admit(40.0)) == 40 and a.kv_blocks_in_flight == 0
+    a.memory = sh  # the budget is known now
+    per = sh.request_blocks(4000, 1000)
+    assert a.kv_blocks_in_flight == 40 * per
+    assert a.predicted_fraction() == sh.blocks_fraction(40 * per, 40, "auto") > 0.80
+    a.submit(Request("short", 50.0, 10, 10), 50.0)
+    assert a.admit(50.0) == []  # over the ceiling already: it waits
+    for i in range(23):  # 17 left in flight: still over the ceiling (16 fill it: 5,120 // 313)
+        a.on_finished(f"L{i}")
+    assert a.admit(60.0) == [] and a.kv_blocks_in_flight == 17 * per
+    a.on_finished("L23")
+    assert [r.request_id for r in a.admit(61.0)] == ["short"]
+    sh.memory = replace(sh.memory, block_size=32)  # a new pool with another block size
+    a.memory = sh
+    assert a.kv_blocks_in_flight == 16 * sh.request_blocks(4000, 1000) + 1 == 16 * 157 + 1
+    a.memory = None
+    assert a.kv_blocks_in_flight == 0 and a.predicted_fraction() is None
+    a.check_counts()
 
 
 def test_the_ttft_deadline_refuses_late_requests_above_core_priority_only() -> None:

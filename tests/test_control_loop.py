@@ -368,3 +368,116 @@ def test_a_queued_request_past_its_ttft_deadline_gets_429_from_the_gateway() -> 
     assert core == "waiting"  # core priority is never refused by the deadline
     assert isinstance(low, Refused) and low.reason == "deadline" and low.status == 429 and low.retry_after
     assert gw.metrics.rejected.labels("deadline")._value.get() == 1
+
+
+def test_a_restart_that_brings_back_another_kv_pool_admits_against_the_new_pool() -> None:
+    """The restart's own admission pass (the lane reopens) checked requests against the previous
+    pool's model until the next decision rebuilt it: one run admitted 12 requests over the 80 %
+    ceiling this way. The lane now rebuilds the model before it admits anything."""
+    from types import SimpleNamespace
+
+    from batchpilot.core.engine import Request
+    from batchpilot.core.shield import Shield, ShieldConfig
+    from batchpilot.serving.control_loop import upstream_engine_model
+    from batchpilot.serving.upstream import EngineInfo
+
+    gw, loop = _gateway("pid", {"kind": "pid"})
+    lane = gw.lanes[0]
+    ctl = loop.lane_ctl[lane.index]
+    lane.upstream.managed = SimpleNamespace(alive=lambda: True, proc=SimpleNamespace(returncode=None),
+                                            kv_cache_space_gib=1)
+    gw.cfg.warmup.prompts = []
+    back = asyncio.Event()
+
+    async def restart(timeout_s: float, kv_dtype: str | None = None) -> float:
+        await back.wait()  # requests queue meanwhile; it comes back with an eighth of the pool
+        lane.upstream.info = EngineInfo(model="m", max_model_len=2048, num_kv_blocks=512, block_size=16,
+                                        kv_dtype="auto")
+        return 1.0
+
+    lane.upstream.restart = restart  # type: ignore[method-assign]
+
+    async def go() -> int:
+        task = gw.supervisor.spawn(gw.supervisor.restart(lane, cause="test", drain=False), "test-restart")
+        await asyncio.sleep(0)
+        assert lane.upstream.restarting
+        waits = [asyncio.ensure_future(lane.acquire(Request(f"r{i}", 0.0, 1000, 1000), deadline=1e12))
+                 for i in range(30)]
+        await asyncio.sleep(0)
+        assert lane.admission.num_in_flight == 0  # nothing admitted while it restarts
+        back.set()
+        await task
+        admitted = lane.admission.num_in_flight
+        for w in waits:
+            w.cancel()
+        await asyncio.gather(*waits, return_exceptions=True)
+        return admitted
+
+    admitted = asyncio.run(go())
+    # What the admitted requests need, from the new pool itself (not from admission's books).
+    mem, caps = upstream_engine_model(lane, gw.cfg.max_num_seqs, managed=True)
+    fresh = Shield(ShieldConfig.from_cfg(gw.settings.shield), mem, caps, gw.settings.slo)
+    need = fresh.blocks_fraction(admitted * fresh.request_blocks(1000, 1000), admitted, "auto")
+    assert 0 < admitted and need <= fresh.cfg.memory_ceiling, (admitted, need)
+    assert ctl.shield.memory.num_kv_blocks_total == 512  # rebuilt before the lane reopened
+    lane.admission.check_counts()
+
+
+def test_the_quality_guards_fallback_restart_starts_the_kv_dwell() -> None:
+    """The quality guard's fallback restart onto 16-bit did not start the shield's dwell: once an
+    operator lifted the block, the controller switched back to 8-bit 179 s later (dwell 600 s).
+    Every restart onto another dtype (``LanePlant.restart_onto``) now starts it once it runs."""
+    import time
+    from types import SimpleNamespace
+
+    from batchpilot.serving.quality_guard import QualityGuard
+    from batchpilot.serving.settings import QualityGuardConfig
+
+    gw, loop = _gateway("pid", {"kind": "pid"})
+    lane = gw.lanes[0]
+    ctl = loop.lane_ctl[lane.index]
+    lane.upstream.managed = SimpleNamespace(alive=lambda: True, proc=SimpleNamespace(returncode=None))
+    gw.cfg.warmup.prompts = []
+    ctl.shield.capabilities.kv_dtypes["fp8"] = None  # 8-bit runs here
+    lane.set_knobs(lane.knobs.with_(kv_dtype="fp8"))
+    restarts: list[str | None] = []
+
+    async def restart(timeout_s: float, kv_dtype: str | None = None) -> float:
+        restarts.append(kv_dtype)
+        return 1.0
+
+    lane.upstream.restart = restart  # type: ignore[method-assign]
+    text = _metrics_text(recorded_trace()[0])
+
+    async def metrics(timeout_s: float = 2.0) -> str:
+        return text
+
+    lane.upstream.metrics_text = metrics  # type: ignore[method-assign]
+    gw.quality = QualityGuard(QualityGuardConfig(min_samples=5), gw.metrics)
+    for _ in range(5):
+        gw.quality.record(0.5)  # replays disagree with the 16-bit reference: 8-bit blocked
+
+    class Want8bit:
+        name = "pid"
+
+        def reset(self, knobs: Knobs) -> None:
+            pass
+
+        def decide(self, snapshot: object, knobs: Knobs) -> Proposal:
+            return Proposal(kv_dtype="fp8")
+
+    loop._controller = lambda _lane: (Want8bit(), "pid")  # type: ignore[method-assign]
+
+    async def fallback() -> None:
+        await loop.tick(lane, now=time.monotonic())  # the guard's fallback, in the background
+        await asyncio.gather(*gw.supervisor._tasks)
+
+    t0 = time.monotonic()
+    asyncio.run(fallback())
+    assert restarts == ["auto"] and lane.knobs.kv_dtype == "auto"
+    assert gw.metrics.upstream_restarts.labels(lane.name, "quality")._value.get() == 1
+    assert ctl.shield.last_dtype_switch >= t0  # the fallback started the dwell
+    gw.quality.reset()  # the operator lifts the block
+    asyncio.run(loop.tick(lane, now=ctl.shield.last_dtype_switch + 179.0))
+    assert lane.knobs.kv_dtype == "auto" and restarts == ["auto"]
+    assert "dtype_dwell" in ctl.last_decision["interventions"], ctl.last_decision

@@ -34,8 +34,10 @@ waits for room, as a request over the count cap does (it blocks its bucket's ord
 smaller request overtakes it); one that cannot fit even alone is rejected with
 "too_large_for_memory" (at submit, or at admission when the model moved since and nothing is in
 flight to wait for: collect those with ``take_rejections``). Without ``memory`` (the default)
-admission counts only, as before. Priority plays no part: a core request waits like any other
-and is refused only when it can never run.
+admission counts only, as before; setting ``memory`` (again, for a new model) books the requests
+in flight through it, so none admitted by count stays charged 0 blocks once it is known.
+Priority plays no part: a core request waits like any other and is refused only when it can
+never run.
 """
 
 from __future__ import annotations
@@ -200,16 +202,16 @@ class Admission:
 
     def __init__(self, cfg: AdmissionConfig, knobs: Knobs, memory: MemoryCheck | None = None) -> None:
         self.cfg = cfg
-        #: The per-request memory check (None: count only). May be set after construction
-        #: (``admission.memory = shield``); requests already in flight then count 0 blocks.
-        self.memory = memory
         #: KV blocks the requests in flight hold at their end, as ``memory`` charged them.
         self.kv_blocks_in_flight = 0
         self._late: list[Rejection] = []
         self._boundaries: list[float] = list(cfg.boundaries)
         self._buckets = [_Bucket() for _ in range(cfg.num_buckets)]
         self._waiting: dict[str, _Entry] = {}
-        self._in_flight: dict[str, tuple[bool, int, int]] = {}  # request_id -> (is_long, sequences, KV blocks)
+        # request_id -> (is_long, sequences, KV blocks, the request: to book it again)
+        self._in_flight: dict[str, tuple[bool, int, int, Any]] = {}
+        self._memory: MemoryCheck | None = None
+        self.memory = memory
         #: Sequences in flight: what the batch cap bounds (a request with n=4 runs four).
         self.num_seqs_in_flight = 0
         self._expiry: list[tuple[float, int, _Entry]] = []  # (arrival, seq, entry), lazy
@@ -232,6 +234,26 @@ class Admission:
         self.num_finished = 0
         self.num_long_in_flight = 0
         self.num_rejected_by_reason: Counter[str] = Counter()
+
+    # --- memory --------------------------------------------------------------------------
+    @property
+    def memory(self) -> MemoryCheck | None:
+        """The per-request memory check (None: count only). May be set after construction
+        (``admission.memory = shield``), and again whenever its model changes."""
+        return self._memory
+
+    @memory.setter
+    def memory(self, memory: MemoryCheck | None) -> None:
+        """Setting it books the requests in flight again, through it: admitted by count (no
+        check: 0 blocks) they would otherwise count nothing once the budget is known (admission
+        predicted 1.3 % while they needed 245 %), and a new KV pool may have another block size."""
+        self._memory = memory
+        total = 0
+        for rid, (is_long, seqs, _, req) in self._in_flight.items():
+            blocks = self._blocks(req) if memory is not None else 0
+            self._in_flight[rid] = (is_long, seqs, blocks, req)
+            total += blocks
+        self.kv_blocks_in_flight = total
 
     # --- knobs ---------------------------------------------------------------------------
     def set_knobs(self, knobs: Knobs) -> None:
@@ -362,7 +384,7 @@ class Admission:
             self._pass[e.bucket] += self._stride[e.bucket]
             e.alive = False
             del self._waiting[e.request.request_id]
-            self._in_flight[e.request.request_id] = (e.is_long, seqs, blocks)
+            self._in_flight[e.request.request_id] = (e.is_long, seqs, blocks, e.request)
             self.num_seqs_in_flight += seqs
             self.kv_blocks_in_flight += blocks
             self.num_long_in_flight += e.is_long
@@ -373,7 +395,7 @@ class Admission:
     def on_finished(self, request_id: str) -> None:
         """Free the slot of a request that left the engine (finished, failed, cancelled or
         disconnected). Raises KeyError for an id that is not in flight (a bug)."""
-        is_long, seqs, blocks = self._in_flight.pop(request_id)
+        is_long, seqs, blocks, _ = self._in_flight.pop(request_id)
         self.num_seqs_in_flight -= seqs
         self.kv_blocks_in_flight -= blocks
         self.num_long_in_flight -= is_long
