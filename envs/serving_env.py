@@ -122,6 +122,8 @@ class EnginePlant:
         env.engine.restart(dtype)  # charges (sim) or takes (live) the restart time
         # Capacity may change with the dtype: the shield predicts with the new layout.
         env.shield.update_memory_model(env.engine.memory_model())
+        if env.admission.memory is not None:  # re-book what is in flight through the new layout
+            env.admission.memory = env.shield
 
 
 def slo_from_cfg(node: Any) -> SLO:
