@@ -1,17 +1,26 @@
 """Train the KV-precision agent (``scripts/train_kv.py``, ``conf/train_kv.yaml``).
 
-PPO (stable-baselines3) on ``KVPrecisionEnv``: each step is one epoch of a randomised
-``ServingEnv`` episode on a drawn deployment, with the shipped batch policy as the fast
-controller, so the agent learns on top of what serves. The agent is exported like the batch
-policy (same artifact format and runtime, its own features and a two-valued action) and
-checked on held-out seeds against the two fixed choices, never switching and switching to
-8-bit at the first decision, per deployment.
+The environment is ``KVPrecisionEnv``: each step is one epoch of a randomised ``ServingEnv``
+episode on a drawn deployment, with the shipped batch policy as the fast controller, so the
+agent learns on top of what serves. Two ways to learn (``kv.method``):
+
+* ``ppo``: stable-baselines3 PPO on the slow env (rare informative states: it stayed at "keep");
+* ``counterfactual`` (default): the simulator is deterministic and its state can be copied, so
+  at sampled decision points the episode is run on both ways for ``kv.horizon_epochs`` (switch
+  now, or keep) and the actor is fitted to the better one, weighted by how much better: full
+  information instead of one noisy return per choice.
+
+The agent is exported like the batch policy (same artifact format and runtime, its own features
+and a two-valued action) and checked on held-out seeds against the two fixed choices, never
+switching and switching at the first decision, per deployment.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import json
+import multiprocessing
 import time
 from typing import Any, Callable
 
@@ -19,7 +28,7 @@ import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
 from batchpilot.core.controller import Controller
-from batchpilot.core.kv_epoch import KV_FEATURE_NAMES
+from batchpilot.core.kv_epoch import KV_FEATURE_NAMES, kv_target
 from batchpilot.envs.kv_env import KVPrecisionEnv
 from batchpilot.envs.serving_env import ServingEnv
 from batchpilot.policies.kv_agent import KV_AGENT_SUBDIR
@@ -91,6 +100,83 @@ def compare(cfg: DictConfig, model: Any, vecnorm: Any, seeds: list[int]) -> list
     return rows
 
 
+def counterfactual_samples(cfg: DictConfig, seed: int, n_episodes: int) -> tuple[np.ndarray, np.ndarray]:
+    """(observations, advantages of switching now over keeping, discounted over the horizon).
+
+    Episodes follow "keep", switching at random with ``kv.explore_switch`` per epoch so 8-bit
+    states are sampled too; ``kv.samples_per_episode`` decision points per episode are labelled.
+    """
+    import copy
+
+    kv = cfg.kv
+    env = make_kv_env(cfg, list(kv.deployments))()
+    rng = np.random.default_rng(seed)
+    gamma, horizon = float(kv.gamma), int(kv.horizon_epochs)
+    xs, advs = [], []
+    try:
+        for _ in range(n_episodes):
+            obs, _ = env.reset(seed=int(rng.integers(2**31 - 1)))
+            picks = set(rng.choice(int(kv.episode_epochs), size=int(kv.samples_per_episode), replace=False).tolist())
+            k = 0
+            while True:
+                if k in picks:
+                    branch = env.branch
+                    want = kv_target(1, branch.env.knobs.kv_dtype, kv16_dtype=branch.env.kv16_dtype,
+                                     kv8_dtype=branch.env.kv8_dtype)
+                    values = []
+                    for first in (want, None):
+                        b = copy.deepcopy(branch)
+                        ret = 0.0
+                        for i in range(horizon):
+                            r, info = b.run_epoch(first if i == 0 else None)
+                            ret += gamma**i * r
+                            if info.get("terminated") or info.get("truncated"):
+                                break
+                        b.env.close()
+                        values.append(ret)
+                    xs.append(obs)
+                    advs.append(values[0] - values[1])
+                a = int(rng.random() < float(kv.explore_switch))
+                obs, _, term, trunc, _ = env.step([a])
+                k += 1
+                if term or trunc:
+                    break
+    finally:
+        env.close()
+    return np.asarray(xs, dtype=np.float32), np.asarray(advs, dtype=np.float64)
+
+
+def fit_counterfactual(model: Any, vecnorm: Any, x: np.ndarray, adv: np.ndarray, *, epochs: int, lr: float,
+                       margin: float) -> dict[str, float]:
+    """Fit the actor to the better choice per sample (cross-entropy weighted by |advantage|);
+    observation normalisation from the samples. Switching is the label only where it beats
+    keeping by more than ``margin``."""
+    import torch
+
+    vecnorm.obs_rms.mean = x.mean(axis=0).astype(np.float64)
+    vecnorm.obs_rms.var = x.var(axis=0).astype(np.float64)
+    vecnorm.obs_rms.count = float(len(x))
+    xn = torch.as_tensor(vecnorm.normalize_obs(x), dtype=torch.float32)
+    y = torch.as_tensor((adv > margin).astype(np.int64))
+    w = torch.as_tensor(np.clip(np.abs(adv), 0.01, None), dtype=torch.float32)
+    w = w / w.mean()
+    policy = model.policy
+    params = list(policy.mlp_extractor.policy_net.parameters()) + list(policy.action_net.parameters())
+    opt = torch.optim.Adam(params, lr=lr)
+    for _ in range(epochs):
+        logits = policy.action_net(policy.mlp_extractor.forward_actor(policy.pi_features_extractor(xn)))
+        loss = (torch.nn.functional.cross_entropy(logits, y, reduction="none") * w).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    with torch.no_grad():
+        logits = policy.action_net(policy.mlp_extractor.forward_actor(policy.pi_features_extractor(xn)))
+        pred = logits.argmax(dim=1)
+    regret = float(np.sum(np.where(pred.numpy() == y.numpy(), 0.0, np.abs(adv))) / len(adv))
+    return {"samples": float(len(adv)), "switch_labels": float(y.sum()), "train_accuracy": float((pred == y).float().mean()),
+            "mean_regret": regret, "loss": float(loss)}
+
+
 def print_rows(rows: list[dict[str, Any]]) -> str:
     head = "| deployment | controller | mean epoch reward | request_goodput | slo_attainment | KV switches | proposals |"
     lines = [head, "|---|---|---:|---:|---:|---:|---:|"]
@@ -120,7 +206,8 @@ def train_kv(cfg: DictConfig) -> float:
     lc = LoggerConfig.from_cfg(cfg.logger)
     torch.set_num_threads(1)
     set_random_seed(seed)
-    fns = [make_kv_env(cfg, list(kv.deployments), paired=bool(kv.paired)) for _ in range(int(kv.n_envs))]
+    n_workers = int(kv.n_envs) if kv.method == "ppo" else 1  # counterfactual: the env only gives the spaces
+    fns = [make_kv_env(cfg, list(kv.deployments), paired=bool(kv.paired)) for _ in range(n_workers)]
     venv = SubprocVecEnv(fns, start_method="fork") if len(fns) > 1 else DummyVecEnv(fns)
     venv.seed(seed)
     venv = VecNormalize(VecMonitor(venv), norm_obs=True, norm_reward=True, clip_obs=10.0, gamma=float(kv.gamma))
@@ -134,12 +221,30 @@ def train_kv(cfg: DictConfig) -> float:
             policy_kwargs={"net_arch": {"pi": list(kv.net_arch), "vf": list(kv.net_arch)},
                            "activation_fn": torch.nn.Tanh},
         )
-        # A fresh agent leans to "keep" (16-bit, as every engine starts): exploration tries a
-        # switch now and then instead of flapping at random.
-        with torch.no_grad():
-            model.policy.action_net.bias[0] += float(kv.keep_prior_logit)
-        model.set_logger(sb3_logger(out_dir, lc, verbose=False))
-        model.learn(total_timesteps=int(kv.total_timesteps), progress_bar=bool(kv.progress_bar))
+        fit: dict[str, float] = {}
+        if kv.method == "counterfactual":
+            n_eps = int(kv.counterfactual_episodes)
+            with concurrent.futures.ProcessPoolExecutor(max_workers=int(kv.n_envs),
+                                                        mp_context=multiprocessing.get_context("fork")) as pool:
+                plain = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))  # picklable
+                parts = list(pool.map(functools.partial(counterfactual_samples, plain),
+                                      [seed * 1000 + i for i in range(int(kv.n_envs))],
+                                      [n_eps // int(kv.n_envs)] * int(kv.n_envs)))
+            x = np.concatenate([p[0] for p in parts])
+            adv = np.concatenate([p[1] for p in parts])
+            np.savez(out_dir / "kv_samples.npz", obs=x, advantage=adv)
+            fit = fit_counterfactual(model, venv, x, adv, epochs=int(kv.fit_epochs), lr=float(kv.fit_lr),
+                                     margin=float(kv.switch_margin))
+            print(f"[train_kv] counterfactual fit: {fit}")
+        elif kv.method == "ppo":
+            # A fresh agent leans to "keep" (16-bit, as every engine starts): exploration tries a
+            # switch now and then instead of flapping at random.
+            with torch.no_grad():
+                model.policy.action_net.bias[0] += float(kv.keep_prior_logit)
+            model.set_logger(sb3_logger(out_dir, lc, verbose=False))
+            model.learn(total_timesteps=int(kv.total_timesteps), progress_bar=bool(kv.progress_bar))
+        else:
+            raise ValueError(f"kv.method must be counterfactual or ppo, got {kv.method!r}")
         train_s = time.perf_counter() - t0
         venv.training = False
         venv.norm_reward = False
@@ -156,7 +261,7 @@ def train_kv(cfg: DictConfig) -> float:
         deps = sorted({r["deployment"] for r in rows})
         margin = float(np.mean([by[(d, "agent")] - max(by[(d, "never")], by[(d, "8bit_at_once")]) for d in deps]))
         summary = {"rows": rows, "markdown": md, "test_seeds": seeds, "train_seconds": train_s,
-                   "agent_minus_best_fixed": margin}
+                   "agent_minus_best_fixed": margin, "method": str(kv.method), "fit": fit}
         (out_dir / "kv_comparison.json").write_text(json.dumps(summary, indent=2) + "\n")
         print(f"[train_kv] agent exported to {policy_dir}; {time.perf_counter() - t0:.0f}s total")
         if run is not None:

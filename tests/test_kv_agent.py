@@ -5,7 +5,6 @@ agent's behaviour where 8-bit KV pays and where a restart is too costly."""
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import shutil
 from pathlib import Path
@@ -136,30 +135,35 @@ def test_same_seed_same_slow_episode():
 
 
 # --- export, loading, the controller ------------------------------------------------------------
-@functools.cache
-def _trained_tiny(tmp_root: str) -> str:
-    """A 64-epoch training run (the pipeline, not a useful agent)."""
+def _trained_tiny(tmp_root: str, method: str) -> str:
+    """A tiny training run (the pipeline, not a useful agent)."""
+    import json
     import subprocess
     import sys
 
     from batchpilot.config import REPO_ROOT
 
     out = f"{tmp_root}/run"
-    cmd = [sys.executable, str(REPO_ROOT / "scripts" / "train_kv.py"), "logger=none", "kv.total_timesteps=64",
-           "kv.n_envs=1", "kv.n_steps=64", "kv.batch_size=32", "kv.n_epochs=1", "kv.episode_epochs=3",
-           "kv.epoch_s=20", "kv.deployments=[llama3_8b/h100]", "kv.held_out_deployments=[]",
+    cmd = [sys.executable, str(REPO_ROOT / "scripts" / "train_kv.py"), "logger=none", f"kv.method={method}",
+           "kv.total_timesteps=64", "kv.n_envs=1", "kv.n_steps=64", "kv.batch_size=32", "kv.n_epochs=1",
+           "kv.counterfactual_episodes=2", "kv.samples_per_episode=2", "kv.horizon_epochs=2", "kv.fit_epochs=5",
+           "kv.episode_epochs=3", "kv.epoch_s=20", "kv.deployments=[llama3_8b/h100]", "kv.held_out_deployments=[]",
            "kv.test_seeds=[1]", "kv.progress_bar=false", f"hydra.run.dir={out}"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads((Path(out) / "kv_comparison.json").read_text())
+    assert summary["method"] == method and {r["controller"] for r in summary["rows"]} == {"never", "8bit_at_once", "agent"}
+    if method == "counterfactual":
+        assert summary["fit"]["samples"] == 4.0  # 2 episodes x 2 labelled decision points
     return out
 
 
 @pytest.mark.slow
-def test_training_exports_an_agent_that_the_controller_runs(tmp_path_factory):
-    run = _trained_tiny(str(tmp_path_factory.mktemp("kv")))
+@pytest.mark.parametrize("method", ["counterfactual", "ppo"])
+def test_training_exports_an_agent_that_the_controller_runs(tmp_path_factory, method: str):
+    run = _trained_tiny(str(tmp_path_factory.mktemp("kv")), method)
     agent = KVAgent.from_dir(f"{run}/{KV_AGENT_SUBDIR}", restart_s=40.0)
     assert agent.epoch.epoch_s == 20.0
-    assert (Path(run) / "kv_comparison.json").is_file()
     # Beside a batch policy, PPOController runs it: a KV proposal only at an epoch's end.
     folder = tmp_path_factory.mktemp("policy")
     shutil.copytree(PRETRAINED_DIR, folder, dirs_exist_ok=True)
