@@ -15,6 +15,9 @@ Two guards keep a policy from being much worse than the PID baseline, whatever i
   ``training.config.observation_range``, widened by ``ood_margin`` of each feature's span) hands
   the cap to that PID (the order in force stays): the policy is not asked where it has never been.
   ``num_fallbacks`` counts those intervals and ``last_fallback`` names the features.
+
+A policy folder may carry a KV-precision agent (``<folder>/kv_agent``, ``policies/kv_agent.py``):
+given the engine's restart time it owns the KV part of every proposal, once per epoch.
 """
 
 from __future__ import annotations
