@@ -64,6 +64,16 @@ def wait_ready(url: str, timeout_s: float, proc: subprocess.Popen | None = None)
     raise TimeoutError(f"{url}/readyz not 200 after {timeout_s} s")
 
 
+def stop_process(proc: subprocess.Popen) -> None:
+    """SIGTERM, and SIGKILL if it has not ended within 30 s."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
 @contextlib.contextmanager
 def running_gateway(*overrides: str, timeout_s: float = 240.0) -> Iterator[RunningGateway]:
     """``scripts/serve.py serve.managed=true`` on a free port, plus ``overrides``."""
@@ -87,12 +97,7 @@ def running_gateway(*overrides: str, timeout_s: float = 240.0) -> Iterator[Runni
     finally:
         with contextlib.suppress(Exception):
             pids = gw.upstream_pids() or pids
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
+        stop_process(proc)
         for pid in pids:  # the vLLM process group, if the gateway did not stop it
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(pid, signal.SIGKILL)

@@ -15,7 +15,6 @@ import gc
 import json
 import os
 import shutil
-import signal
 import stat
 import subprocess
 import sys
@@ -28,6 +27,7 @@ from typing import Any, Iterator
 
 import httpx
 import pytest
+from gateway_helpers import stop_process
 
 from batchpilot.serving import gateway as gateway_mod
 from batchpilot.serving.errors import BadRequest
@@ -417,12 +417,7 @@ def test_a_serve_runs_config_dump_and_command_line_hold_no_token(tmp_path: Path,
             if f.is_file():
                 assert token not in f.read_text(errors="replace"), f
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
+        stop_process(proc)
         out.close()
         server.shutdown()
         server.server_close()

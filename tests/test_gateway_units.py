@@ -404,8 +404,9 @@ class _FakePool:
 
 
 def _proxy_setup(body: dict, pool: _FakePool):
-    """A gateway with one (fake) upstream and what ``_proxy`` needs of a Starlette request: the
-    body, then ``http.disconnect`` once ``left`` is set (the client goes away)."""
+    """A gateway with one (fake) upstream whose ``/tokenize`` counts every prompt 3 tokens, and
+    what ``_proxy`` needs of a Starlette request: the body, then ``http.disconnect`` once
+    ``left`` is set (the client goes away)."""
     import json
     from types import SimpleNamespace
 
@@ -419,6 +420,11 @@ def _proxy_setup(body: dict, pool: _FakePool):
     lane.upstream.healthy = True
     lane.upstream.info = EngineInfo(model="m", max_model_len=2048)
     lane.upstream.pool = pool
+
+    async def tokenize(body) -> int:
+        return 3
+
+    lane.upstream.tokenize = tokenize
     raw = json.dumps(body).encode()
     left = asyncio.Event()
     sent_body = [False]
@@ -484,10 +490,6 @@ async def test_a_client_leaving_during_a_non_stream_upstream_call_frees_its_slot
     pool = _FakePool()
     gw, lane, request, left = _proxy_setup({"prompt": "hello world", "max_tokens": 4}, pool)
 
-    async def tokenize(body) -> int:
-        return 3
-
-    lane.upstream.tokenize = tokenize
     handler = asyncio.create_task(_proxy(request, "/v1/completions", False))
     await asyncio.wait_for(pool.sent.wait(), 5)
     assert lane.admission.num_in_flight == 1  # admitted, waiting for the upstream's answer
@@ -512,10 +514,6 @@ async def test_a_client_leaving_while_a_non_stream_body_is_read_frees_its_slot()
     pool = _FakePool(answer)
     gw, lane, request, left = _proxy_setup({"prompt": "hello world", "max_tokens": 4}, pool)
 
-    async def tokenize(body) -> int:
-        return 3
-
-    lane.upstream.tokenize = tokenize
     handler = asyncio.create_task(_proxy(request, "/v1/completions", False))
     await asyncio.wait_for(pool.sent.wait(), 5)
     await asyncio.sleep(0.01)  # the body read is under way (stalled)
@@ -538,10 +536,6 @@ async def test_a_client_leaving_between_the_handler_and_the_response_frees_its_s
     pool = _FakePool(_FakeStreamAnswer([b'{"choices": [{"text": "hi"}]}']))
     gw, lane, request, left = _proxy_setup({"prompt": "hello world", "max_tokens": 4}, pool)
 
-    async def tokenize(body) -> int:
-        return 3
-
-    lane.upstream.tokenize = tokenize
     resp = await _proxy(request, "/v1/completions", False)
     assert resp.status_code == 200 and lane.admission.num_in_flight == 0
     await lane.upstream.client.aclose()
@@ -550,7 +544,6 @@ async def test_a_client_leaving_between_the_handler_and_the_response_frees_its_s
     answer = _FakeStreamAnswer([b"data: 1\n\n", b"data: [DONE]\n\n"])
     pool = _FakePool(answer)
     gw, lane, request, left = _proxy_setup({"prompt": "hello world", "max_tokens": 4, "stream": True}, pool)
-    lane.upstream.tokenize = tokenize
     resp = await _proxy(request, "/v1/completions", False)
     assert lane.admission.num_in_flight == 1 and not answer.closed
 
