@@ -245,8 +245,19 @@ def test_malformed_admin_calls_are_400s_that_change_nothing(gw: RunningGateway, 
     # knobs are not frozen, so a refused freeze that froze anyway would show.
     r = httpx.post(f"{gw.url}/admin/mode", json={"mode": "static"}, headers=AUTH, timeout=30)
     assert r.status_code == 200
-    time.sleep(1.0)  # a control tick under the static controller
+    # Wait until the cap has walked to the static setting (30 % per tick): knobs unchanged over
+    # two ticks. One fixed second was not always enough (the cap was still walking 17 -> 22).
+    deadline = time.monotonic() + 60.0
     before = gw.status()["control"]
+    while True:
+        time.sleep(1.2)  # two ticks at serve.control.interval_s=0.5
+        now = gw.status()["control"]
+        knobs = [ln["knobs_in_force"] for ln in now["lanes"].values()]
+        if knobs == [ln["knobs_in_force"] for ln in before["lanes"].values()]:
+            break
+        assert time.monotonic() < deadline, f"the static controller never held the knobs: {knobs}"
+        before = now
+    before = now
     assert before["frozen"] is False
     r = httpx.post(f"{gw.url}{route}", content=raw, headers={**AUTH, "content-type": "application/json"}, timeout=30)
     assert r.status_code == 400, r.text
