@@ -556,6 +556,7 @@ class ControlLoop:
         return {
             **self.policies.status(),
             "frozen": self.frozen,
+            "ticks": self.num_ticks,
             "target": dict(self.target),
             "overrides": self.overrides[-20:],
             "lanes": {ln.name: {**self.lane_ctl[ln.index].last_decision, "knobs_in_force": ln.knobs.as_dict(),

@@ -245,18 +245,25 @@ def test_malformed_admin_calls_are_400s_that_change_nothing(gw: RunningGateway, 
     # knobs are not frozen, so a refused freeze that froze anyway would show.
     r = httpx.post(f"{gw.url}/admin/mode", json={"mode": "static"}, headers=AUTH, timeout=30)
     assert r.status_code == 200
-    # Wait until the cap has walked to the static setting (30 % per tick): knobs unchanged over
-    # two ticks. One fixed second was not always enough (the cap was still walking 17 -> 22).
-    deadline = time.monotonic() + 60.0
+    # Wait until the static setting is in force as proposed: no intervention (no 30 % step, no
+    # stale-telemetry hold, no breaker) on the last decision and the knobs unchanged over two
+    # counted ticks. Unchanged knobs alone were not enough: a stale scrape held the cap at 19 for
+    # two ticks, then it walked on to 24.
+    deadline = time.monotonic() + 90.0
     before = gw.status()["control"]
     while True:
-        time.sleep(1.2)  # two ticks at serve.control.interval_s=0.5
+        time.sleep(0.5)
         now = gw.status()["control"]
         knobs = [ln["knobs_in_force"] for ln in now["lanes"].values()]
-        if knobs == [ln["knobs_in_force"] for ln in before["lanes"].values()]:
+        settled = (now["ticks"] >= before["ticks"] + 2
+                   and knobs == [ln["knobs_in_force"] for ln in before["lanes"].values()]
+                   and all(not ln.get("interventions") for ln in now["lanes"].values()))
+        if settled:
             break
-        assert time.monotonic() < deadline, f"the static controller never held the knobs: {knobs}"
-        before = now
+        assert time.monotonic() < deadline, f"the static controller never held the knobs: {now['lanes']}"
+        if knobs != [ln["knobs_in_force"] for ln in before["lanes"].values()] or any(
+                ln.get("interventions") for ln in now["lanes"].values()):
+            before = now
     before = now
     assert before["frozen"] is False
     r = httpx.post(f"{gw.url}{route}", content=raw, headers={**AUTH, "content-type": "application/json"}, timeout=30)
