@@ -258,6 +258,9 @@ class EnvNode:
     #: Deployment randomisation (training): "model/hardware" pairs an episode draws from; the
     #: workload's load is sized per deployment. Empty = the config's model and hardware.
     deployments: list[str]
+    #: [low, high] or null: draw each episode's mean load as this share of the engine's capacity
+    #: for the episode's own requests (a saturation probe per episode), log-uniformly.
+    load_vs_capacity: list[float] | None
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
 

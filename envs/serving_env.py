@@ -48,12 +48,14 @@ or ``ServingEnv(cfg=composed_hydra_config)``.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import math
 from typing import Any, Sequence
 
 import gymnasium as gym
 import numpy as np
-from omegaconf import DictConfig
+from omegaconf import DictConfig, open_dict
 
 from batchpilot.config import from_node, load_config
 from batchpilot.core.actions import ACTION_NVEC, action_mask, action_to_proposal
@@ -65,6 +67,7 @@ from batchpilot.core.plant import BreakerTrip, actuate
 from batchpilot.core.residual import ACTION_MODES, ResidualPID, residual_pid_config
 from batchpilot.core.shield import Shield, ShieldConfig
 from batchpilot.core.telemetry import FEATURE_NAMES, OBS_HIGH, OBS_LOW, SLO, Snapshot, Telemetry
+from batchpilot.envs.capacity import saturated_rate
 from batchpilot.envs.deployments import Deployment, DeploymentSet
 from batchpilot.envs.engines import EngineFactory
 from batchpilot.envs.reward import RewardConfig, reward_terms
@@ -162,7 +165,8 @@ class ServingEnv(gym.Env):
         self.max_steps = int(round(float(e.episode_s) / self.interval_s))
         self.slo = slo_from_cfg(cfg.slo)
         self.admission_cfg = AdmissionConfig.from_cfg(e.admission)
-        self.shield_cfg = ShieldConfig.from_cfg(cfg.shield)
+        #: The config's shield; with a drawn deployment, ``shield_cfg`` takes its model's restart.
+        self.base_shield_cfg = self.shield_cfg = ShieldConfig.from_cfg(cfg.shield)
         self.kv16_dtype, self.kv8_dtype = str(e.kv16_dtype), str(e.kv8_dtype)
         self.action_mode = str(e.get("action_mode", "absolute"))
         if self.action_mode not in ACTION_MODES:
@@ -198,6 +202,8 @@ class ServingEnv(gym.Env):
         self._needs_fresh_engine = self.cfg.engine.kind == "sim"
         self._init_episode_state()
         workload = self.cfg.workload if self.deployment is None else self.deployment.workload
+        if self.cfg.env.get("load_vs_capacity") is not None:
+            workload = self._sized_to_capacity(workload, self.cfg.env.load_vs_capacity)
         self.stream = build_workload(workload, self.np_random, self._caps.max_model_len)
         if self._episode_start > 0:  # a live engine's clock does not restart at 0
             self.stream = _shift_stream(self.stream, self._episode_start)
@@ -300,6 +306,11 @@ class ServingEnv(gym.Env):
         model = self.cfg.model if self.deployment is None else self.deployment.model
         self.reward_cfg = RewardConfig.from_cfg(self.cfg.env.reward, float(model.get("kv8_quality_cost", 0.0)))
         mult = 1.0 if self.deployment is None else self.deployment.load_multiplier
+        # The restart a KV switch costs is the drawn model's, as the engine charges it: the
+        # shield's gain gate and the KV agent's observation must see 600 s on DeepSeek-V3, not
+        # the config's own model's 40 s.
+        self.shield_cfg = self.base_shield_cfg if self.deployment is None else dataclasses.replace(
+            self.base_shield_cfg, dtype_restart_s=float(self.deployment.model.restart_base_s))
         #: The reward's throughput scale: the configured one times the deployment's capacity.
         self.rate_scale = float(self.cfg.env.rate_scale) * mult
         #: ``action_mode: residual_pid``: the PID whose cap an action's factor multiplies.
@@ -315,6 +326,33 @@ class ServingEnv(gym.Env):
         self.unavailable = {
             d: caps.why_not(d) for d in (self.kv16_dtype, self.kv8_dtype) if not caps.can_run(d)
         }
+
+    def _sized_to_capacity(self, workload: Any, bounds: Sequence[float]) -> Any:
+        """``env.load_vs_capacity``: ``workload`` with its rate scaled so the episode's mean
+        load is a drawn share of what this engine finishes of the episode's own requests.
+
+        The share is drawn first; the stream is then drawn once to probe, and again from the
+        same generator state with the new scale (same lengths and shape, the load moved)."""
+        lo, hi = (float(b) for b in bounds)
+        if not 0 < lo <= hi:
+            raise ValueError(f"env.load_vs_capacity must be [low, high] with 0 < low <= high, got {list(bounds)}")
+        share = float(np.exp(self.np_random.uniform(np.log(lo), np.log(hi))))
+        state = copy.deepcopy(self.np_random.bit_generator.state)
+        probe = build_workload(workload, self.np_random, self._caps.max_model_len)
+        self.np_random.bit_generator.state = state
+        requests = probe.pop_until(math.inf)
+        if not requests:
+            return workload
+        engine = self._new_engine(*self._nodes())
+        try:
+            capacity = saturated_rate(engine, requests, self._max_num_seqs)
+        finally:
+            engine.close()
+        mean_rate = len(requests) / max(float(probe.duration_s), self.interval_s)
+        sized = copy.deepcopy(workload)
+        with open_dict(sized):
+            sized.rate_scale = float(sized.get("rate_scale", 1.0)) * share * capacity / mean_rate
+        return sized
 
     def _nodes(self) -> tuple[Any, Any]:
         d = self.deployment

@@ -92,3 +92,58 @@ def test_the_live_engine_refuses_deployment_randomisation():
     cfg = load_config(["engine=vllm", "env.deployments=[llama3_8b/h100]"])
     with pytest.raises(ValueError, match="needs the simulator"):
         ServingEnv(cfg=cfg)
+
+
+def _lengths(prompt: float, output: float) -> list[str]:
+    return [f"workload.prompt_mean=[{prompt},{prompt}]", f"workload.output_mean=[{output},{output}]",
+            "workload.num_phases=[0,0]", "workload.onoff_prob=0.0", "env.episode_s=200", "workload.duration_s=200"]
+
+
+@pytest.mark.parametrize("share", [0.5, 1.2])
+def test_load_vs_capacity_sizes_the_load_on_the_episodes_own_requests(share):
+    # Short and long requests: the same share of capacity is a very different request rate,
+    # each within the gamma process's noise of share x (what this engine finishes of them).
+    rates = {}
+    for name, (prompt, output) in {"short": (200, 50), "long": (4000, 1000)}.items():
+        e = ServingEnv(cfg=load_config([f"env.load_vs_capacity=[{share},{share}]", *_lengths(prompt, output)]))
+        e.reset(seed=3)
+        st = e.stream
+        requests = list(st.pop_until(float("inf")))
+        engine = EngineFactory(e.cfg)()
+        try:
+            capacity = saturated_rate(engine, requests, e._max_num_seqs)
+        finally:
+            engine.close()
+        rates[name] = len(requests) / st.duration_s
+        assert rates[name] == pytest.approx(share * capacity, rel=0.25), name
+        e.close()
+    assert rates["short"] > 5 * rates["long"]
+
+
+def test_load_vs_capacity_draws_the_same_episode_per_seed_and_rejects_bad_bounds():
+    e = ServingEnv(cfg=load_config(["env.load_vs_capacity=[0.3,1.5]", "env.episode_s=60", "workload.duration_s=60"]))
+    e.reset(seed=5)
+    first = (e.stream.arrival_s.copy(), e.stream.prompt_len.copy())
+    e.reset(seed=5)
+    assert np.array_equal(first[0], e.stream.arrival_s) and np.array_equal(first[1], e.stream.prompt_len)
+    e.close()
+    bad = ServingEnv(cfg=load_config(["env.load_vs_capacity=[1.5,0.3]", "env.episode_s=60"]))
+    with pytest.raises(ValueError, match="env.load_vs_capacity must be"):
+        bad.reset(seed=0)
+    bad.close()
+
+
+def test_a_drawn_deployment_brings_its_models_restart_time_to_the_shield():
+    # The engine charges the drawn model's restart for a KV switch; the shield's gain gate (and
+    # the KV agent's observation) must judge with that one, not the config's own model's.
+    e = ServingEnv(cfg=load_config(["env.deployments=[llama3_8b/h100,deepseek_v3/h200]", "env.episode_s=10"]))
+    seen = {}
+    for seed in range(8):
+        e.reset(seed=seed)
+        seen[e.deployment.label] = (e.shield_cfg.dtype_restart_s, e.shield.cfg.dtype_restart_s)
+    e.close()
+    restart = {lab: float(load_config([f"model={lab.split('/')[0]}"]).model.restart_base_s) for lab in seen}
+    assert set(seen) == {"llama3_8b/h100", "deepseek_v3/h200"}
+    assert restart["deepseek_v3/h200"] > 10 * restart["llama3_8b/h100"]
+    for lab, got in seen.items():
+        assert got == (restart[lab], restart[lab]), lab
