@@ -261,6 +261,9 @@ class EnvNode:
     #: [low, high] or null: draw each episode's mean load as this share of the engine's capacity
     #: for the episode's own requests (a saturation probe per episode), log-uniformly.
     load_vs_capacity: list[float] | None
+    #: [low, high] or null: draw each episode's engine ``gpu_memory_utilization`` (the KV
+    #: budget) on a 0.05 grid; simulator only.
+    memory_utilization: list[float] | None
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
 

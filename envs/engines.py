@@ -28,24 +28,27 @@ class EngineFactory:
     """``build_engine`` for an environment that builds a fresh engine every episode: the
     simulator's specs are checked against their schemas once per distinct model/hardware
     (``from_node`` costs ~15 ms each, a third of a 120-step episode) and reused after. ``model``
-    and ``hardware`` (nodes) replace ``cfg``'s: deployment randomisation draws them per episode."""
+    and ``hardware`` (nodes) replace ``cfg``'s: deployment randomisation draws them per episode;
+    ``engine`` (a node) replaces ``cfg.engine`` (``env.memory_utilization`` draws one)."""
 
     def __init__(self, cfg: DictConfig) -> None:
         self.cfg = cfg
         self._makers: dict[str, Callable[[], Engine]] = {}
 
-    def __call__(self, model: DictConfig | None = None, hardware: DictConfig | None = None) -> Engine:
+    def __call__(self, model: DictConfig | None = None, hardware: DictConfig | None = None, *,
+                 engine: DictConfig | None = None) -> Engine:
         c = self.cfg
         if c.engine.kind != "sim":
-            if model is not None or hardware is not None:
-                raise ValueError("another model/hardware needs the simulator (engine=sim)")
+            if model is not None or hardware is not None or engine is not None:
+                raise ValueError("another model/hardware/engine node needs the simulator (engine=sim)")
             return build_engine(c)
         model = c.model if model is None else model
         hardware = c.hardware if hardware is None else hardware
-        key = OmegaConf.to_yaml(OmegaConf.create({"e": c.engine, "m": model, "h": hardware}), resolve=True)
+        engine = c.engine if engine is None else engine
+        key = OmegaConf.to_yaml(OmegaConf.create({"e": engine, "m": model, "h": hardware}), resolve=True)
         if key not in self._makers:
             from batchpilot.envs.sim_engine import HardwareSpec, ModelSpec, SimEngine, SimEngineConfig
 
-            parts = (HardwareSpec.from_cfg(hardware), ModelSpec.from_cfg(model), SimEngineConfig.from_cfg(c.engine))
+            parts = (HardwareSpec.from_cfg(hardware), ModelSpec.from_cfg(model), SimEngineConfig.from_cfg(engine))
             self._makers[key] = lambda: SimEngine(*parts)
         return self._makers[key]()

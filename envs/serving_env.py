@@ -75,6 +75,12 @@ from batchpilot.envs.workloads import RequestStream, build_workload
 from batchpilot.metrics import summarize
 
 
+#: ``env.memory_utilization`` draws only budgets where the shield admits this many requests of
+#: its starting context: below it the deployment serves nothing (DeepSeek-V3 on an H200 at 0.7
+#: holds 195k tokens of KV, but its weights alone are over the 80 % ceiling).
+MIN_SERVABLE_BATCH = 8
+
+
 def _shift_stream(stream: RequestStream, t0: float) -> RequestStream:
     """The same requests with arrival times moved by ``t0`` (the episode's start on the
     engine's clock), so arrivals are spread over the episode instead of all due at once."""
@@ -176,6 +182,8 @@ class ServingEnv(gym.Env):
         #: ``env.deployments``: the model/hardware pairs an episode draws from (None = cfg's).
         self.deployments = DeploymentSet(cfg, self._new_engine) if e.get("deployments") else None
         self.deployment: Deployment | None = None
+        #: ``env.memory_utilization``: this episode's engine node (None = ``cfg.engine``).
+        self._engine_node: DictConfig | None = None
         self.observation_space = gym.spaces.Box(
             low=OBS_LOW, high=OBS_HIGH, shape=(len(FEATURE_NAMES),), dtype=np.float32
         )
@@ -190,13 +198,14 @@ class ServingEnv(gym.Env):
         offset = int(self.cfg.workload.get("seed_offset", 0) or 0)
         super().reset(seed=None if seed is None else seed + offset)
         drawn = self.deployments.draw(self.np_random) if self.deployments is not None else None
-        if drawn is not self.deployment:
+        engine_node = self._draw_engine_node(drawn)
+        if drawn is not self.deployment or engine_node is not None:
             self.engine.close()
-            self.deployment = drawn
-            self._use_engine(self._new_engine(drawn.model, drawn.hardware) if drawn else self._new_engine())
+            self.deployment, self._engine_node = drawn, engine_node
+            self._use_engine(self._new_engine(*self._nodes(), engine=engine_node))
         elif self._needs_fresh_engine or self.engine.kv_dtype != self._initial_kv_dtype():
             self.engine.close()
-            self.engine = self._new_engine(*self._nodes())
+            self.engine = self._new_engine(*self._nodes(), engine=self._engine_node)
         else:
             self._drain_engine()
         self._needs_fresh_engine = self.cfg.engine.kind == "sim"
@@ -327,6 +336,44 @@ class ServingEnv(gym.Env):
             d: caps.why_not(d) for d in (self.kv16_dtype, self.kv8_dtype) if not caps.can_run(d)
         }
 
+    def _draw_engine_node(self, drawn: Deployment | None) -> DictConfig | None:
+        """``env.memory_utilization``: the engine node with a drawn ``gpu_memory_utilization``
+        (a grid of 0.05), so the KV budget varies as it does between deployments that share a GPU
+        or hold other buffers; None when unset. A value the model does not fit at (weights and
+        activations over the budget, or no room for ``MIN_SERVABLE_BATCH`` requests under the
+        shield's memory ceiling, which counts the weights) moves up the grid to the first that does."""
+        bounds = self.cfg.env.get("memory_utilization")
+        if bounds is None:
+            return None
+        lo, hi = (float(b) for b in bounds)
+        if not 0 < lo <= hi <= 1:
+            raise ValueError(f"env.memory_utilization must be [low, high] with 0 < low <= high <= 1, got {list(bounds)}")
+        if self.cfg.engine.kind != "sim":
+            raise ValueError("env.memory_utilization needs the simulator (engine=sim): a live engine has its own")
+        steps = [v for v in np.arange(math.ceil(lo / 0.05 - 1e-9), math.floor(hi / 0.05 + 1e-9) + 1) * 0.05]
+        if not steps:
+            raise ValueError(f"env.memory_utilization {list(bounds)} holds no multiple of 0.05")
+        nodes = (None, None) if drawn is None else (drawn.model, drawn.hardware)
+        why = ""
+        for value in steps[int(self.np_random.integers(len(steps))):]:
+            node = copy.deepcopy(self.cfg.engine)
+            with open_dict(node):
+                node.gpu_memory_utilization = round(float(value), 4)
+            try:
+                engine = self._new_engine(*nodes, engine=node)
+            except ValueError as exc:  # the model does not fit at this budget
+                why = str(exc)
+                continue
+            try:
+                shield = Shield(self.base_shield_cfg, engine.memory_model(), engine.capabilities(), slo=self.slo)
+                room = shield.max_feasible_batch(engine.kv_dtype)
+            finally:
+                engine.close()
+            if room >= MIN_SERVABLE_BATCH:
+                return node
+            why = f"gpu_memory_utilization {value:.2f} leaves the shield room for {room} requests"
+        raise ValueError(f"env.memory_utilization {list(bounds)}: no value serves {MIN_SERVABLE_BATCH} requests: {why}")
+
     def _sized_to_capacity(self, workload: Any, bounds: Sequence[float]) -> Any:
         """``env.load_vs_capacity``: ``workload`` with its rate scaled so the episode's mean
         load is a drawn share of what this engine finishes of the episode's own requests.
@@ -343,7 +390,7 @@ class ServingEnv(gym.Env):
         requests = probe.pop_until(math.inf)
         if not requests:
             return workload
-        engine = self._new_engine(*self._nodes())
+        engine = self._new_engine(*self._nodes(), engine=self._engine_node)
         try:
             capacity = saturated_rate(engine, requests, self._max_num_seqs)
         finally:

@@ -174,7 +174,7 @@ def fit_counterfactual(model: Any, vecnorm: Any, x: np.ndarray, adv: np.ndarray,
         pred = logits.argmax(dim=1)
     regret = float(np.sum(np.where(pred.numpy() == y.numpy(), 0.0, np.abs(adv))) / len(adv))
     return {"samples": float(len(adv)), "switch_labels": float(y.sum()), "train_accuracy": float((pred == y).float().mean()),
-            "mean_regret": regret, "loss": float(loss)}
+            "mean_regret": regret, "loss": float(loss.item())}
 
 
 def print_rows(rows: list[dict[str, Any]]) -> str:

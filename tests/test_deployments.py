@@ -147,3 +147,26 @@ def test_a_drawn_deployment_brings_its_models_restart_time_to_the_shield():
     assert restart["deepseek_v3/h200"] > 10 * restart["llama3_8b/h100"]
     for lab, got in seen.items():
         assert got == (restart[lab], restart[lab]), lab
+
+
+def test_memory_utilization_draws_each_episodes_kv_budget():
+    e = ServingEnv(cfg=load_config(["env.memory_utilization=[0.4,0.9]", "env.episode_s=10"]))
+    budgets = {}
+    for seed in range(10):
+        e.reset(seed=seed)
+        mm = e.engine.memory_model()
+        util = mm.budget_bytes / (float(e.cfg.hardware.memory_gb) * 1e9)
+        assert 0.4 - 1e-9 <= util <= 0.9 + 1e-9 and abs(util / 0.05 - round(util / 0.05)) < 1e-6
+        assert e.shield.memory.num_kv_blocks_total == mm.num_kv_blocks_total  # the shield sees this engine
+        budgets[seed] = (util, mm.num_kv_blocks_total)
+    assert len({u for u, _ in budgets.values()}) >= 3
+    by_util = sorted(budgets.values())
+    assert by_util[0][1] < by_util[-1][1]  # less memory, fewer KV blocks
+    e.reset(seed=4)
+    assert e.engine.memory_model().num_kv_blocks_total == budgets[4][1]
+    e.close()
+    for bad in ("[0.9,0.4]", "[0.5,1.2]"):
+        env = ServingEnv(cfg=load_config([f"env.memory_utilization={bad}", "env.episode_s=10"]))
+        with pytest.raises(ValueError, match="env.memory_utilization must be"):
+            env.reset(seed=0)
+        env.close()
