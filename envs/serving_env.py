@@ -74,7 +74,6 @@ from batchpilot.envs.reward import RewardConfig, reward_terms
 from batchpilot.envs.workloads import RequestStream, build_workload
 from batchpilot.metrics import summarize
 
-
 #: ``env.memory_utilization`` draws only budgets where the shield admits this many requests of
 #: its starting context: below it the deployment serves nothing (DeepSeek-V3 on an H200 at 0.7
 #: holds 195k tokens of KV, but its weights alone are over the 80 % ceiling).
