@@ -187,6 +187,9 @@ class LaneControl:
     #: The upstream's ``EngineInfo`` the memory model was built from (rebuilt when it changes:
     #: a restart may bring another KV pool or dtype).
     info: Any = None
+    #: Where the restart time the shield and the KV agent weigh comes from: "configured"
+    #: (``shield.dtype_restart_s``) until the managed upstream has come up once, then "measured".
+    restart_source: str = "configured"
 
 
 class Hold:
@@ -479,6 +482,7 @@ class ControlLoop:
             prefix_cache_hit_rate=hit,
         )
         ctl.last_snapshot = snap
+        self._use_measured_restart(lane, ctl)
         step, who = self.decide(lane, snap, now)
         proposal, dec = step.proposal, self._fail_safe(lane, ctl, step.decision)
         if ctl.last_acting is not None:
@@ -495,6 +499,20 @@ class ControlLoop:
                              "interventions": dec.interventions, "breaker_level": dec.breaker_level,
                              "goodput": snap.request_goodput, "ttft_p99_ms": snap.ttft_p99_ms}
         mt.control_tick.observe(time.perf_counter() - t0)
+
+    def _use_measured_restart(self, lane: Lane, ctl: LaneControl) -> None:
+        """What a KV switch costs is what this upstream's last start or restart took, once
+        measured: the configured ``dtype_restart_s`` is a guess (60 s without a model config),
+        and a gain gate that thinks a 10-minute restart takes a minute lets a bad switch through."""
+        took = lane.upstream.measured_restart_s
+        if took is None:
+            return
+        if ctl.shield.cfg.dtype_restart_s != took:
+            ctl.shield.cfg = replace(ctl.shield.cfg, dtype_restart_s=float(took))
+            ctl.restart_source = "measured"
+        for policy in self.policies.lane_policies(lane.index):  # a policy loaded since takes it too
+            if policy.kv_agent is not None:
+                policy.kv_agent.restart_s = float(took)
 
     def _fail_safe(self, lane: Lane, ctl: LaneControl, dec: Decision) -> Decision:
         """Telemetry loss fails safe: an interval without the upstream's counters never raises
@@ -564,6 +582,8 @@ class ControlLoop:
                                 "in_flight": ln.admission.num_in_flight,
                                 "stale_telemetry_intervals": self.lane_ctl[ln.index].stale_intervals,
                                 "memory_model": self.lane_ctl[ln.index].shield.memory.source,
+                                "kv_restart_s": self.lane_ctl[ln.index].shield.cfg.dtype_restart_s,
+                                "kv_restart_source": self.lane_ctl[ln.index].restart_source,
                                 "predicted_memory_in_flight": ln.admission.predicted_fraction(),
                                 "healthy": ln.upstream.healthy, "restarting": ln.upstream.restarting}
                       for ln in self.gw.lanes},

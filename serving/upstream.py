@@ -232,6 +232,9 @@ class Upstream:
         self.restarting = False
         self.info: EngineInfo | None = None
         self.num_restarts = 0
+        #: Seconds the managed process last took to come up (start-up or restart): what a KV
+        #: switch (a restart) costs here, measured, for the shield's gain gate and the KV agent.
+        self.measured_restart_s: float | None = None
         self.client = self._new_client()
         u = httpx.URL(self.url)
         #: The proxy's hot path (``http1.Http1Pool``); httpx serves the rest.
@@ -340,9 +343,12 @@ class Upstream:
     # --- managed process ---------------------------------------------------------------------
     async def start(self, timeout_s: float) -> None:
         """Start a managed process and wait for it; for an unmanaged one just wait."""
+        t0 = time.monotonic()
         if self.managed is not None:
             await asyncio.to_thread(self.managed.start)
         await self.wait_ready(timeout_s)
+        if self.managed is not None:
+            self.measured_restart_s = time.monotonic() - t0
 
     async def restart(self, timeout_s: float, kv_dtype: str | None = None) -> float:
         """Stop and start a managed process (optionally with another KV dtype); seconds taken."""
@@ -359,7 +365,8 @@ class Upstream:
         self.pool.close()
         await self.start(timeout_s)
         self.num_restarts += 1
-        return time.monotonic() - t0
+        self.measured_restart_s = took = time.monotonic() - t0
+        return took
 
     async def stop(self) -> None:
         """Stop a managed process for good (the gateway is stopping)."""

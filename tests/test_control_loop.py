@@ -481,3 +481,26 @@ def test_the_quality_guards_fallback_restart_starts_the_kv_dwell() -> None:
     asyncio.run(loop.tick(lane, now=ctl.shield.last_dtype_switch + 179.0))
     assert lane.knobs.kv_dtype == "auto" and restarts == ["auto"]
     assert "dtype_dwell" in ctl.last_decision["interventions"], ctl.last_decision
+
+
+def test_the_measured_restart_time_replaces_the_configured_one() -> None:
+    # Without a model config the shield's restart time is a guess (60 s); once the managed
+    # upstream has come up, what it took is what a KV switch costs, for the gain gate and for
+    # the shipped KV agent alike.
+    from batchpilot.policies.ppo_controller import PRETRAINED_DIR
+
+    gw, loop = _gateway("policy", {"kind": "pid"})
+    lane = gw.lanes[0]
+    ctl = loop.lane_ctl[lane.index]
+    agents = [p.kv_agent for p in loop.policies.lane_policies(lane.index)]
+    assert (PRETRAINED_DIR / "kv_agent").is_dir() and agents and all(a is not None for a in agents)
+    configured = ctl.shield.cfg.dtype_restart_s
+    _ticks(loop, lane, 2)
+    assert ctl.shield.cfg.dtype_restart_s == configured
+    assert loop.status()["lanes"]["vllm0"]["kv_restart_source"] == "configured"
+    lane.upstream.measured_restart_s = 421.5
+    _ticks(loop, lane, 1, start=3000.0)
+    assert ctl.shield.cfg.dtype_restart_s == 421.5
+    assert all(p.kv_agent.restart_s == 421.5 for p in loop.policies.lane_policies(lane.index))
+    st = loop.status()["lanes"]["vllm0"]
+    assert st["kv_restart_s"] == 421.5 and st["kv_restart_source"] == "measured"
