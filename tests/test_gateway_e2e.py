@@ -258,8 +258,7 @@ def test_policy_modes_with_the_shipped_policy(gw: RunningGateway) -> None:
 def test_ttft_in_metrics_matches_what_clients_measure(gw: RunningGateway) -> None:
     """Production TTFT used to read 0 (only the env recorded first tokens): the gateway's TTFT
     percentiles (``/metrics`` and the control snapshot) must match what streaming clients
-    measure, within 15 % (10 % held on a quiet machine; under load average 4.5 the client's own
-    event loop, busy with 40 streams, read 2,252 ms where the gateway saw 1,832). 40 streams at once into a batch cap of 2, so TTFT holds real queueing
+    measure, within 10 %. 40 streams at once into a batch cap of 2, so TTFT holds real queueing
     (what the controller steers on) and the loopback hops (~1-2 ms each way, which the client's
     clock holds and the gateway's cannot) stay small beside it."""
     from batchpilot.core.telemetry import _p50_p99
@@ -268,26 +267,38 @@ def test_ttft_in_metrics_matches_what_clients_measure(gw: RunningGateway) -> Non
     assert r.status_code == 200
     time.sleep(10.5)  # the telemetry window (10 s) holds only the requests below
 
-    async def one(c: httpx.AsyncClient, i: int) -> float:
-        body = {"prompt": f"time to first token {i}", "max_tokens": 24, "ignore_eos": True, "stream": True}
+    host, port = gw.url.removeprefix("http://").split(":")
+    headers = {"x-priority": "0", **TRUSTED}  # core priority: queued, never shed
+
+    async def one(i: int, conn: tuple[asyncio.StreamReader, asyncio.StreamWriter]) -> float:
+        # A minimal client on an open connection: the clock starts as the request is written and
+        # stops at the first SSE event, so no client library's own scheduling is in it (httpx
+        # with 40 streams on a busy 2-core machine added ~300 ms at p99 that the gateway cannot see).
+        reader, writer = conn
+        body = json.dumps({"prompt": f"time to first token {i}", "max_tokens": 24, "ignore_eos": True,
+                           "stream": True}).encode()
+        head = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+        req = (f"POST /v1/completions HTTP/1.1\r\nhost: {host}\r\ncontent-type: application/json\r\n"
+               f"content-length: {len(body)}\r\nconnection: close\r\n{head}\r\n").encode() + body
         t0 = time.monotonic()
-        # Core priority: the queueing raises TTFT past the SLO, and the breaker sheds the rest.
-        async with c.stream("POST", f"{gw.url}/v1/completions", json=body,
-                            headers={"x-priority": "0", **TRUSTED}) as resp:
-            it = resp.aiter_raw()
-            first = await it.__anext__()
-            took = (time.monotonic() - t0) * 1e3
-            assert resp.status_code == 200 and first.startswith(b"data: ")
-            async for _ in it:
-                pass
+        writer.write(req)
+        await writer.drain()
+        seen = b""
+        while b"data: " not in seen.partition(b"\r\n\r\n")[2]:
+            chunk = await reader.read(65536)
+            assert chunk, f"connection closed before the first token: {seen[:300]!r}"
+            seen += chunk
+        took = (time.monotonic() - t0) * 1e3
+        assert seen.startswith(b"HTTP/1.1 200"), seen[:300]
+        while await reader.read(65536):
+            pass
+        writer.close()
         return took
 
     async def run() -> list[float]:
-        async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=64)) as c:
-            # Open the connections first: a TCP connect is in the client's clock and not in the
-            # gateway's (which starts at the request), and 40 at once on a busy machine add up.
-            await asyncio.gather(*(c.get(f"{gw.url}/healthz") for _ in range(40)))
-            return list(await asyncio.gather(*(one(c, i) for i in range(40))))
+        # Connections first: a TCP connect is in a client's clock, not in the gateway's.
+        conns = [await asyncio.open_connection(host, int(port)) for _ in range(40)]
+        return list(await asyncio.gather(*(one(i, c) for i, c in enumerate(conns))))
 
     try:
         measured = asyncio.run(run())
@@ -307,4 +318,4 @@ def test_ttft_in_metrics_matches_what_clients_measure(gw: RunningGateway) -> Non
           f"{lane['ttft_p99_ms']:.1f} ms")
     assert p99 > 50.0, measured  # queueing really is in it
     for name, got, want in (("gauge p99", gauge, p99), ("snapshot p99", lane["ttft_p99_ms"], p99)):
-        assert got > 0 and abs(got - want) <= 0.15 * want, (name, got, want, p50)
+        assert got > 0 and abs(got - want) <= 0.10 * want, (name, got, want, p50)
