@@ -349,8 +349,8 @@ class ServingEnv(gym.Env):
             raise ValueError(f"env.memory_utilization must be [low, high] with 0 < low <= high <= 1, got {list(bounds)}")
         if self.cfg.engine.kind != "sim":
             raise ValueError("env.memory_utilization needs the simulator (engine=sim): a live engine has its own")
-        steps = [v for v in np.arange(math.ceil(lo / 0.05 - 1e-9), math.floor(hi / 0.05 + 1e-9) + 1) * 0.05]
-        if not steps:
+        steps = np.arange(math.ceil(lo / 0.05 - 1e-9), math.floor(hi / 0.05 + 1e-9) + 1) * 0.05
+        if not len(steps):
             raise ValueError(f"env.memory_utilization {list(bounds)} holds no multiple of 0.05")
         nodes = (None, None) if drawn is None else (drawn.model, drawn.hardware)
         why = ""

@@ -163,15 +163,18 @@ def fit_counterfactual(model: Any, vecnorm: Any, x: np.ndarray, adv: np.ndarray,
     policy = model.policy
     params = list(policy.mlp_extractor.policy_net.parameters()) + list(policy.action_net.parameters())
     opt = torch.optim.Adam(params, lr=lr)
+
+    def actor_logits() -> Any:
+        return policy.action_net(policy.mlp_extractor.forward_actor(policy.pi_features_extractor(xn)))
+
     for _ in range(epochs):
-        logits = policy.action_net(policy.mlp_extractor.forward_actor(policy.pi_features_extractor(xn)))
+        logits = actor_logits()
         loss = (torch.nn.functional.cross_entropy(logits, y, reduction="none") * w).mean()
         opt.zero_grad()
         loss.backward()
         opt.step()
     with torch.no_grad():
-        logits = policy.action_net(policy.mlp_extractor.forward_actor(policy.pi_features_extractor(xn)))
-        pred = logits.argmax(dim=1)
+        pred = actor_logits().argmax(dim=1)
     regret = float(np.sum(np.where(pred.numpy() == y.numpy(), 0.0, np.abs(adv))) / len(adv))
     return {"samples": float(len(adv)), "switch_labels": float(y.sum()), "train_accuracy": float((pred == y).float().mean()),
             "mean_regret": regret, "loss": float(loss.item())}
