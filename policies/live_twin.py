@@ -448,7 +448,7 @@ def write_twin(out_dir: Path, sim_rows: Sequence[Mapping[str, Any]], live_rows: 
 def twin_of(out_dir: str | Path, log: Any = print) -> dict[str, Any]:
     """The twin of a finished live run: its config (``.hydra/config.yaml``, else results.json's
     meta), its window re-converted the same way, its rows from results.json."""
-    from batchpilot.policies.live_evaluation import scenario_trace
+    from batchpilot.policies.live_evaluation import scenario_trace, sized_window
 
     d = Path(out_dir)
     res = json.loads((d / "results.json").read_text())
@@ -464,11 +464,14 @@ def twin_of(out_dir: str | Path, log: Any = print) -> dict[str, Any]:
         scenario, slo, headers, seed = OmegaConf.create(res["meta"]["scenario"]), res["meta"]["slo"], [], 0
         vargs, match = list(scenario.vllm_args), True
     tf = scenario_trace(scenario)
+    sc = OmegaConf.to_container(scenario, resolve=True)
+    load = res["meta"].get("load") or {}
+    if load.get("load_multiple") is not None:  # sized to the machine: the window the runs replayed
+        sc, tf = sized_window(scenario, tf, float(load["load_multiple"]) * float(load["capacity_req_s"]))
     if len(tf) != int(res["meta"].get("requests_per_run", len(tf))):
         raise ValueError(f"{d}: the window converts to {len(tf)} requests, the live run sent "
                          f"{res['meta'].get('requests_per_run')}")
     assert isinstance(slo, dict)
-    sc = OmegaConf.to_container(scenario, resolve=True)
     assert isinstance(sc, dict)
     rows, m = twin_of_rows(tf, sc, slo, res["rows"], match=match,
                            paths=[p for p in TWIN_POLICY if any(r["path"] == p for r in res["rows"])],

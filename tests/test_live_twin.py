@@ -13,7 +13,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from batchpilot.config import REPO_ROOT
-from batchpilot.policies.live_evaluation import scenario_trace
+from batchpilot.policies.live_evaluation import scenario_trace, sized_window
 from batchpilot.policies.live_twin import (
     SECTION,
     header_priority,
@@ -153,3 +153,20 @@ def test_twin_of_a_finished_live_run(tmp_path: Path) -> None:
     (tmp_path / "results.json").write_text(json.dumps({"meta": bad, "rows": rows}))
     with pytest.raises(ValueError, match="converts to"):
         twin_of(tmp_path, log=lambda m: None)
+
+
+@pytest.mark.slow
+def test_twin_of_a_run_sized_to_the_machine(tmp_path: Path) -> None:
+    """A run sized by its capacity probe (``load_multiple``) replayed the window at another rate:
+    the twin replays that same window, not the written one."""
+    sc = {**_scenario("steady"), "max_requests": None, "duration_s": 4.0, "load_multiple": 2.0}
+    written = scenario_trace(OmegaConf.create(sc))
+    load = {"load_multiple": 2.0, "capacity_req_s": 3.0 * written.rate}
+    _, sized = sized_window(OmegaConf.create(sc), written, 6.0 * written.rate)
+    assert len(sized) > len(written)
+    rows = [{"scenario": "steady", "path": p, "round": 0, "request_goodput": 1.0, "mean_tpot_ms": 5.0}
+            for p in ("vllm_direct", "ppo")]
+    meta = {"scenario": sc, "slo": SLO, "requests_per_run": len(sized), "load": load}
+    (tmp_path / "results.json").write_text(json.dumps({"meta": meta, "rows": rows}))
+    out = twin_of(tmp_path, log=lambda m: None)
+    assert [r["requests"] for r in out["rows"]] == [len(sized)] * 2
