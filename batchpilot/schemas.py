@@ -522,6 +522,9 @@ class ControlConfig:
     #: the cap heads for ``safe_batch_cap`` (within the step limit) and an alert is raised.
     stale_limit: int = 3
     safe_batch_cap: int = 16
+    #: Decisions kept for ``GET /admin/decisions`` (one per upstream and interval; 0 = none): what
+    #: the loop saw and set, so a run can be compared interval by interval with its simulation.
+    history_len: int = 3600
 
     def __post_init__(self) -> None:
         if self.mode not in CONTROL_MODES:
@@ -534,6 +537,8 @@ class ControlConfig:
             raise ValueError(f"serve.control.canary_max_drop must be in (0, 1), got {self.canary_max_drop}")
         if self.initial_batch_cap < 1:
             raise ValueError(f"serve.control.initial_batch_cap must be >= 1, got {self.initial_batch_cap}")
+        if self.history_len < 0:
+            raise ValueError(f"serve.control.history_len must be >= 0, got {self.history_len}")
         if self.stale_limit < 1 or self.safe_batch_cap < 1:
             raise ValueError("serve.control.stale_limit and serve.control.safe_batch_cap must be >= 1, got "
                              f"{self.stale_limit}, {self.safe_batch_cap}")

@@ -77,8 +77,8 @@ LIVE_ROW_KEYS: tuple[str, ...] = (
     "scenario", "path", "round", "position", "requests", "completed", "failed", "accounted",
     "request_goodput", "slo_attainment", "request_throughput", "output_throughput",
     "mean_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "p99_tpot_ms", "p99_e2el_ms", "duration_s",
-    "preemptions", "peak_kv_usage", "peak_running", "acting", "kv_dtype", "engine_restarts",
-    "first_error", "wall_s",
+    "preemptions", "peak_kv_usage", "peak_running", "mean_running", "mean_batch_cap", "acting", "kv_dtype",
+    "engine_restarts", "first_error", "wall_s",
 )
 #: Metrics of the table (mean ± 95 % CI per path).
 TABLE_KEYS: tuple[str, ...] = (
@@ -178,6 +178,12 @@ class GatewayProcess:
         if r.status_code != 200:
             raise LiveEvaluationError(f"gateway /admin/{path} {dict(body)} answered {r.status_code}: {r.text[:300]}")
         return r.json()
+
+    def decisions(self, since: int) -> list[dict[str, Any]]:
+        """The control loop's decisions after tick ``since`` (``GET /admin/decisions``)."""
+        r = httpx.get(f"{self.url}/admin/decisions", params={"since": since}, headers=self._headers(), timeout=30)
+        r.raise_for_status()
+        return list(r.json()["decisions"])
 
     def lane(self) -> dict[str, Any]:
         lanes = self.status()["control"]["lanes"]
@@ -304,12 +310,14 @@ def client_namespace(base_url: str, jsonl: Path, tf: TimedTraceFile, model_dir: 
 
 
 class _VllmSampler:
-    """Samples vLLM's /metrics in a thread while a run goes: peak KV usage and running count."""
+    """Samples vLLM's /metrics in a thread while a run goes: peak KV usage, peak and mean
+    running count (the engine's concurrency, which sets its speed on a shared CPU)."""
 
     def __init__(self, vllm_url: str, interval_s: float = 0.5) -> None:
         self.url, self.interval_s = vllm_url, interval_s
         self.peak_kv = 0.0
         self.peak_running = 0.0
+        self._running: list[float] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
 
@@ -320,7 +328,12 @@ class _VllmSampler:
                     m = prom_values(c.get(f"{self.url}/metrics").text, VLLM_METRICS)
                     self.peak_kv = max(self.peak_kv, m["vllm:kv_cache_usage_perc"])
                     self.peak_running = max(self.peak_running, m["vllm:num_requests_running"])
+                    self._running.append(m["vllm:num_requests_running"])
                 self._stop.wait(self.interval_s)
+
+    @property
+    def mean_running(self) -> float:
+        return sum(self._running) / len(self._running) if self._running else math.nan
 
     def __enter__(self) -> _VllmSampler:
         self._thread.start()
@@ -472,11 +485,18 @@ def live_evaluate(cfg: DictConfig, model_dir: Path | None = None) -> dict[str, A
             args = client_namespace(url, jsonl, sub, model_dir, served, goodput, client_cfg, int(cfg.seed))
             restarts0 = gw.upstream().get("restarts", 0)
             pre0 = preemptions(vllm_url)
+            tick0 = gw.status()["control"]["ticks"]
             t0 = time.monotonic()
             with _VllmSampler(vllm_url) as sampler:
                 result = run_client(args, runs_dir / f"{name}.log")
             extra = {"wall_s": time.monotonic() - t0, "peak_kv_usage": sampler.peak_kv,
-                     "peak_running": sampler.peak_running}
+                     "peak_running": sampler.peak_running, "mean_running": sampler.mean_running,
+                     "mean_batch_cap": math.nan}
+            if path != BASELINE:  # what the control loop saw and set during the run, a line per tick
+                decisions = gw.decisions(tick0)
+                (runs_dir / f"{name}.decisions.jsonl").write_text("".join(json.dumps(d) + "\n" for d in decisions))
+                if decisions:
+                    extra["mean_batch_cap"] = sum(d["batch_cap"] for d in decisions) / len(decisions)
             wait_until(lambda: engine_idle(vllm_url), cfg.gateway.settle_timeout_s, "vLLM idle after a run",
                        alive=gw.exited)
             extra["preemptions"] = preemptions(vllm_url) - pre0

@@ -56,7 +56,7 @@ TARGET_SHARE = 0.70
 TWIN_ROW_KEYS: tuple[str, ...] = (
     "scenario", "path", "controller", "requests", "completed", "rejected", "accounted", "request_goodput",
     "slo_attainment", "request_throughput", "mean_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "p99_tpot_ms", "preemptions", "peak_kv_usage",
-    "shield_interventions", "duration_s", "error",
+    "shield_interventions", "duration_s", "mean_batch_cap", "error", "timeline",
 )
 SECTION = "## Simulated twin"
 
@@ -218,14 +218,19 @@ def _twin_runner(tf: TimedTraceFile, scenario: Mapping[str, Any], slo: Mapping[s
         ep_cfg.hardware.slowdown = float(slowdown)
         env = _replay_env(ep_cfg, tf.records, tf.chunk_tokens, prio, duration)
         try:
-            ep = run_episode(env, make_controller(pol, plan, name), int(seed), shielded=not as_shipped)
+            ep = run_episode(env, make_controller(pol, plan, name), int(seed), shielded=not as_shipped, record=True)
         finally:
             env.close()
         m = ep.metrics
+        tl = ep.timeline
+        assert tl is not None  # recorded
         completed, rejected = int(m["completed"]), int(m["rejected"])
         row = {"scenario": plan.name, "path": path, "controller": name + (" (as shipped)" if as_shipped else ""),
                "requests": len(tf), "completed": completed, "rejected": rejected,
                "accounted": completed + rejected == len(tf), "error": ep.error,
+               "mean_batch_cap": float(np.mean(tl.batch_cap)) if tl.batch_cap else math.nan,
+               # The knobs and queue per interval, beside the live run's decisions (cap_timeline.png).
+               "timeline": {"time": tl.time, "batch_cap": tl.batch_cap, "queue_depth": tl.queue_depth},
                **{k: float(m.get(k, math.nan)) for k in TWIN_ROW_KEYS
                   if k in m and k not in ("completed", "rejected")}}
         log(f"sim twin: {path} ({row['controller']}): goodput {row['request_goodput']:.3f} req/s, "
@@ -371,9 +376,13 @@ def twin_summary(sim_rows: Sequence[Mapping[str, Any]], live_rows: Sequence[Mapp
         lg, lci, n = live_paired(live_rows, path, over) if path in live and over in live else (math.nan, math.nan, 0)
         s = survival(sg, sim[over], lg, lci)
         gains.append({"path": path, "over": over, "live_rounds": n, **s})
-    tpot = {p: mean_ci([_num(r.get("mean_tpot_ms")) for r in live_rows if r["path"] == p])[0] for p in live}
+    def live_mean(key: str, p: str) -> float:
+        return mean_ci([_num(r.get(key)) for r in live_rows if r["path"] == p])[0]
+
     return {"paths": {p: {"sim": sim[p], "live_mean": live.get(p, (math.nan,))[0],
-                          "live_ci": live.get(p, (math.nan, math.nan))[1], "live_mean_tpot_ms": tpot.get(p, math.nan)}
+                          "live_ci": live.get(p, (math.nan, math.nan))[1],
+                          "live_mean_tpot_ms": live_mean("mean_tpot_ms", p),
+                          "live_mean_batch_cap": live_mean("mean_batch_cap", p)}
                       for p in sim},
             "gains": gains}
 
@@ -401,8 +410,9 @@ def twin_markdown(sim_rows: Sequence[Mapping[str, Any]], summary: Mapping[str, A
               f"hardware={TWIN_HARDWARE}`, one deterministic episode per path; vllm_direct ≙ `vllm_default` as shipped).",
               "", match_markdown(match),
               "", "| path | controller (sim) | sim goodput (req/s) | live goodput (mean ± 95 % CI) | sim SLO attainment "
-              "| sim completed / rejected | sim preemptions | sim peak KV | mean TPOT sim / live (ms) |",
-              "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+              "| sim completed / rejected | sim preemptions | sim peak KV | mean TPOT sim / live (ms) "
+              "| mean batch cap sim / live |",
+              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in sim_rows:
         lv = summary["paths"].get(r["path"], {})
         lm, lc = _num(lv.get("live_mean")), _num(lv.get("live_ci"))
@@ -410,7 +420,8 @@ def twin_markdown(sim_rows: Sequence[Mapping[str, Any]], summary: Mapping[str, A
         lines.append(f"| {r['path']} | {r['controller']} | {_fmt(_num(r['request_goodput']))} | {live} | "
                      f"{_fmt(_num(r['slo_attainment']))} | {r['completed']} / {r['rejected']} | "
                      f"{_fmt(_num(r['preemptions']))} | {_fmt(_num(r['peak_kv_usage']))} | "
-                     f"{_fmt(_num(r['mean_tpot_ms']))} / {_fmt(_num(lv.get('live_mean_tpot_ms')))} |")
+                     f"{_fmt(_num(r['mean_tpot_ms']))} / {_fmt(_num(lv.get('live_mean_tpot_ms')))} | "
+                     f"{_fmt(_num(r.get('mean_batch_cap')))} / {_fmt(_num(lv.get('live_mean_batch_cap')))} |")
     lines += ["", "| gain | simulated (req/s) | live, paired (req/s, 95 % CI) | share that survives live |",
               "|---|---:|---:|---|"]
     for g in summary["gains"]:
@@ -442,7 +453,47 @@ def write_twin(out_dir: Path, sim_rows: Sequence[Mapping[str, Any]], live_rows: 
     md = md_path.read_text() if md_path.exists() else "# Live evaluation\n"
     md = re.split(r"\n" + re.escape(SECTION) + r"\n", md, maxsplit=1)[0].rstrip("\n") + "\n\n"
     md_path.write_text(md + twin_markdown(sim_rows, summary, note, match))
+    plot_cap_timelines(out_dir, sim_rows)
     return summary
+
+
+def plot_cap_timelines(out_dir: Path, sim_rows: Sequence[Mapping[str, Any]]) -> Path | None:
+    """``cap_timeline.png``: per gateway path, the batch cap over a run's seconds, every live
+    run (``runs/*_<path>.decisions.jsonl``) beside the twin's episode; None without live decisions.
+    Where the twin's controller and the live one part ways shows here before it shows in goodput."""
+    live: dict[str, list[tuple[list[float], list[float]]]] = {}
+    for r in sim_rows:
+        for f in sorted((out_dir / "runs").glob(f"r*_{r['path']}.decisions.jsonl")):
+            recs = [json.loads(line) for line in f.read_text().splitlines() if line.strip()]
+            if recs:
+                t0 = float(recs[0]["t"])
+                live.setdefault(r["path"], []).append(([float(d["t"]) - t0 for d in recs],
+                                                       [float(d["batch_cap"]) for d in recs]))
+    if not live:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = list(live)
+    fig, axes = plt.subplots(1, len(paths), figsize=(4.5 * len(paths), 3.2), squeeze=False, sharey=True)
+    for ax, path in zip(axes[0], paths):
+        for i, (t, cap) in enumerate(live[path]):
+            ax.plot(t, cap, color="tab:blue", alpha=0.35, lw=1, label="live runs" if i == 0 else None)
+        tl = next(r.get("timeline") for r in sim_rows if r["path"] == path)
+        if isinstance(tl, Mapping) and tl.get("time"):
+            t0 = float(tl["time"][0])
+            ax.plot([float(x) - t0 for x in tl["time"]], tl["batch_cap"], color="black", lw=2, label="twin")
+        ax.set_title(path)
+        ax.set_xlabel("seconds into the run")
+    axes[0][0].set_ylabel("batch cap")
+    axes[0][0].legend(loc="best", fontsize=8)
+    fig.tight_layout()
+    out = out_dir / "cap_timeline.png"
+    fig.savefig(out, dpi=80)
+    plt.close(fig)
+    return out
 
 
 def twin_of(out_dir: str | Path, log: Any = print) -> dict[str, Any]:

@@ -112,6 +112,16 @@ async def status(request: Request) -> dict[str, Any]:
     }
 
 
+@router.get("/decisions", dependencies=[Depends(_require_token)])
+async def decisions(request: Request) -> dict[str, Any]:
+    """The control loop's kept decisions after tick ``?since=N`` (``serve.control.history_len``)."""
+    raw = request.query_params.get("since", "0")
+    if not (raw.isascii() and raw.isdigit() and len(raw) <= 18):
+        raise BadRequest("invalid_field", f"since: must be a tick number (a non-negative integer), got {raw[:40]!r}")
+    loop = request.app.state.gateway.control
+    return {"ticks": loop.num_ticks, "decisions": loop.decisions(int(raw))}
+
+
 @router.post("/policy/reload", dependencies=[Depends(_require_token)])
 async def reload_policy(request: Request) -> dict[str, Any]:
     """Body: ``{"path": folder (optional), "canary_share": 0..1 (optional; 0 = load now)}``.

@@ -18,6 +18,7 @@ import asyncio
 import json
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -166,6 +167,16 @@ def _only_needed(text: str) -> str:
     return "\n".join(keep) + "\n"
 
 
+def decision_record(tick: int, lane: str, now: float, who: str, snap: Snapshot, dec: Decision) -> dict[str, Any]:
+    """One decision as ``GET /admin/decisions`` lists it: what the controller saw (the snapshot's
+    latencies, load and queue) and the knobs the shield let through."""
+    return {"tick": tick, "lane": lane, "t": now, "acting": who, **dec.knobs.as_dict(),
+            "interventions": sorted(dec.interventions), "breaker_level": dec.breaker_level,
+            "queue": int(sum(snap.queue_depth)), "running": snap.num_running, "arrival_rate": snap.arrival_rate,
+            "goodput": snap.request_goodput, "ttft_p99_ms": snap.ttft_p99_ms, "tpot_p99_ms": snap.tpot_p99_ms,
+            "kv_cache_usage": snap.kv_cache_usage}
+
+
 @dataclass
 class LaneControl:
     """Per-upstream controller state."""
@@ -220,6 +231,8 @@ class ControlLoop:
         self.overrides: list[str] = []  # forced operator actions, newest last (status)
         self.num_ticks = 0
         self.events: list[str] = []  # recent notable events, newest last (admin status)
+        #: One record per decision, oldest first (``decisions``; ``GET /admin/decisions``).
+        self.history: deque[dict[str, Any]] = deque(maxlen=int(cfg.control.history_len))
         slo_ms = {"ttft": s.slo.ttft_ms, "tpot": s.slo.tpot_ms, "e2el": s.slo.e2el_ms}
         pid_node = dict(s.policy) if s.policy.get("kind") == "pid" else {"kind": "pid"}
         pid_node.setdefault("initial_batch_cap", cfg.control.initial_batch_cap)
@@ -498,6 +511,8 @@ class ControlLoop:
         ctl.last_decision = {"acting": who, "proposal": str(proposal), "knobs": dec.knobs.as_dict(),
                              "interventions": dec.interventions, "breaker_level": dec.breaker_level,
                              "goodput": snap.request_goodput, "ttft_p99_ms": snap.ttft_p99_ms}
+        if self.history.maxlen:
+            self.history.append(decision_record(self.num_ticks, lane.name, now, who, snap, dec))
         mt.control_tick.observe(time.perf_counter() - t0)
 
     def _use_measured_restart(self, lane: Lane, ctl: LaneControl) -> None:
@@ -569,6 +584,10 @@ class ControlLoop:
             self._note(f"quality guard: output-diff rate {guard.diff_rate:.1%} above threshold; "
                        f"{lane.name} back to 16-bit KV")
             self.gw.supervisor.spawn(plant.restart_onto("auto", "quality"), "batchpilot-restart")
+
+    def decisions(self, since: int = 0) -> list[dict[str, Any]]:
+        """The kept decision records whose tick is after ``since`` (oldest first)."""
+        return [r for r in self.history if r["tick"] > since]
 
     def status(self) -> dict[str, Any]:
         return {

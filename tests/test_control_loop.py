@@ -504,3 +504,21 @@ def test_the_measured_restart_time_replaces_the_configured_one() -> None:
     assert all(p.kv_agent.restart_s == 421.5 for p in loop.policies.lane_policies(lane.index))
     st = loop.status()["lanes"]["vllm0"]
     assert st["kv_restart_s"] == 421.5 and st["kv_restart_source"] == "measured"
+
+
+def test_every_decision_is_kept_for_admin_decisions() -> None:
+    """What the loop saw and set, one record per tick, so a live run can be compared interval by
+    interval with its simulation; ``since`` gives only the newer ones, and the history is bounded."""
+    gw, loop = _gateway("pid", {"kind": "pid"})
+    lane = gw.lanes[0]
+    caps = _ticks(loop, lane, 5)
+    recs = loop.decisions()
+    assert [r["tick"] for r in recs] == [1, 2, 3, 4, 5]
+    assert [r["batch_cap"] for r in recs] == caps
+    assert all(r["lane"] == "vllm0" and r["acting"] == "pid" and r["bucketing"] == lane.knobs.bucketing
+               for r in recs)
+    assert recs[-1]["tpot_p99_ms"] == loop.lane_ctl[lane.index].last_snapshot.tpot_p99_ms
+    assert [r["tick"] for r in loop.decisions(since=3)] == [4, 5] and loop.decisions(since=5) == []
+    loop.history = type(loop.history)(loop.history, maxlen=2)
+    _ticks(loop, lane, 3, start=3000.0)
+    assert [r["tick"] for r in loop.decisions()] == [7, 8]

@@ -232,6 +232,24 @@ async def test_a_client_gone_while_queued_is_counted_as_499(monkeypatch: pytest.
         assert lane.admission.num_in_flight == 0
 
 
+
+@pytest.mark.anyio
+async def test_admin_decisions_lists_the_loops_records_and_refuses_a_bad_since(monkeypatch: pytest.MonkeyPatch) -> None:
+    from batchpilot.serving.control_loop import ControlLoop
+
+    with _app(monkeypatch) as (app, gw):
+        gw.control = ControlLoop(gw)
+        gw.control.history.append({"tick": 1, "batch_cap": 64})
+        gw.control.num_ticks = 1
+        auth = {"authorization": f"Bearer {TOKEN}"}
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as c:
+            r = await c.get("/admin/decisions", headers=auth)
+            assert r.status_code == 200 and r.json() == {"ticks": 1, "decisions": [{"tick": 1, "batch_cap": 64}]}
+            assert (await c.get("/admin/decisions?since=1", headers=auth)).json()["decisions"] == []
+            for bad in ("-1", "x", "1.5", "9" * 40, "%C2%B2"):
+                r = await c.get(f"/admin/decisions?since={bad}", headers=auth)
+                assert r.status_code == 400 and "since" in r.text, (bad, r.text)
+
 # --- every admin route needs the token ------------------------------------------------------------
 def _admin_routes(app: Any) -> list[tuple[str, str]]:
     out = [(m, r.path) for r in app.routes if getattr(r, "path", "").startswith("/admin")

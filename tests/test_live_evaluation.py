@@ -271,8 +271,15 @@ def test_short_live_evaluation(tmp_path: Path, tiny_model_path: Path) -> None:
     assert [r["path"] for r in twin["rows"]] == ["vllm_direct", "pid"]
     assert twin["match"]["live_runs"] == 2 and twin["match"]["slowdown"] > 0
     assert "Speed matched to the live reference" in (tmp_path / "results.md").read_text() or twin["match"]["reason"]
-    runs = sorted(p.name for p in (tmp_path / "runs").glob("r*.jsonl"))
+    runs = sorted(p.name for p in (tmp_path / "runs").glob("r*.jsonl") if ".decisions" not in p.name)
     assert runs == ["r0_pid.jsonl", "r0_vllm_direct.jsonl", "r1_pid.jsonl", "r1_vllm_direct.jsonl"]
+    # The gateway's decisions during each gateway run, a line per control tick (a run of 24
+    # requests lasts a few ticks; how many depends on the machine).
+    decisions = [json.loads(line) for rnd in (0, 1)
+                 for line in (tmp_path / "runs" / f"r{rnd}_pid.decisions.jsonl").read_text().splitlines()]
+    assert decisions and all(d["acting"] == "pid" and d["batch_cap"] >= 1 for d in decisions)
+    assert not list((tmp_path / "runs").glob("*vllm_direct.decisions.jsonl"))
+    assert all(r["mean_batch_cap"] is None for r in data["rows"] if r["path"] == "vllm_direct")
     # Every run replayed its own prompts: no hash id in two runs (no prefix-cache carry-over).
     seen: set[int] = set()
     for name in runs:

@@ -139,9 +139,16 @@ def test_twin_of_a_finished_live_run(tmp_path: Path) -> None:
     meta = {"scenario": sc, "slo": SLO, "requests_per_run": len(tf)}
     (tmp_path / "results.json").write_text(json.dumps({"meta": meta, "rows": rows, "paired_differences": []}))
     (tmp_path / "results.md").write_text("# Live evaluation\n\nlive table\n")
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "r0_pid.decisions.jsonl").write_text(
+        "".join(json.dumps({"tick": i, "t": 100.0 + i, "batch_cap": 64 - i}) + "\n" for i in range(5)))
     for _ in range(2):
         out = twin_of(tmp_path, log=lambda m: None)
     assert [r["path"] for r in out["rows"]] == ["vllm_direct", "pid", "ppo"]
+    pid = out["rows"][1]
+    assert pid["timeline"]["batch_cap"] and pid["mean_batch_cap"] == pytest.approx(
+        sum(pid["timeline"]["batch_cap"]) / len(pid["timeline"]["batch_cap"]))
+    assert (tmp_path / "cap_timeline.png").stat().st_size > 0  # the live pid run beside the twin's
     md = (tmp_path / "results.md").read_text()
     assert md.count(SECTION) == 1 and md.startswith("# Live evaluation") and "live table" in md
     assert "share that survives live" in md and "Speed matched to the live reference" in md
