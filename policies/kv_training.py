@@ -100,11 +100,28 @@ def compare(cfg: DictConfig, model: Any, vecnorm: Any, seeds: list[int]) -> list
     return rows
 
 
+def decision_points(rng: np.random.Generator, episode_epochs: int, horizon: int, n: int) -> set[int]:
+    """The epochs of one episode whose switch-or-keep choice is labelled: the first always (a
+    switch gains most right after start-up, and a gateway's agent decides there first), the rest
+    drawn from those whose whole ``horizon`` fits before the episode ends. A later point would
+    see a restart's cost but only part of its pay-back, and teach "keep" where a served engine,
+    whose horizon never ends, should switch."""
+    last = episode_epochs - horizon
+    if last < 0:
+        raise ValueError(f"kv.episode_epochs ({episode_epochs}) is shorter than kv.horizon_epochs ({horizon})")
+    if not 1 <= n <= last + 1:
+        raise ValueError(f"kv.samples_per_episode ({n}) must be 1..{last + 1}: the epochs whose "
+                         f"{horizon}-epoch horizon fits in an episode of {episode_epochs}")
+    rest = rng.choice(np.arange(1, last + 1), size=n - 1, replace=False) if n > 1 else []
+    return {0, *(int(k) for k in rest)}
+
+
 def counterfactual_samples(cfg: DictConfig, seed: int, n_episodes: int) -> tuple[np.ndarray, np.ndarray]:
     """(observations, advantages of switching now over keeping, discounted over the horizon).
 
     Episodes follow "keep", switching at random with ``kv.explore_switch`` per epoch so 8-bit
-    states are sampled too; ``kv.samples_per_episode`` decision points per episode are labelled.
+    states are sampled too; ``kv.samples_per_episode`` decision points per episode are labelled
+    (``decision_points``).
     """
     import copy
 
@@ -116,7 +133,7 @@ def counterfactual_samples(cfg: DictConfig, seed: int, n_episodes: int) -> tuple
     try:
         for _ in range(n_episodes):
             obs, _ = env.reset(seed=int(rng.integers(2**31 - 1)))
-            picks = set(rng.choice(int(kv.episode_epochs), size=int(kv.samples_per_episode), replace=False).tolist())
+            picks = decision_points(rng, int(kv.episode_epochs), horizon, int(kv.samples_per_episode))
             k = 0
             while True:
                 if k in picks:
