@@ -1044,6 +1044,7 @@ class LiveEvaluateApp:
     plots: bool
     sim_twin: bool
     twin_match: bool
+    twin_match_gateway: bool
     twin_of: str | None
     out_dir: str
 

@@ -546,6 +546,7 @@ def live_evaluate(cfg: DictConfig, model_dir: Path | None = None) -> dict[str, A
         assert isinstance(sc, dict)
         twin, match = twin_of_rows(tf, sc, {"ttft_ms": cfg.slo.ttft_ms, "tpot_ms": cfg.slo.tpot_ms}, rows,
                                    paths=paths, match=bool(cfg.twin_match),
+                                   match_gateway=bool(cfg.twin_match_gateway),
                                    vllm_args=[*cfg.gateway.extra_vllm_args, *scenario.vllm_args],
                                    priority=header_priority(client_cfg.get("headers"), 1), seed=int(cfg.seed),
                                    policy_dirs={p: d for p, d in pdirs.items() if p != "ppo"})

@@ -244,13 +244,48 @@ def _twin_runner(tf: TimedTraceFile, scenario: Mapping[str, Any], slo: Mapping[s
 #: The live path the twin's speed is matched to (vLLM as shipped: no controller, so how fast it
 #: runs is the engine's and the machine's alone) and the client metric matched.
 MATCH_PATH, MATCH_KEY = "vllm_direct", "mean_tpot_ms"
+#: The gateway path the gateway paths' extra factor is matched to: fixed knobs, no feedback, so
+#: its speed is the engine's behind the gateway (the gateway shares the cores and proxies every
+#: token), and the controlled paths' results stay predictions.
+GATEWAY_MATCH_PATH = "static"
 #: The slowdowns ``match_slowdown`` searches (a wider gap means a profile from another machine).
 SLOWDOWN_RANGE = (0.25, 64.0)
+#: The gateway factors searched (on top of the slowdown).
+GATEWAY_FACTOR_RANGE = (0.25, 8.0)
+
+
+def _live_target(live_rows: Sequence[Mapping[str, Any]], path: str) -> tuple[list[float], float | None]:
+    live = [float(r[MATCH_KEY]) for r in live_rows
+            if r.get("path") == path and r.get(MATCH_KEY) is not None and math.isfinite(float(r[MATCH_KEY]))]
+    return live, (float(np.median(live)) if live else None)
+
+
+def _bisect(sim: Callable[[float], float], target: float, bounds: tuple[float, float], rel_tol: float,
+            max_iter: int) -> dict[str, Any]:
+    """The factor in ``bounds`` at which the increasing ``sim`` hits ``target`` (log-space
+    bisection); held at a bound when the target is outside what ``sim`` gives there."""
+    f_lo, f_hi = sim(bounds[0]), sim(bounds[1])
+    if not f_lo < target < f_hi:
+        k, got = (bounds[0], f_lo) if target <= f_lo else (bounds[1], f_hi)
+        return {"factor": k, "sim_ms": got, "matched": False,
+                "reason": f"the live {MATCH_KEY} {target:.3g} ms is outside what the twin gives over "
+                          f"{bounds} ({f_lo:.3g}–{f_hi:.3g} ms): held at {k}"}
+    lo, hi = math.log(bounds[0]), math.log(bounds[1])
+    for _ in range(max(1, max_iter)):
+        mid = 0.5 * (lo + hi)
+        k, got = math.exp(mid), sim(math.exp(mid))
+        if abs(got - target) <= rel_tol * target:
+            break
+        lo, hi = (mid, hi) if got < target else (lo, mid)
+    out = {"factor": k, "sim_ms": got, "matched": abs(got - target) <= rel_tol * target}
+    if not out["matched"]:
+        out["reason"] = f"closest: {got:.3g} ms at {k:.3g} (the twin's {MATCH_KEY} jumps near it)"
+    return out
 
 
 def match_slowdown(tf: TimedTraceFile, scenario: Mapping[str, Any], slo: Mapping[str, Any],
                    live_rows: Sequence[Mapping[str, Any]], *, vllm_args: Sequence[Any] = (), seed: int = 0,
-                   rel_tol: float = 0.02, max_iter: int = 24, run: Any = None,
+                   rel_tol: float = 0.02, max_iter: int = 24, run: Any = None, gateway: bool = False,
                    log: Any = print) -> dict[str, Any]:
     """The one factor by which the live engine ran slower (or faster) than the profile during
     this evaluation: the ``slowdown`` at which the twin's ``vllm_direct`` has the live
@@ -258,56 +293,63 @@ def match_slowdown(tf: TimedTraceFile, scenario: Mapping[str, Any], slo: Mapping
     are read, so the controlled paths' twin results stay predictions. Why: the profile is fitted
     on a quiet engine; during a live evaluation the client, the gateway and other jobs share the
     cores, and under overload the gap compounds (slower steps, more running, slower steps).
+
+    ``gateway``: then also ``gateway_factor``, by which the paths through the gateway run
+    slower still: matched on the ``static`` path's live runs (fixed knobs, no feedback) at
+    ``slowdown * gateway_factor``; 1 without static runs. Measured on a 2-core machine, static's
+    TPOT was 1.7x the vllm_direct-matched twin's, and a twin that fast let PID grow its cap
+    twice as fast as it did live (cap_timeline.png).
     ``run``: a ``_twin_runner`` of the same twin, to skip composing its config again."""
-    live = [float(r[MATCH_KEY]) for r in live_rows
-            if r.get("path") == MATCH_PATH and r.get(MATCH_KEY) is not None and math.isfinite(float(r[MATCH_KEY]))]
+    live, target = _live_target(live_rows, MATCH_PATH)
     out: dict[str, Any] = {"path": MATCH_PATH, "key": MATCH_KEY, "live_runs": len(live), "slowdown": 1.0,
-                           "matched": False}
-    if not live:
+                           "matched": False, "gateway_factor": 1.0}
+    if target is None:
         out["reason"] = f"no live {MATCH_PATH} run with {MATCH_KEY}: the profile's speed is used"
         return out
-    target = float(np.median(live))
-
     if run is None:
-        run = _twin_runner(tf, scenario, slo, paths=[MATCH_PATH], vllm_args=vllm_args, priority=None, seed=seed)
+        paths = [MATCH_PATH, GATEWAY_MATCH_PATH] if gateway else [MATCH_PATH]
+        run = _twin_runner(tf, scenario, slo, paths=paths, vllm_args=vllm_args, priority=None, seed=seed)
 
-    def sim(k: float) -> float:
-        return float(run(MATCH_PATH, k, lambda *_: None)[MATCH_KEY])
+    def sim(path: str, k: float) -> float:
+        return float(run(path, k, lambda *_: None)[MATCH_KEY])
 
-    out.update(target_ms=target, profile_ms=sim(1.0))
-    f_lo, f_hi = sim(SLOWDOWN_RANGE[0]), sim(SLOWDOWN_RANGE[1])
-    if not f_lo < target < f_hi:
-        k, got = (SLOWDOWN_RANGE[0], f_lo) if target <= f_lo else (SLOWDOWN_RANGE[1], f_hi)
-        out.update(slowdown=k, sim_ms=got, reason=f"the live {MATCH_KEY} {target:.3g} ms is outside what the twin "
-                   f"gives over slowdowns {SLOWDOWN_RANGE} ({f_lo:.3g}–{f_hi:.3g} ms): held at {k}")
-        return out
-    lo, hi = math.log(SLOWDOWN_RANGE[0]), math.log(SLOWDOWN_RANGE[1])
-    for _ in range(max(1, max_iter)):
-        mid = 0.5 * (lo + hi)
-        k, got = math.exp(mid), sim(math.exp(mid))
-        if abs(got - target) <= rel_tol * target:
-            break
-        lo, hi = (mid, hi) if got < target else (lo, mid)
-    out.update(slowdown=k, sim_ms=got, matched=abs(got - target) <= rel_tol * target)
-    if not out["matched"]:
-        out["reason"] = f"closest: {got:.3g} ms at slowdown {k:.3g} (the twin's {MATCH_KEY} jumps near it)"
-    log(f"sim twin: slowdown {k:.3g} ({MATCH_PATH} {MATCH_KEY}: live median {target:.3g} ms, twin {got:.3g} ms, "
+    out.update(target_ms=target, profile_ms=sim(MATCH_PATH, 1.0))
+    m = _bisect(lambda k: sim(MATCH_PATH, k), target, SLOWDOWN_RANGE, rel_tol, max_iter)
+    k = m.pop("factor")
+    out.update(slowdown=k, **m)
+    log(f"sim twin: slowdown {k:.3g} ({MATCH_PATH} {MATCH_KEY}: live median {target:.3g} ms, twin {m['sim_ms']:.3g} ms, "
         f"profile alone {out['profile_ms']:.3g} ms)")
+    if gateway:
+        g_live, g_target = _live_target(live_rows, GATEWAY_MATCH_PATH)
+        gw: dict[str, Any] = {"path": GATEWAY_MATCH_PATH, "live_runs": len(g_live), "factor": 1.0, "matched": False}
+        if g_target is None:
+            gw["reason"] = f"no live {GATEWAY_MATCH_PATH} run: the gateway paths run at the slowdown alone"
+        else:
+            gw.update(target_ms=g_target, at_slowdown_ms=sim(GATEWAY_MATCH_PATH, k))
+            gw.update(_bisect(lambda g: sim(GATEWAY_MATCH_PATH, k * g), g_target, GATEWAY_FACTOR_RANGE, rel_tol,
+                              max_iter))
+            log(f"sim twin: gateway factor {gw['factor']:.3g} ({GATEWAY_MATCH_PATH} {MATCH_KEY}: live median "
+                f"{g_target:.3g} ms, twin {gw['sim_ms']:.3g} ms, {gw['at_slowdown_ms']:.3g} ms at the slowdown alone)")
+        out["gateway"] = gw
+        out["gateway_factor"] = float(gw["factor"])
     return out
 
 
 def twin_of_rows(tf: TimedTraceFile, scenario: Mapping[str, Any], slo: Mapping[str, Any],
                  live_rows: Sequence[Mapping[str, Any]], *, paths: Sequence[str], match: bool = True,
-                 vllm_args: Sequence[Any] = (), priority: int | None = None, seed: int = 0,
-                 policy_dirs: Mapping[str, str] | None = None,
+                 match_gateway: bool = True, vllm_args: Sequence[Any] = (), priority: int | None = None,
+                 seed: int = 0, policy_dirs: Mapping[str, str] | None = None,
                  log: Any = print) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
     """The twin of a live evaluation's rows: with ``match``, its speed first matched to the live
-    reference path (``match_slowdown``); then one episode per path. Returns rows and the match."""
-    run = _twin_runner(tf, scenario, slo, paths=[*dict.fromkeys([*paths, MATCH_PATH])], vllm_args=vllm_args,
-                       priority=priority, seed=seed, policy_dirs=policy_dirs)
-    m = match_slowdown(tf, scenario, slo, live_rows, seed=seed, run=run, log=log) if match else None
+    reference path(s) (``match_slowdown``; ``match_gateway``: the gateway paths' factor too);
+    then one episode per path. Returns rows and the match."""
+    run = _twin_runner(tf, scenario, slo, paths=[*dict.fromkeys([*paths, MATCH_PATH, GATEWAY_MATCH_PATH])],
+                       vllm_args=vllm_args, priority=priority, seed=seed, policy_dirs=policy_dirs)
+    m = (match_slowdown(tf, scenario, slo, live_rows, seed=seed, run=run, gateway=match_gateway, log=log)
+         if match else None)
     k = float(m["slowdown"]) if m else 1.0
-    return [run(path, k, log) for path in paths], m
+    g = float(m.get("gateway_factor", 1.0)) if m else 1.0
+    return [run(path, k if path == MATCH_PATH else k * g, log) for path in paths], m
 
 
 # --- the share that survives ------------------------------------------------------------------
@@ -398,7 +440,18 @@ def match_markdown(match: Mapping[str, Any] | None) -> str:
             f"{match['key']} is {match['sim_ms']:.3g} ms against the live median {match['target_ms']:.3g} ms "
             f"over {match['live_runs']} runs (the profile alone: {match['profile_ms']:.3g} ms). Only "
             f"{match['path']}'s live {match['key']} is used; the other paths' twin results are predictions.")
-    return text + (f" Not matched within 2 %: {match['reason']}." if match.get("reason") else "")
+    text += f" Not matched within 2 %: {match['reason']}." if match.get("reason") else ""
+    gw = match.get("gateway")
+    if gw and "target_ms" in gw:
+        text += (f" The paths through the gateway run at **{gw['factor']:.2f}×** that (the gateway shares the "
+                 f"cores and proxies every token), at which the twin's {gw['path']} {match['key']} is "
+                 f"{gw['sim_ms']:.3g} ms against the live median {gw['target_ms']:.3g} ms over {gw['live_runs']} "
+                 f"runs ({gw['at_slowdown_ms']:.3g} ms at the slowdown alone); {gw['path']} has fixed knobs, so the "
+                 f"controlled paths stay predictions.")
+        text += f" Not matched within 2 %: {gw['reason']}." if gw.get("reason") else ""
+    elif gw:
+        text += f" Gateway paths: {gw.get('reason', 'not matched')}."
+    return text
 
 
 def twin_markdown(sim_rows: Sequence[Mapping[str, Any]], summary: Mapping[str, Any], note: str = "",
@@ -511,9 +564,10 @@ def twin_of(out_dir: str | Path, log: Any = print) -> dict[str, Any]:
         vargs = [*(cfg.get("gateway", {}).get("extra_vllm_args") or []), *scenario.vllm_args]
         seed = int(cfg.get("seed", 0))
         match = bool(cfg.get("twin_match", True))
+        match_gateway = bool(cfg.get("twin_match_gateway", True))
     else:
         scenario, slo, headers, seed = OmegaConf.create(res["meta"]["scenario"]), res["meta"]["slo"], [], 0
-        vargs, match = list(scenario.vllm_args), True
+        vargs, match, match_gateway = list(scenario.vllm_args), True, True
     tf = scenario_trace(scenario)
     sc = OmegaConf.to_container(scenario, resolve=True)
     load = res["meta"].get("load") or {}
@@ -524,7 +578,7 @@ def twin_of(out_dir: str | Path, log: Any = print) -> dict[str, Any]:
                          f"{res['meta'].get('requests_per_run')}")
     assert isinstance(slo, dict)
     assert isinstance(sc, dict)
-    rows, m = twin_of_rows(tf, sc, slo, res["rows"], match=match,
+    rows, m = twin_of_rows(tf, sc, slo, res["rows"], match=match, match_gateway=match_gateway,
                            paths=[p for p in TWIN_POLICY if any(r["path"] == p for r in res["rows"])],
                            vllm_args=vargs, priority=header_priority(headers, _serve_defaults()["default_priority"]),
                            seed=seed, log=log)

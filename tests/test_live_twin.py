@@ -21,7 +21,9 @@ from batchpilot.policies.live_twin import (
     run_twin,
     stream_from_records,
     survival,
+    twin_markdown,
     twin_of,
+    twin_of_rows,
     twin_overrides,
     twin_summary,
 )
@@ -92,6 +94,33 @@ def test_the_speed_match_recovers_a_known_slowdown() -> None:
     assert none["slowdown"] == 1.0 and not none["matched"] and "no live vllm_direct run" in none["reason"]
     far = match_slowdown(tf, sc, SLO, [{"path": "vllm_direct", "mean_tpot_ms": 1e-6}], log=lambda msg: None)
     assert not far["matched"] and far["slowdown"] == 0.25 and "outside" in far["reason"]
+
+
+def test_the_gateway_paths_factor_is_matched_on_static_alone() -> None:
+    """Live rows made by the twin at slowdown 3 (vllm_direct) and 3 x 1.6 (static, behind the
+    gateway): the match finds both factors, reading only those two paths' rows; the rows it
+    then gives run every gateway path at slowdown x factor."""
+    sc = _scenario(n=16)
+    tf = scenario_trace(OmegaConf.create(sc))
+    direct = run_twin(tf, sc, SLO, paths=["vllm_direct"], vllm_args=sc["vllm_args"], slowdown=3.0,
+                      log=lambda m: None)[0]
+    static, pid = run_twin(tf, sc, SLO, paths=["static", "pid"], vllm_args=sc["vllm_args"], slowdown=4.8,
+                           log=lambda m: None)
+    live = [{"path": p, "round": r, "mean_tpot_ms": x["mean_tpot_ms"]} for r in range(2)
+            for p, x in (("vllm_direct", direct), ("static", static))]
+    live += [{"path": "pid", "round": r, "mean_tpot_ms": 1e6} for r in range(2)]  # never read
+    m = match_slowdown(tf, sc, SLO, live, vllm_args=sc["vllm_args"], gateway=True, log=lambda msg: None)
+    gw = m["gateway"]
+    assert m["matched"] and gw["matched"] and gw["live_runs"] == 2
+    assert gw["sim_ms"] == pytest.approx(static["mean_tpot_ms"], rel=0.02)
+    assert m["slowdown"] * m["gateway_factor"] == pytest.approx(4.8, rel=0.15)
+    rows, m2 = twin_of_rows(tf, sc, SLO, live, paths=["vllm_direct", "pid"], vllm_args=sc["vllm_args"],
+                            log=lambda msg: None)
+    assert m2["gateway_factor"] == m["gateway_factor"]
+    assert rows[1]["mean_tpot_ms"] == pytest.approx(pid["mean_tpot_ms"], rel=0.1)
+    alone = match_slowdown(tf, sc, SLO, live[:1], vllm_args=sc["vllm_args"], gateway=True, log=lambda msg: None)
+    assert alone["gateway_factor"] == 1.0 and "no live static run" in alone["gateway"]["reason"]
+    assert "The paths through the gateway run at" in twin_markdown(rows, twin_summary(rows, live), match=m)
 
 
 def test_survival_share() -> None:
