@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import time
 from collections import deque
 from dataclasses import dataclass, field, replace
@@ -169,12 +170,14 @@ def _only_needed(text: str) -> str:
 
 def decision_record(tick: int, lane: str, now: float, who: str, snap: Snapshot, dec: Decision) -> dict[str, Any]:
     """One decision as ``GET /admin/decisions`` lists it: what the controller saw (the snapshot's
-    latencies, load and queue) and the knobs the shield let through."""
+    latencies, load and queue) and the knobs the shield let through. A value that is not finite
+    is null (JSON has no NaN)."""
+    seen = {"arrival_rate": snap.arrival_rate, "goodput": snap.request_goodput, "ttft_p99_ms": snap.ttft_p99_ms,
+            "tpot_p99_ms": snap.tpot_p99_ms, "kv_cache_usage": snap.kv_cache_usage}
     return {"tick": tick, "lane": lane, "t": now, "acting": who, **dec.knobs.as_dict(),
             "interventions": sorted(dec.interventions), "breaker_level": dec.breaker_level,
-            "queue": int(sum(snap.queue_depth)), "running": snap.num_running, "arrival_rate": snap.arrival_rate,
-            "goodput": snap.request_goodput, "ttft_p99_ms": snap.ttft_p99_ms, "tpot_p99_ms": snap.tpot_p99_ms,
-            "kv_cache_usage": snap.kv_cache_usage}
+            "queue": int(sum(snap.queue_depth)), "running": snap.num_running,
+            **{k: float(v) if math.isfinite(v) else None for k, v in seen.items()}}
 
 
 @dataclass

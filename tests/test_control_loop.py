@@ -522,3 +522,12 @@ def test_every_decision_is_kept_for_admin_decisions() -> None:
     loop.history = type(loop.history)(loop.history, maxlen=2)
     _ticks(loop, lane, 3, start=3000.0)
     assert [r["tick"] for r in loop.decisions()] == [7, 8]
+    # A reading that is not finite is listed as null, so the JSON answer never fails.
+    from dataclasses import replace
+
+    from batchpilot.core.shield import Decision
+    from batchpilot.serving.control_loop import decision_record
+
+    snap = replace(loop.lane_ctl[lane.index].last_snapshot, request_goodput=float("nan"), ttft_p99_ms=float("inf"))
+    rec = decision_record(9, "vllm0", 1.0, "pid", snap, Decision(knobs=Knobs(8, "fifo", "auto")))
+    assert rec["goodput"] is None and rec["ttft_p99_ms"] is None and rec["batch_cap"] == 8
