@@ -343,7 +343,8 @@ def twin_of_rows(tf: TimedTraceFile, scenario: Mapping[str, Any], slo: Mapping[s
     """The twin of a live evaluation's rows: with ``match``, its speed first matched to the live
     reference path(s) (``match_slowdown``; ``match_gateway``: the gateway paths' factor too);
     then one episode per path. Returns rows and the match."""
-    run = _twin_runner(tf, scenario, slo, paths=[*dict.fromkeys([*paths, MATCH_PATH, GATEWAY_MATCH_PATH])],
+    refs = [MATCH_PATH, GATEWAY_MATCH_PATH] if match and match_gateway else [MATCH_PATH]
+    run = _twin_runner(tf, scenario, slo, paths=[*dict.fromkeys([*paths, *refs])],
                        vllm_args=vllm_args, priority=priority, seed=seed, policy_dirs=policy_dirs)
     m = (match_slowdown(tf, scenario, slo, live_rows, seed=seed, run=run, gateway=match_gateway, log=log)
          if match else None)
