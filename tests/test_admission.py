@@ -470,3 +470,75 @@ def test_the_ttft_deadline_refuses_late_requests_above_core_priority_only() -> N
     no_slo = Admission(AdmissionConfig(ttft_deadline=True), Knobs(batch_cap=1))
     no_slo.use_slo(None)
     assert not no_slo.expires
+
+
+class OnTimeFirstMachine(AdmissionMachine):
+    """The same random sequences with ``on_time_first``: requests go late as time passes, and
+    still nothing is lost."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        cfg = AdmissionConfig(max_queue_len=5, max_wait_s=10.0, max_num_long=2, on_time_first=True)
+        self.a = Admission(cfg, Knobs(3))
+        self.a.use_slo(3000.0)
+
+
+OnTimeFirstMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=60, deadline=None)
+TestOnTimeFirstMachine = OnTimeFirstMachine.TestCase
+
+
+def _on_time_first(mode: str, on: bool = True, ttft_ms: float | None = 1000.0) -> Admission:
+    adm = Admission(AdmissionConfig(on_time_first=on), Knobs(batch_cap=1, bucketing=mode))
+    adm.use_slo(ttft_ms)
+    return adm
+
+
+def _drain(adm: Admission, now: float) -> list[str]:
+    out = []
+    while adm.num_waiting:
+        (r,) = adm.admit(now)
+        adm.on_finished(r.request_id)
+        out.append(r.request_id)
+    return out
+
+
+@pytest.mark.parametrize("mode", BUCKETING_MODES)
+def test_on_time_first_serves_the_requests_that_can_still_meet_their_ttft(mode: str) -> None:
+    """Under a backlog a plain queue serves every request after its TTFT objective has passed;
+    with ``on_time_first`` those still on time go first, and the late ones after (none refused)."""
+    on, off = _on_time_first(mode), _on_time_first(mode, on=False)
+    for adm in (on, off):
+        for rid, t in (("old", 0.0), ("older_too", 0.5), ("fresh", 2.0), ("fresher", 2.05)):
+            assert adm.submit(Request(rid, t, 100, 16, 0), t) is None
+    assert _drain(on, 2.1) == ["fresh", "fresher", "old", "older_too"]
+    assert _drain(off, 2.1) == ["old", "older_too", "fresh", "fresher"]
+    assert on.num_rejected == 0 and on.num_finished == 4
+    on.check_counts()
+
+
+def test_on_time_first_prefers_a_bucket_whose_next_request_is_on_time() -> None:
+    """Shortest-first would serve the short bucket's late head; a medium prompt still on time
+    goes first, then the short bucket again."""
+    adm = _on_time_first("shortest_first")
+    adm.submit(Request("short_late", 0.0, 100, 16, 0), 0.0)
+    adm.submit(Request("medium_on_time", 1.5, 2000, 16, 0), 1.5)
+    adm.submit(Request("short_on_time", 1.8, 100, 16, 0), 1.8)
+    assert _drain(adm, 2.0) == ["short_on_time", "medium_on_time", "short_late"]
+
+
+def test_on_time_first_keeps_priority_first_within_a_bucket() -> None:
+    """Lateness ranks after priority: a late core request still goes before an on-time one of
+    a lower class in its bucket."""
+    adm = _on_time_first("fifo")
+    adm.submit(Request("core_late", 0.0, 100, 16, 0), 0.0)
+    adm.submit(Request("batch_on_time", 1.9, 100, 16, 1), 1.9)
+    adm.submit(Request("core_on_time", 1.95, 100, 16, 0), 1.95)
+    assert _drain(adm, 2.0) == ["core_on_time", "core_late", "batch_on_time"]
+
+
+def test_on_time_first_needs_a_ttft_objective() -> None:
+    adm = _on_time_first("fifo", ttft_ms=None)
+    assert adm.late_after_s is None
+    for rid, t in (("a", 0.0), ("b", 5.0)):
+        adm.submit(Request(rid, t, 100, 16, 0), t)
+    assert _drain(adm, 6.0) == ["a", "b"]

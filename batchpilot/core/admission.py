@@ -108,6 +108,12 @@ class AdmissionConfig:
     #: late with capacity that requests still on time need. Core requests are never refused.
     ttft_deadline: bool = False
     deadline_max_priority_kept: int = 0
+    #: A waiting request that has waited its TTFT objective (``use_slo``) can no longer meet
+    #: it: it yields to requests that still can, whatever the bucketing order, and runs when
+    #: none of those waits. Under sustained overload a plain queue makes every request wait its
+    #: turn past the objective; this keeps serving the ones still on time. Nothing is refused
+    #: (``ttft_deadline`` refuses instead).
+    on_time_first: bool = True
     #: Share of admissions per bucket in ``weighted`` mode (normalised; one per bucket).
     weights: tuple[float, ...] = (0.5, 0.3, 0.2)
     #: Move the boundaries online by incremental k-means over (log prompt length, priority).
@@ -157,43 +163,57 @@ class AdmissionConfig:
 
 @dataclass(slots=True)
 class _Entry:
-    """A waiting request; ``alive`` goes False when it leaves the queue by any path."""
+    """A waiting request; ``alive`` goes False when it leaves the queue by any path, ``late``
+    goes True when it can no longer meet its TTFT objective (``on_time_first``)."""
 
     request: Any
     bucket: int
     is_long: bool
     seq: int
     alive: bool = True
+    late: bool = False
 
 
 class _Bucket:
-    """One length bucket: two (priority, arrival, seq) heaps, long prompts apart."""
+    """One length bucket: (priority, arrival, seq) heaps, long prompts apart, and requests
+    past their TTFT objective apart (``on_time_first``)."""
 
     __slots__ = ("heaps", "num_waiting")
 
     def __init__(self) -> None:
-        self.heaps: tuple[list, list] = ([], [])  # [0]: not long, [1]: long
+        # heaps[late][long]: on time / late x not long / long
+        self.heaps: tuple[tuple[list, list], tuple[list, list]] = (([], []), ([], []))
         self.num_waiting = 0
 
     def push(self, e: _Entry) -> None:
         r = e.request
-        heapq.heappush(self.heaps[e.is_long], (r.priority, r.arrival_time, e.seq, e))
+        heapq.heappush(self.heaps[e.late][e.is_long], (r.priority, r.arrival_time, e.seq, e))
         self.num_waiting += 1
 
+    def mark_late(self, e: _Entry) -> None:
+        """Move ``e`` to the late heaps (its on-time entry is skipped from now on)."""
+        e.late = True
+        r = e.request
+        heapq.heappush(self.heaps[1][e.is_long], (r.priority, r.arrival_time, e.seq, e))
+
     def head(self, allow_long: bool) -> _Entry | None:
-        """The next live entry, or None; skips (and drops) dead ones."""
-        best = None
-        for kind in (0, 1) if allow_long else (0,):
-            h = self.heaps[kind]
-            while h and not h[0][3].alive:
-                heapq.heappop(h)
-            if h and (best is None or h[0] < best):
-                best = h[0]
-        return best[3] if best is not None else None
+        """The next live entry, or None: by priority, then on time before late, then arrival.
+        Skips (and drops) dead entries and the on-time entries of those gone late."""
+        best, best_key = None, None
+        for late in (0, 1):
+            for kind in (0, 1) if allow_long else (0,):
+                h = self.heaps[late][kind]
+                while h and (not h[0][3].alive or h[0][3].late != late):
+                    heapq.heappop(h)
+                if h:
+                    key = (h[0][0], late, h[0][1], h[0][2])
+                    if best_key is None or key < best_key:
+                        best, best_key = h[0][3], key
+        return best
 
     def pop(self, e: _Entry) -> None:
         """Remove ``e``, which ``head`` just returned."""
-        heapq.heappop(self.heaps[e.is_long])
+        heapq.heappop(self.heaps[e.late][e.is_long])
         self.num_waiting -= 1
 
 
@@ -216,6 +236,9 @@ class Admission:
         self.num_seqs_in_flight = 0
         self._expiry: list[tuple[float, int, _Entry]] = []  # (arrival, seq, entry), lazy
         self._deadlines: list[tuple[float, int, _Entry]] = []  # the same, for the TTFT deadline
+        self._lateness: list[tuple[float, int, _Entry]] = []  # the same, for ``on_time_first``
+        #: Seconds after which a waiting request is late (``on_time_first`` and ``use_slo``).
+        self.late_after_s: float | None = None
         #: Seconds a request above core priority may wait (``use_slo``); None = no deadline.
         self.deadline_s: float | None = None
         self._seq = 0
@@ -293,6 +316,8 @@ class Admission:
         """The TTFT objective the deadline counts (with ``ttft_deadline``; None: no deadline)."""
         on = self.cfg.ttft_deadline and ttft_ms is not None and ttft_ms > 0
         self.deadline_s = float(ttft_ms) / 1000.0 if on else None  # type: ignore[arg-type]
+        late = self.cfg.on_time_first and ttft_ms is not None and ttft_ms > 0
+        self.late_after_s = float(ttft_ms) / 1000.0 if late else None  # type: ignore[arg-type]
 
     @property
     def boundaries(self) -> tuple[int, ...]:
@@ -354,6 +379,8 @@ class Admission:
             heapq.heappush(self._expiry, (req.arrival_time, e.seq, e))
         if self.deadline_s is not None and req.priority > self.cfg.deadline_max_priority_kept:
             heapq.heappush(self._deadlines, (req.arrival_time, e.seq, e))
+        if self.late_after_s is not None:
+            heapq.heappush(self._lateness, (req.arrival_time, e.seq, e))
         return None
 
     def admit(self, now: float) -> list[Any]:
@@ -361,6 +388,7 @@ class Admission:
         order; the caller hands them to the engine. (Call ``expire`` first if stale requests must
         not run; with ``memory`` set, collect ``take_rejections`` after.)"""
         out: list[Any] = []
+        self._mark_late(now)
         while self.num_seqs_in_flight < self.batch_cap and self._waiting:
             allow_long = self.num_long_in_flight < self.cfg.max_num_long
             e = self._choose(allow_long)
@@ -482,11 +510,24 @@ class Admission:
         self._buckets[e.bucket].num_waiting -= 1
         del self._waiting[e.request.request_id]
 
+    def _mark_late(self, now: float) -> None:
+        """Move the requests that waited their TTFT objective to the late heaps."""
+        if self.late_after_s is None:
+            return
+        limit, heap = now - self.late_after_s, self._lateness
+        while heap and (not heap[0][2].alive or heap[0][0] <= limit):
+            _, _, e = heapq.heappop(heap)
+            if e.alive:
+                self._buckets[e.bucket].mark_late(e)
+
     def _choose(self, allow_long: bool) -> _Entry | None:
         heads = [b.head(allow_long) if b.num_waiting else None for b in self._buckets]
         candidates = [i for i, h in enumerate(heads) if h is not None]
         if not candidates:
             return None
+        on_time = [i for i in candidates if not heads[i].late]
+        if on_time:  # a bucket whose next request can still meet its TTFT goes first
+            candidates = on_time
         if self.bucketing == "shortest_first":
             i = candidates[0]
         elif self.bucketing == "weighted":
