@@ -370,6 +370,43 @@ def test_a_queued_request_past_its_ttft_deadline_gets_429_from_the_gateway() -> 
     assert gw.metrics.rejected.labels("deadline")._value.get() == 1
 
 
+def test_the_gateway_serves_a_request_still_on_time_before_one_past_its_ttft() -> None:
+    """``admission.on_time_first`` (on by default) at the gateway: when a slot frees, a queued
+    request that can still meet its TTFT objective gets it before one that waited past it, and
+    the late one is not refused; it runs next."""
+    from batchpilot.core.engine import Request
+
+    gw, loop = _gateway("pid", {"kind": "pid"})
+    lane = gw.lanes[0]
+    assert lane.admission.cfg.on_time_first and lane.admission.late_after_s == gw.settings.slo.ttft_ms / 1000.0
+    lane.set_knobs(lane.knobs.with_(batch_cap=1))
+
+    async def go() -> list[str]:
+        import time
+
+        now = time.monotonic()
+        busy = Request("busy", now, 10, 10, priority=0)
+        first = asyncio.create_task(lane.acquire(busy, now + 60))
+        await asyncio.sleep(0)  # it takes the one slot
+        late = Request("late", now - 5.0, 10, 10, priority=0)  # waited 5 s > 1 s
+        fresh = Request("fresh", now, 10, 10, priority=0)
+        tasks = {r.request_id: asyncio.create_task(lane.acquire(r, now + 60)) for r in (late, fresh)}
+        await asyncio.sleep(0)
+        order = []
+        for _ in range(2):
+            lane.release(busy.request_id if not order else order[-1])
+            await asyncio.sleep(0)
+            done = [rid for rid, t in tasks.items() if t.done() and rid not in order]
+            assert len(done) == 1 and tasks[done[0]].exception() is None
+            order.append(done[0])
+        for t in [*tasks.values(), first]:
+            t.cancel()
+        return order
+
+    assert asyncio.run(go()) == ["fresh", "late"]
+    assert gw.metrics.rejected.labels("deadline")._value.get() == 0
+
+
 def test_a_restart_that_brings_back_another_kv_pool_admits_against_the_new_pool() -> None:
     """The restart's own admission pass (the lane reopens) checked requests against the previous
     pool's model until the next decision rebuilt it: one run admitted 12 requests over the 80 %
