@@ -21,7 +21,10 @@ Life of a request (nothing is ever lost)::
 
 Each bucket keeps two heaps ordered by (priority, arrival, submit order): prompts over
 ``long_prompt_threshold`` and the rest, so a full long cap never blocks shorter requests of the
-same bucket. Removal by timeout, shedding or cancel is lazy (entries marked dead and skipped
+same bucket. With ``on_time_first`` (the default; it needs the TTFT objective from ``use_slo``) a
+request that has waited its TTFT moves to a second pair of heaps: within a bucket it ranks after
+on-time requests of its priority, and across buckets the bucketing mode chooses among buckets
+whose next request is on time first. Removal by timeout, shedding or cancel is lazy (entries marked dead and skipped
 when they reach a heap top), so every operation is O(log n) amortised; ``shed`` is O(n) and
 only runs when the circuit breaker asks for it.
 
