@@ -493,6 +493,12 @@ def _on_time_first(mode: str, on: bool = True, ttft_ms: float | None = 1000.0) -
     return adm
 
 
+def _submit(adm: Admission, *reqs: tuple[str, float, int, int]) -> None:
+    """Submit (id, arrival, prompt length, priority) requests, each at its arrival; none refused."""
+    for rid, t, prompt_len, priority in reqs:
+        assert adm.submit(Request(rid, t, prompt_len, 16, priority), t) is None
+
+
 def _drain(adm: Admission, now: float) -> list[str]:
     out = []
     while adm.num_waiting:
@@ -508,8 +514,7 @@ def test_on_time_first_serves_the_requests_that_can_still_meet_their_ttft(mode: 
     with ``on_time_first`` those still on time go first, and the late ones after (none refused)."""
     on, off = _on_time_first(mode), _on_time_first(mode, on=False)
     for adm in (on, off):
-        for rid, t in (("old", 0.0), ("older_too", 0.5), ("fresh", 2.0), ("fresher", 2.05)):
-            assert adm.submit(Request(rid, t, 100, 16, 0), t) is None
+        _submit(adm, ("old", 0.0, 100, 0), ("older_too", 0.5, 100, 0), ("fresh", 2.0, 100, 0), ("fresher", 2.05, 100, 0))
     assert _drain(on, 2.1) == ["fresh", "fresher", "old", "older_too"]
     assert _drain(off, 2.1) == ["old", "older_too", "fresh", "fresher"]
     assert on.num_rejected == 0 and on.num_finished == 4
@@ -520,9 +525,7 @@ def test_on_time_first_prefers_a_bucket_whose_next_request_is_on_time() -> None:
     """Shortest-first would serve the short bucket's late head; a medium prompt still on time
     goes first, then the short bucket again."""
     adm = _on_time_first("shortest_first")
-    adm.submit(Request("short_late", 0.0, 100, 16, 0), 0.0)
-    adm.submit(Request("medium_on_time", 1.5, 2000, 16, 0), 1.5)
-    adm.submit(Request("short_on_time", 1.8, 100, 16, 0), 1.8)
+    _submit(adm, ("short_late", 0.0, 100, 0), ("medium_on_time", 1.5, 2000, 0), ("short_on_time", 1.8, 100, 0))
     assert _drain(adm, 2.0) == ["short_on_time", "medium_on_time", "short_late"]
 
 
@@ -530,15 +533,12 @@ def test_on_time_first_keeps_priority_first_within_a_bucket() -> None:
     """Lateness ranks after priority: a late core request still goes before an on-time one of
     a lower class in its bucket."""
     adm = _on_time_first("fifo")
-    adm.submit(Request("core_late", 0.0, 100, 16, 0), 0.0)
-    adm.submit(Request("batch_on_time", 1.9, 100, 16, 1), 1.9)
-    adm.submit(Request("core_on_time", 1.95, 100, 16, 0), 1.95)
+    _submit(adm, ("core_late", 0.0, 100, 0), ("batch_on_time", 1.9, 100, 1), ("core_on_time", 1.95, 100, 0))
     assert _drain(adm, 2.0) == ["core_on_time", "core_late", "batch_on_time"]
 
 
 def test_on_time_first_needs_a_ttft_objective() -> None:
     adm = _on_time_first("fifo", ttft_ms=None)
     assert adm.late_after_s is None
-    for rid, t in (("a", 0.0), ("b", 5.0)):
-        adm.submit(Request(rid, t, 100, 16, 0), t)
+    _submit(adm, ("a", 0.0, 100, 0), ("b", 5.0, 100, 0))
     assert _drain(adm, 6.0) == ["a", "b"]

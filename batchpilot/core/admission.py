@@ -317,10 +317,9 @@ class Admission:
 
     def use_slo(self, ttft_ms: float | None) -> None:
         """The TTFT objective the deadline counts (with ``ttft_deadline``; None: no deadline)."""
-        on = self.cfg.ttft_deadline and ttft_ms is not None and ttft_ms > 0
-        self.deadline_s = float(ttft_ms) / 1000.0 if on else None  # type: ignore[arg-type]
-        late = self.cfg.on_time_first and ttft_ms is not None and ttft_ms > 0
-        self.late_after_s = float(ttft_ms) / 1000.0 if late else None  # type: ignore[arg-type]
+        ttft_s = float(ttft_ms) / 1000.0 if ttft_ms is not None and ttft_ms > 0 else None
+        self.deadline_s = ttft_s if self.cfg.ttft_deadline else None
+        self.late_after_s = ttft_s if self.cfg.on_time_first else None
 
     @property
     def boundaries(self) -> tuple[int, ...]:
