@@ -621,6 +621,9 @@ class ServeConfig:
     retry_after_s: int = 1
     #: Request bodies above this are refused with 413 (before they are read when declared).
     max_body_bytes: int = 8 * 1024 * 1024
+    #: Worker processes that parse large request bodies (0: a thread of the gateway's, which
+    #: holds the event loop for the parse).
+    body_workers: int = 1
     #: A request body must arrive within this (else 408); headers within ``header_timeout_s``
     #: (else the connection is closed).
     body_timeout_s: float = 30.0
@@ -677,6 +680,8 @@ class ServeConfig:
             raise ValueError(f"serve.health_failures must be >= 1, got {self.health_failures}")
         if self.max_body_bytes < 1024:
             raise ValueError(f"serve.max_body_bytes must be >= 1024, got {self.max_body_bytes}")
+        if self.body_workers < 0:
+            raise ValueError(f"serve.body_workers must be >= 0, got {self.body_workers}")
         if self.default_priority < 0:
             raise ValueError(f"serve.default_priority must be >= 0, got {self.default_priority}")
         self.priority_header = self.priority_header.lower()

@@ -22,6 +22,10 @@ class GatewayError(Exception):
             self.status = status
         self.retry_after = retry_after
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Pickled whole (a body refused in the inspection worker process comes back as one).
+        return type(self), (self.reason, self.message), self.__dict__
+
 
 class BadRequest(GatewayError):
     status = 400

@@ -13,17 +13,15 @@ and stops them in reverse order.
 from __future__ import annotations
 
 import asyncio
-import gc
 import json
 import logging
 import tempfile
-import threading
 import time
 import uuid
-from contextlib import asynccontextmanager, contextmanager, nullcontext
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable, Iterator
+from typing import Any, AsyncIterator, Callable
 
 import httpx
 from fastapi import FastAPI, Request
@@ -33,13 +31,14 @@ from starlette.requests import ClientDisconnect
 from batchpilot.core.engine import Request as EngineRequest
 from batchpilot.core.knobs import Knobs
 from batchpilot.core.telemetry import SLO, Telemetry
-from batchpilot.serving.errors import BadRequest, ClientGone, GatewayError, Refused, json_object
+from batchpilot.serving.errors import BadRequest, ClientGone, GatewayError, Refused
 from batchpilot.serving.http1 import Http1Error, Http1Response
 from batchpilot.serving.http_server import with_head_timeout
 from batchpilot.serving.lanes import Lane
 from batchpilot.serving.prom import CONTENT_TYPE, GatewayMetrics, bucket_name
+from batchpilot.serving.request_body import OFF_LOOP_BYTES, BodyInspector, with_model
 from batchpilot.serving.settings import ServeConfig
-from batchpilot.serving.tokens import PromptCounter, PromptText, PromptTooLong, prompt_text
+from batchpilot.serving.tokens import PromptCounter, PromptTooLong
 from batchpilot.serving.upstream import ManagedVLLM, Upstream, UpstreamDown, cpu_core_groups, free_port
 
 log = logging.getLogger(__name__)
@@ -131,11 +130,13 @@ class Gateway:
         from batchpilot.serving.supervisor import Supervisor
 
         self.supervisor = Supervisor(cfg, self.lanes, self.metrics)
+        self.bodies = BodyInspector(cfg.max_num_seqs, cfg.body_workers)
         self.control = None  # the ControlLoop, set in the lifespan (needs running upstreams)
         self.quality = None
 
     # --- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
+        self.bodies.start()
         await self.supervisor.start_all()
         now = time.monotonic()
         for ln in self.lanes:
@@ -158,6 +159,7 @@ class Gateway:
         if self.quality is not None:
             await self.quality.aclose()
         await self.supervisor.stop_all()
+        self.bodies.close()
 
     # --- routing ---------------------------------------------------------------------------
     def pick_lane(self) -> Lane:
@@ -222,151 +224,6 @@ async def _read_body(request: Request, cfg: ServeConfig) -> bytes:
 def _too_large(size: int, cfg: ServeConfig) -> GatewayError:
     return GatewayError("body_too_large", f"the request body has {size} bytes or more; the limit is "
                         f"serve.max_body_bytes={cfg.max_body_bytes}", status=413)
-
-
-#: Bodies above this are parsed and inspected in a worker thread (``_inspect_body``), so the
-#: event loop keeps serving others; below it the work takes well under a millisecond.
-_OFF_LOOP_BYTES = 256 * 1024
-#: The body keys the gateway reads (the body itself is forwarded as the client's bytes).
-_KEPT_KEYS = ("model", "prompt", "messages", "max_tokens", "max_completion_tokens", "stream", "n", "best_of")
-
-
-@dataclass(slots=True)
-class _Parsed:
-    """A request body after ``_inspect_body``: valid, with what the proxy needs from it."""
-
-    #: The keys of ``_KEPT_KEYS`` the client sent (not the whole body).
-    body: dict[str, Any]
-    seqs: int
-    text: PromptText
-    #: The body as UTF-8 JSON (the client's bytes unless it sent UTF-16/32), and where its
-    #: opening brace is (after JSON whitespace).
-    raw: bytes
-    brace: int
-
-
-async def _parse_body(raw: bytes, chat: bool, max_num_seqs: int, max_prompt_tokens: int) -> _Parsed:
-    """``_inspect_body``, in a worker thread when the body is large. Everything linear in a
-    body's size happens there, not only the JSON parse: checking each item of a prompt list,
-    collecting the texts and counting characters held the loop half a second for a 7.6 MiB
-    list of 1.6 million prompts (the JSON parse itself runs in C and took 31 ms)."""
-    if len(raw) > _OFF_LOOP_BYTES:
-        return await asyncio.to_thread(_inspect_body, raw, chat, max_num_seqs, max_prompt_tokens)
-    return _inspect_body(raw, chat, max_num_seqs, max_prompt_tokens)
-
-
-_gc_lock = threading.Lock()
-_gc_pausers = 0
-_gc_was_enabled = True
-
-
-@contextmanager
-def _gc_paused() -> Iterator[None]:
-    """Python's cyclic garbage collector off while a large body is parsed (process-wide; the
-    last one out turns it back on). Parsing 8 MiB of ``[[],[],...]`` allocates millions of
-    containers, each allocation burst triggered a collection of the whole heap, and the parse,
-    in C, holds the GIL all along: the loop stood still for 0.75 s on a quiet machine and 5 s
-    inside a gateway process on a busy one. JSON holds no reference cycles, and what the
-    gateway keeps of a body is small (``_KEPT_KEYS``, bounded lists)."""
-    global _gc_pausers, _gc_was_enabled
-    with _gc_lock:
-        if _gc_pausers == 0:
-            _gc_was_enabled = gc.isenabled()
-            gc.disable()
-        _gc_pausers += 1
-    try:
-        yield
-    finally:
-        with _gc_lock:
-            _gc_pausers -= 1
-            if _gc_pausers == 0 and _gc_was_enabled:
-                gc.enable()
-
-
-def _inspect_body(raw: bytes, chat: bool, max_num_seqs: int, max_prompt_tokens: int) -> _Parsed:
-    """Parse and validate ``raw``, count its sequences and collect its prompt (pure: safe in a
-    worker thread). Only the keys the gateway reads are kept; the rest of the parsed body, and
-    a refused body, are freed here, not on the loop."""
-    with _gc_paused() if len(raw) > _OFF_LOOP_BYTES else nullcontext():
-        body = json_object(raw)
-        err: GatewayError | None = None
-        try:
-            _validate(body, chat, max_num_seqs, max_prompt_tokens)
-            seqs = num_sequences(body, chat)
-            if seqs > max_num_seqs:
-                raise BadRequest("too_many_sequences", f"the request runs {seqs} sequences (n/best_of x prompts); "
-                                 f"the engine runs at most max_num_seqs={max_num_seqs} at once")
-            kept = {k: body[k] for k in _KEPT_KEYS if k in body}
-            text = prompt_text(kept, chat)
-        except GatewayError as exc:
-            err = exc.with_traceback(None)  # the traceback's frames would keep the body alive
-        del body
-        if err is not None:
-            raise err
-    enc = json.detect_encoding(raw)
-    if enc != "utf-8":  # UTF-16/32 or a UTF-8 byte order mark: json.loads takes them; vLLM gets UTF-8
-        raw = raw.decode(enc, "surrogatepass").encode("utf-8", "surrogatepass")
-    return _Parsed(kept, seqs, text, raw, len(raw) - len(raw.lstrip(b" \t\r\n")))
-
-
-def _validate(body: dict[str, Any], chat: bool, max_num_seqs: int, max_prompt_tokens: int) -> None:
-    """A body's fields, checked. A list longer than anything the gateway lets through is
-    refused by its length before its items are looked at (a list of millions must cost nothing
-    but its parse): prompts of a batch run a sequence each (``max_num_seqs``); a token id, and
-    a chat message, is at least one token of the prompt (``max_prompt_tokens``, the longest
-    ``max_model_len`` of the upstreams)."""
-    field_ = "messages" if chat else "prompt"
-    if field_ not in body:
-        raise BadRequest("missing_field", f"missing required field {field_!r}")
-    v = body[field_]
-    if isinstance(v, list) and len(v) > max_prompt_tokens and (chat or isinstance(v[0], int)):
-        what = "messages" if chat else "token ids"
-        raise BadRequest("prompt_too_long", f"the prompt has {len(v)} {what}, so at least {len(v)} tokens, more than "
-                         f"the model's max_model_len={max_prompt_tokens}")
-    if chat:
-        if not isinstance(v, list) or not v or not all(isinstance(m, dict) and "role" in m for m in v):
-            raise BadRequest("invalid_field", "'messages' must be a non-empty list of {role, content} objects")
-    else:
-        if isinstance(v, list) and len(v) > max_num_seqs and isinstance(v[0], str):
-            raise BadRequest("too_many_sequences", f"the request has {len(v)} prompts; the engine runs at most "
-                             f"max_num_seqs={max_num_seqs} sequences at once")
-        if not (isinstance(v, str) or (isinstance(v, list) and v and all(isinstance(x, (str, int)) for x in v))):
-            raise BadRequest("invalid_field", "'prompt' must be a string, a list of strings or a list of token ids")
-    for key in ("max_tokens", "max_completion_tokens"):
-        n = body.get(key)
-        if n is None:
-            continue
-        if isinstance(n, bool) or not isinstance(n, int):
-            raise BadRequest("invalid_field", f"'{key}' must be an integer, got {n!r}")
-        if n < 1:
-            raise BadRequest("invalid_field", f"'{key}' must be at least 1, got {n}")
-    if "stream" in body and not isinstance(body["stream"], bool):
-        raise BadRequest("invalid_field", f"'stream' must be true or false, got {body['stream']!r}")
-    for key in ("n", "best_of"):
-        n = body.get(key)
-        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
-            raise BadRequest("invalid_field", f"'{key}' must be an integer >= 1, got {n!r}")
-
-
-def num_sequences(body: dict[str, Any], chat: bool) -> int:
-    """Sequences one request runs in the engine: ``max(n, best_of)`` per prompt, times the
-    prompts of a batch (a list of strings). Admission counts these against the batch cap: a
-    request with ``n=8`` took one slot and ran eight."""
-    per_prompt = max(int(body.get("n") or 1), int(body.get("best_of") or 1))
-    prompts = 1
-    if not chat:
-        p = body["prompt"]
-        if isinstance(p, list) and p and all(isinstance(x, str) for x in p):
-            prompts = len(p)
-    return per_prompt * prompts
-
-
-def _with_model(parsed: _Parsed, model: str) -> bytes:
-    """The body with ``"model": model`` added (it has no ``model`` key): spliced in after the
-    opening brace, one copy of the bytes and the rest passed on as the client wrote it, instead
-    of encoding the whole body again on the event loop."""
-    raw, i = parsed.raw, parsed.brace
-    return b"".join((raw[: i + 1], b'"model": ', json.dumps(model).encode(), b", ", memoryview(raw)[i + 1 :]))
 
 
 def expected_output_len(max_tokens: int | None, chat: bool, prompt_len: int, max_model_len: int) -> int:
@@ -439,18 +296,18 @@ async def _proxy(request: Request, path: str, chat: bool) -> Response:
     t_arrival = time.monotonic()
     deadline = t_arrival + cfg.request_timeout_s
     raw = await _read_body(request, cfg)
-    parsed = await _parse_body(raw, chat, cfg.max_num_seqs, max(gw.max_model_len(ln) for ln in gw.lanes))
+    parsed = await gw.bodies.inspect(raw, chat, max(gw.max_model_len(ln) for ln in gw.lanes))
     body, raw = parsed.body, parsed.raw
     priority = _priority(request, cfg)
     lane = gw.pick_lane()
     info = lane.upstream.info
     if "model" not in body and info is not None:
         body["model"] = info.model
-        raw = _with_model(parsed, info.model)
+        raw = with_model(parsed, info.model)
     max_len = gw.max_model_len(lane)
     try:
         prompt_len = await gw.counter.count(body, chat, lane.upstream.tokenize, limit=max_len, text=parsed.text,
-                                            off_loop=len(raw) > _OFF_LOOP_BYTES)
+                                            off_loop=len(raw) > OFF_LOOP_BYTES)
     except PromptTooLong as exc:
         raise BadRequest("prompt_too_long", str(exc)) from None
     except UpstreamDown as exc:

@@ -10,8 +10,8 @@ entry, so ``characters / longest entry`` is a lower bound on the tokens. Long pr
 that bound are tokenized in a worker thread.
 
 What a body's size costs (collecting its texts, counting characters: a list of 1.6 million
-prompts held the loop half a second) is ``prompt_text``, a pure function: the gateway runs it in
-the worker thread that parses a large body, and ``count`` takes its result.
+prompts held the loop half a second) is ``prompt_text``, a pure function: the gateway runs it
+where it parses a large body (``request_body.BodyInspector``), and ``count`` takes its result.
 """
 
 from __future__ import annotations

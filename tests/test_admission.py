@@ -324,7 +324,7 @@ def test_sequences_not_requests_count_against_the_cap() -> None:
 
 
 def test_the_gateway_counts_sequences_per_request() -> None:
-    from batchpilot.serving.gateway import num_sequences
+    from batchpilot.serving.request_body import num_sequences
 
     assert num_sequences({"prompt": "x"}, chat=False) == 1
     assert num_sequences({"prompt": "x", "n": 3}, chat=False) == 3

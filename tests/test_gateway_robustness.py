@@ -29,9 +29,10 @@ import httpx
 import pytest
 from gateway_helpers import stop_process
 
-from batchpilot.serving import gateway as gateway_mod
+from batchpilot.serving import request_body
 from batchpilot.serving.errors import BadRequest
 from batchpilot.serving.gateway import AppSettings, Gateway, build_app
+from batchpilot.serving.request_body import BodyInspector
 from batchpilot.serving.settings import ServeConfig
 from batchpilot.serving.upstream import EngineInfo, _open_log, free_port
 
@@ -75,47 +76,126 @@ def _count(gw: Gateway, route: str, status: int) -> float:
 
 # --- a large body's work is done off the event loop --------------------------------------------
 def _inspect(raw: bytes, chat: bool = False) -> Any:
-    return gateway_mod._inspect_body(raw, chat, 256, 2048)
+    return request_body.inspect_body(raw, chat, 256, 2048)
 
 
 @pytest.mark.anyio
-async def test_a_large_bodys_work_runs_in_the_worker_thread(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Parse, validation, sequence count and the prompt's texts and characters all run in the
-    parse's worker thread for a body over the threshold, with the cyclic GC paused, and on the
-    loop below it."""
+async def test_without_workers_a_large_bodys_work_runs_in_a_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With ``serve.body_workers=0`` parse, validation, sequence count and the prompt's texts
+    and characters all run in a worker thread for a body over the threshold, with the cyclic GC
+    paused, and on the loop below it."""
     seen: dict[str, tuple[int, bool]] = {}
     for name in ("json_object", "_validate", "num_sequences", "prompt_text"):
-        real = getattr(gateway_mod, name)
+        real = getattr(request_body, name)
 
         def spy(*args: Any, _real: Any = real, _name: str = name) -> Any:
             seen[_name] = (threading.get_ident(), gc.isenabled())
             return _real(*args)
 
-        monkeypatch.setattr(gateway_mod, name, spy)
+        monkeypatch.setattr(request_body, name, spy)
     loop_thread = threading.get_ident()
+    inspector = BodyInspector(256, workers=0)
+    inspector.start()  # no pool with no workers
     big = json.dumps({"prompt": ["x" * 2000] * 200 + ["y"], "max_tokens": 2, "junk": [[]] * 1000}).encode()
-    assert len(big) > gateway_mod._OFF_LOOP_BYTES
-    parsed = await gateway_mod._parse_body(big, False, 256, 2048)
+    assert len(big) > request_body.OFF_LOOP_BYTES
+    parsed = await inspector.inspect(big, False, 2048)
     assert parsed.seqs == 201 and parsed.text.max_chars == 2000 and parsed.text.total_chars == 400_001
     assert set(parsed.body) == {"prompt", "max_tokens"}  # what the gateway reads; the rest was freed there
     assert set(seen) == {"json_object", "_validate", "num_sequences", "prompt_text"}
     assert {t for t, _ in seen.values()} & {loop_thread} == set(), seen
     assert not any(enabled for _, enabled in seen.values()) and gc.isenabled()
     seen.clear()
-    small = await gateway_mod._parse_body(b'{"prompt": "hi"}', False, 256, 2048)
+    small = await inspector.inspect(b'{"prompt": "hi"}', False, 2048)
     assert small.seqs == 1 and set(seen.values()) == {(loop_thread, True)}
+
+
+async def _max_loop_gap(work: Any) -> tuple[Any, float]:
+    """Await ``work`` while a ticker measures the longest the event loop stood still."""
+    gaps = [0.0]
+    done = asyncio.Event()
+
+    async def tick() -> None:
+        last = time.perf_counter()
+        while not done.is_set():
+            await asyncio.sleep(0.002)
+            now = time.perf_counter()
+            gaps.append(now - last)
+            last = now
+
+    ticker = asyncio.create_task(tick())
+    await asyncio.sleep(0.01)
+    try:
+        out = await work
+    except Exception as exc:  # noqa: BLE001  (the caller checks what came back)
+        out = exc
+    finally:
+        done.set()
+        await ticker
+    return out, max(gaps)
+
+
+@pytest.mark.anyio
+async def test_a_large_body_is_parsed_in_a_worker_process_and_the_loop_runs_on() -> None:
+    """600,000 chat messages (7 MiB) are parsed in the worker process: the loop keeps running
+    while the thread inspection, the reference measured beside it, holds it for the whole
+    parse (the C parser keeps the GIL). The refusal, and a valid large body, come back from the
+    worker exactly as a thread makes them."""
+    chat = json.dumps({"messages": [{"role": "u"}] * 600_000}, separators=(",", ":")).encode()
+    valid = json.dumps({"prompt": ["x" * 2000] * 200, "max_tokens": 2, "junk": [[]] * 1000}).encode()
+    inspector = BodyInspector(256, workers=1)
+    inspector.start()
+    threaded = BodyInspector(256, workers=0)
+    try:
+        assert (await inspector.inspect(valid, False, 2048)) == (await threaded.inspect(valid, False, 2048))
+        ref, ref_gap = await _max_loop_gap(threaded.inspect(chat, True, 2048))
+        out, gap = await _max_loop_gap(inspector.inspect(chat, True, 2048))
+    finally:
+        inspector.close()
+    for err in (ref, out):
+        assert isinstance(err, BadRequest) and err.reason == "prompt_too_long" and "600000 messages" in err.message
+    assert out.message == ref.message and out.status == ref.status == 400
+    assert gap < ref_gap / 3, f"the loop stood still {gap:.3f} s (in a thread: {ref_gap:.3f} s)"
+
+
+@pytest.mark.anyio
+async def test_a_dead_body_worker_loses_no_request() -> None:
+    """The worker process killed (SIGTERM ends it even where the parent handles SIGTERM): the
+    next large body is inspected in a thread, and the pool is started again for the one after."""
+    import multiprocessing
+    import signal
+
+    inspector = BodyInspector(256, workers=1)
+    before = signal.signal(signal.SIGTERM, lambda *_: None)  # as uvicorn does: a fork copies it
+    try:
+        inspector.start()
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    big = json.dumps({"prompt": ["x" * 2000] * 200, "max_tokens": 2}).encode()
+    try:
+        assert (await inspector.inspect(big, False, 2048)).seqs == 200
+        workers = multiprocessing.active_children()
+        assert workers
+        for w in workers:
+            os.kill(w.pid, signal.SIGTERM)  # the default action: not the handlers a fork copied
+        for w in workers:
+            w.join(30)
+        assert (await inspector.inspect(big, False, 2048)).seqs == 200
+        assert (await inspector.inspect(big, False, 2048)).seqs == 200  # the new pool
+        assert {w.pid for w in multiprocessing.active_children()} - {w.pid for w in workers}
+    finally:
+        inspector.close()
 
 
 def test_the_gc_pause_nests_across_threads() -> None:
     assert gc.isenabled()
-    with gateway_mod._gc_paused():
-        with gateway_mod._gc_paused():
+    with request_body._gc_paused():
+        with request_body._gc_paused():
             assert not gc.isenabled()
         assert not gc.isenabled()  # another parse still runs
     assert gc.isenabled()
     gc.disable()  # someone else's choice is kept
     try:
-        with gateway_mod._gc_paused():
+        with request_body._gc_paused():
             pass
         assert not gc.isenabled()
     finally:
@@ -152,7 +232,7 @@ def test_an_over_long_prompt_list_is_refused_before_its_items_are_read() -> None
                                  '{"prompt": "caf\u00e9 \u2603"}'.encode()])
 def test_the_model_is_spliced_into_the_clients_bytes(raw: bytes) -> None:
     parsed = _inspect(raw)
-    out = gateway_mod._with_model(parsed, 'ti"ny')
+    out = request_body.with_model(parsed, 'ti"ny')
     assert json.loads(out) == {**json.loads(raw), "model": 'ti"ny'}
     assert out.endswith(raw[raw.index(b"{") + 1:])  # the client's bytes after the brace, untouched
 
@@ -162,7 +242,7 @@ def test_a_body_in_another_unicode_encoding_goes_upstream_as_utf8(encoding: str)
     raw = ' {"prompt": "caf\u00e9", "echo": true}'.encode(encoding)
     parsed = _inspect(raw)
     assert parsed.raw == ' {"prompt": "caf\u00e9", "echo": true}'.encode()
-    assert json.loads(gateway_mod._with_model(parsed, "tiny")) == {"prompt": "caf\u00e9", "echo": True, "model": "tiny"}
+    assert json.loads(request_body.with_model(parsed, "tiny")) == {"prompt": "caf\u00e9", "echo": True, "model": "tiny"}
 
 
 @pytest.mark.anyio

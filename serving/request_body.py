@@ -1,0 +1,237 @@
+"""Request bodies: parsed, checked and reduced to what the gateway reads, and where that work
+runs. A small body is inspected on the event loop. A large one goes to a worker process: the JSON
+parse runs in C and holds the GIL, so in a worker thread it still stopped the loop, 0.25 s for
+600,000 chat messages (7 MiB) on a quiet machine and over a second on a busy one, and every
+other client's request waited. The body cap (``serve.max_body_bytes``) bounds the work."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import json
+import logging
+import multiprocessing
+import os
+import signal
+import threading
+import time
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+from batchpilot.serving.errors import BadRequest, GatewayError, json_object
+from batchpilot.serving.tokens import PromptText, prompt_text
+
+log = logging.getLogger(__name__)
+
+#: Bodies above this are parsed and inspected off the event loop (``BodyInspector``), so the
+#: loop keeps serving others; below it the work takes well under a millisecond.
+OFF_LOOP_BYTES = 256 * 1024
+#: The body keys the gateway reads (the body itself is forwarded as the client's bytes).
+KEPT_KEYS = ("model", "prompt", "messages", "max_tokens", "max_completion_tokens", "stream", "n", "best_of")
+
+
+@dataclass(slots=True)
+class Parsed:
+    """A request body after ``inspect_body``: valid, with what the proxy needs from it."""
+
+    #: The keys of ``KEPT_KEYS`` the client sent (not the whole body).
+    body: dict[str, Any]
+    seqs: int
+    text: PromptText
+    #: The body as UTF-8 JSON (the client's bytes unless it sent UTF-16/32), and where its
+    #: opening brace is (after JSON whitespace).
+    raw: bytes
+    brace: int
+
+
+_gc_lock = threading.Lock()
+_gc_pausers = 0
+_gc_was_enabled = True
+
+
+@contextmanager
+def _gc_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off while a large body is parsed (process-wide; the
+    last one out turns it back on). Parsing 8 MiB of ``[[],[],...]`` allocates millions of
+    containers, each allocation burst triggered a collection of the whole heap, and the parse,
+    in C, holds the GIL all along: the loop stood still for 0.75 s on a quiet machine and 5 s
+    inside a gateway process on a busy one. JSON holds no reference cycles, and what the
+    gateway keeps of a body is small (``KEPT_KEYS``, bounded lists)."""
+    global _gc_pausers, _gc_was_enabled
+    with _gc_lock:
+        if _gc_pausers == 0:
+            _gc_was_enabled = gc.isenabled()
+            gc.disable()
+        _gc_pausers += 1
+    try:
+        yield
+    finally:
+        with _gc_lock:
+            _gc_pausers -= 1
+            if _gc_pausers == 0 and _gc_was_enabled:
+                gc.enable()
+
+
+def inspect_body(raw: bytes, chat: bool, max_num_seqs: int, max_prompt_tokens: int) -> Parsed:
+    """Parse and validate ``raw``, count its sequences and collect its prompt (pure: safe in a
+    worker thread). Only the keys the gateway reads are kept; the rest of the parsed body, and
+    a refused body, are freed here, not on the loop."""
+    with _gc_paused() if len(raw) > OFF_LOOP_BYTES else nullcontext():
+        body = json_object(raw)
+        err: GatewayError | None = None
+        try:
+            _validate(body, chat, max_num_seqs, max_prompt_tokens)
+            seqs = num_sequences(body, chat)
+            if seqs > max_num_seqs:
+                raise BadRequest("too_many_sequences", f"the request runs {seqs} sequences (n/best_of x prompts); "
+                                 f"the engine runs at most max_num_seqs={max_num_seqs} at once")
+            kept = {k: body[k] for k in KEPT_KEYS if k in body}
+            text = prompt_text(kept, chat)
+        except GatewayError as exc:
+            err = exc.with_traceback(None)  # the traceback's frames would keep the body alive
+        del body
+        if err is not None:
+            raise err
+    enc = json.detect_encoding(raw)
+    if enc != "utf-8":  # UTF-16/32 or a UTF-8 byte order mark: json.loads takes them; vLLM gets UTF-8
+        raw = raw.decode(enc, "surrogatepass").encode("utf-8", "surrogatepass")
+    return Parsed(kept, seqs, text, raw, len(raw) - len(raw.lstrip(b" \t\r\n")))
+
+
+def _validate(body: dict[str, Any], chat: bool, max_num_seqs: int, max_prompt_tokens: int) -> None:
+    """A body's fields, checked. A list longer than anything the gateway lets through is
+    refused by its length before its items are looked at (a list of millions must cost nothing
+    but its parse): prompts of a batch run a sequence each (``max_num_seqs``); a token id, and
+    a chat message, is at least one token of the prompt (``max_prompt_tokens``, the longest
+    ``max_model_len`` of the upstreams)."""
+    field_ = "messages" if chat else "prompt"
+    if field_ not in body:
+        raise BadRequest("missing_field", f"missing required field {field_!r}")
+    v = body[field_]
+    if isinstance(v, list) and len(v) > max_prompt_tokens and (chat or isinstance(v[0], int)):
+        what = "messages" if chat else "token ids"
+        raise BadRequest("prompt_too_long", f"the prompt has {len(v)} {what}, so at least {len(v)} tokens, more than "
+                         f"the model's max_model_len={max_prompt_tokens}")
+    if chat:
+        if not isinstance(v, list) or not v or not all(isinstance(m, dict) and "role" in m for m in v):
+            raise BadRequest("invalid_field", "'messages' must be a non-empty list of {role, content} objects")
+    else:
+        if isinstance(v, list) and len(v) > max_num_seqs and isinstance(v[0], str):
+            raise BadRequest("too_many_sequences", f"the request has {len(v)} prompts; the engine runs at most "
+                             f"max_num_seqs={max_num_seqs} sequences at once")
+        if not (isinstance(v, str) or (isinstance(v, list) and v and all(isinstance(x, (str, int)) for x in v))):
+            raise BadRequest("invalid_field", "'prompt' must be a string, a list of strings or a list of token ids")
+    for key in ("max_tokens", "max_completion_tokens"):
+        n = body.get(key)
+        if n is None:
+            continue
+        if isinstance(n, bool) or not isinstance(n, int):
+            raise BadRequest("invalid_field", f"'{key}' must be an integer, got {n!r}")
+        if n < 1:
+            raise BadRequest("invalid_field", f"'{key}' must be at least 1, got {n}")
+    if "stream" in body and not isinstance(body["stream"], bool):
+        raise BadRequest("invalid_field", f"'stream' must be true or false, got {body['stream']!r}")
+    for key in ("n", "best_of"):
+        n = body.get(key)
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+            raise BadRequest("invalid_field", f"'{key}' must be an integer >= 1, got {n!r}")
+
+
+def num_sequences(body: dict[str, Any], chat: bool) -> int:
+    """Sequences one request runs in the engine: ``max(n, best_of)`` per prompt, times the
+    prompts of a batch (a list of strings). Admission counts these against the batch cap: a
+    request with ``n=8`` took one slot and ran eight."""
+    per_prompt = max(int(body.get("n") or 1), int(body.get("best_of") or 1))
+    prompts = 1
+    if not chat:
+        p = body["prompt"]
+        if isinstance(p, list) and p and all(isinstance(x, str) for x in p):
+            prompts = len(p)
+    return per_prompt * prompts
+
+
+def with_model(parsed: Parsed, model: str) -> bytes:
+    """The body with ``"model": model`` added (it has no ``model`` key): spliced in after the
+    opening brace, one copy of the bytes and the rest passed on as the client wrote it, instead
+    of encoding the whole body again on the event loop."""
+    raw, i = parsed.raw, parsed.brace
+    return b"".join((raw[: i + 1], b'"model": ', json.dumps(model).encode(), b", ", memoryview(raw)[i + 1 :]))
+
+
+def _worker_init(parent: int) -> None:
+    """Run in each worker: its signals back to their defaults (a fork keeps the gateway's
+    handlers, so SIGTERM only set a flag the worker never reads; Ctrl-C is for the gateway,
+    which shuts the pool down), and an end when the gateway has gone, however it went. A forked
+    worker holds the write end of its own task pipe, so it never sees the pipe close: workers
+    of a gateway that was killed were left waiting for tasks forever."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
+
+
+def _inspect_in_worker(raw: bytes, chat: bool, max_num_seqs: int, max_prompt_tokens: int) -> Parsed | GatewayError:
+    """``inspect_body`` in the worker process; a refusal comes back as a value (an exception
+    raised there would come back with the worker's traceback attached)."""
+    try:
+        return inspect_body(raw, chat, max_num_seqs, max_prompt_tokens)
+    except GatewayError as exc:
+        return exc
+
+
+class BodyInspector:
+    """Inspects request bodies (``inspect_body``): on the loop when small, in a pool of
+    ``workers`` processes when large (``workers=0``, or before ``start``: a worker thread).
+
+    The workers are forked, at the gateway's start (before most of its threads): a spawned
+    worker imports the program's entry script again, which fails when there is none to import
+    (a program read from stdin) and cost 1.5 s and 70 MB for ``scripts/serve.py``. A worker only
+    parses JSON, so the locks of other threads that a fork copies are never taken in it. A
+    worker that dies (killed, out of memory) costs the requests it held nothing but time: they
+    are inspected again in a thread and the pool is started again."""
+
+    def __init__(self, max_num_seqs: int, workers: int = 1) -> None:
+        self.max_num_seqs = max_num_seqs
+        self.workers = workers
+        self._pool: ProcessPoolExecutor | None = None
+
+    def start(self) -> None:
+        """Start the worker processes (in the background: a body that arrives first waits
+        for them off the loop)."""
+        if self.workers > 0 and self._pool is None:
+            self._pool = ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("fork"),
+                                             initializer=_worker_init, initargs=(os.getpid(),))
+            self._pool.submit(int)  # start them now rather than at the first large body
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
+
+    async def inspect(self, raw: bytes, chat: bool, max_prompt_tokens: int) -> Parsed:
+        if len(raw) <= OFF_LOOP_BYTES:
+            return inspect_body(raw, chat, self.max_num_seqs, max_prompt_tokens)
+        pool = self._pool
+        if pool is not None:
+            loop = asyncio.get_running_loop()
+            try:
+                out = await loop.run_in_executor(pool, _inspect_in_worker, raw, chat, self.max_num_seqs,
+                                                 max_prompt_tokens)
+            except BrokenProcessPool:
+                log.warning("a body-inspection worker died; starting the pool again")
+                if self._pool is pool:
+                    self.close()
+                    self.start()
+            else:
+                if isinstance(out, GatewayError):
+                    raise out
+                return out
+        return await asyncio.to_thread(inspect_body, raw, chat, self.max_num_seqs, max_prompt_tokens)
