@@ -204,12 +204,12 @@ class BodyInspector:
         self._pool: ProcessPoolExecutor | None = None
 
     def start(self) -> None:
-        """Start the worker processes (in the background: a body that arrives first waits
-        for them off the loop)."""
+        """Fork the worker processes now (milliseconds: the gateway's memory is shared until
+        written) rather than at the first large body."""
         if self.workers > 0 and self._pool is None:
             self._pool = ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("fork"),
                                              initializer=_worker_init, initargs=(os.getpid(),))
-            self._pool.submit(int)  # start them now rather than at the first large body
+            self._pool.submit(int)  # the pool forks its workers at its first task
 
     def close(self) -> None:
         if self._pool is not None:
