@@ -7,12 +7,14 @@ other client's request waited. The body cap (``serve.max_body_bytes``) bounds th
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import json
 import logging
 import multiprocessing
 import os
 import signal
+import stat
 import threading
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -162,13 +164,21 @@ def with_model(parsed: Parsed, model: str) -> bytes:
 
 
 def _worker_init(parent: int) -> None:
-    """Run in each worker: its signals back to their defaults (a fork keeps the gateway's
-    handlers, so SIGTERM only set a flag the worker never reads; Ctrl-C is for the gateway,
-    which shuts the pool down), and an end when the gateway has gone, however it went. A forked
-    worker holds the write end of its own task pipe, so it never sees the pipe close: workers
-    of a gateway that was killed were left waiting for tasks forever."""
+    """Run in each worker, which a fork made a copy of the gateway:
+
+    - its signals back to their defaults: the gateway's handlers only set a flag the worker
+      never reads, so SIGTERM did not end it; Ctrl-C is for the gateway, which shuts the pool
+      down;
+    - the gateway's sockets closed: a worker forked again after one died would otherwise hold
+      the clients' connections, the listening socket and the upstream connections open after
+      the gateway closed them (the pool talks over pipes, not sockets);
+    - an end when the gateway has gone, however it went: a forked worker holds the write end of
+      its own task pipe, so it never sees the pipe close, and workers of a gateway that was
+      killed were left waiting for tasks forever."""
+    signal.set_wakeup_fd(-1)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _close_sockets()
 
     def watch() -> None:
         while os.getppid() == parent:
@@ -176,6 +186,18 @@ def _worker_init(parent: int) -> None:
         os._exit(0)
 
     threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
+
+
+def _close_sockets() -> None:
+    """Close every socket this process holds (Linux: the descriptors in /proc/self/fd)."""
+    try:
+        fds = [int(name) for name in os.listdir("/proc/self/fd")]
+    except OSError:
+        return
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            if stat.S_ISSOCK(os.fstat(fd).st_mode):
+                os.close(fd)
 
 
 def _inspect_in_worker(raw: bytes, chat: bool, max_num_seqs: int, max_prompt_tokens: int) -> Parsed | GatewayError:

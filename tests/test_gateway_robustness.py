@@ -15,6 +15,7 @@ import gc
 import json
 import os
 import shutil
+import socket
 import stat
 import subprocess
 import sys
@@ -160,7 +161,8 @@ async def test_a_large_body_is_parsed_in_a_worker_process_and_the_loop_runs_on()
 @pytest.mark.anyio
 async def test_a_dead_body_worker_loses_no_request() -> None:
     """The worker process killed (SIGTERM ends it even where the parent handles SIGTERM): the
-    next large body is inspected in a thread, and the pool is started again for the one after."""
+    next large body is inspected in a thread, and the pool is started again for the one after,
+    its worker forked without the gateway's open connections."""
     import multiprocessing
     import signal
 
@@ -171,6 +173,7 @@ async def test_a_dead_body_worker_loses_no_request() -> None:
     finally:
         signal.signal(signal.SIGTERM, before)
     big = json.dumps({"prompt": ["x" * 2000] * 200, "max_tokens": 2}).encode()
+    client, server_side = socket.socketpair()  # a client's connection, open when the pool restarts
     try:
         assert (await inspector.inspect(big, False, 2048)).seqs == 200
         workers = multiprocessing.active_children()
@@ -182,8 +185,14 @@ async def test_a_dead_body_worker_loses_no_request() -> None:
         assert (await inspector.inspect(big, False, 2048)).seqs == 200
         assert (await inspector.inspect(big, False, 2048)).seqs == 200  # the new pool
         assert {w.pid for w in multiprocessing.active_children()} - {w.pid for w in workers}
+        # The new worker holds no copy of the connection: closed here, the client sees it end.
+        server_side.close()
+        client.settimeout(10)
+        assert client.recv(1) == b""
     finally:
         inspector.close()
+        client.close()
+        server_side.close()
 
 
 def test_the_gc_pause_nests_across_threads() -> None:
