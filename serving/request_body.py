@@ -202,11 +202,15 @@ def _close_sockets() -> None:
 
 def _inspect_in_worker(raw: bytes, chat: bool, max_num_seqs: int, max_prompt_tokens: int) -> Parsed | GatewayError:
     """``inspect_body`` in the worker process; a refusal comes back as a value (an exception
-    raised there would come back with the worker's traceback attached)."""
+    raised there would come back with the worker's traceback attached). The client's bytes are
+    not sent back when they are the body as it goes upstream (``raw`` empty): the gateway has them."""
     try:
-        return inspect_body(raw, chat, max_num_seqs, max_prompt_tokens)
+        parsed = inspect_body(raw, chat, max_num_seqs, max_prompt_tokens)
     except GatewayError as exc:
         return exc
+    if parsed.raw is raw:
+        parsed.raw = b""
+    return parsed
 
 
 class BodyInspector:
@@ -255,5 +259,7 @@ class BodyInspector:
             else:
                 if isinstance(out, GatewayError):
                     raise out
+                if not out.raw:
+                    out.raw = raw
                 return out
         return await asyncio.to_thread(inspect_body, raw, chat, self.max_num_seqs, max_prompt_tokens)
