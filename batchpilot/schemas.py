@@ -947,6 +947,35 @@ class Grid:
                 object.__setattr__(self, name, tuple(getattr(self, name)))
 
 
+@dataclass(frozen=True, slots=True)
+class StateProbe:
+    """``state_probe`` of ``conf/calibrate.yaml``: a fixed reference iteration timed before and
+    after every grid point and every live run, so measurements taken while other tenants slow
+    the machine down are re-taken or set aside (``policies/calibration.py``, docs/sim_to_real.md)."""
+
+    enabled: bool
+    #: The reference: pure decode of ``batch`` sequences of ``context`` tokens (spread as the
+    #: grid's), median of ``steps`` iterations.
+    batch: int
+    context: int
+    steps: int
+    #: A probe more than this over the fastest reference is the slow state.
+    tolerance: float
+    #: Grid points measured in the slow state are measured again up to this many times.
+    retries: int
+    #: Live runs attempted (at most) to get ``runs`` of them in the fast state.
+    max_runs: int
+
+    def __post_init__(self) -> None:
+        for name in ("batch", "context", "steps", "max_runs"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"state_probe.{name}: must be >= 1, got {getattr(self, name)!r}")
+        if int(self.retries) < 0:
+            raise ValueError(f"state_probe.retries: must be >= 0, got {self.retries!r}")
+        if not (math.isfinite(float(self.tolerance)) and float(self.tolerance) > 0):
+            raise ValueError(f"state_probe.tolerance: must be > 0, got {self.tolerance!r}")
+
+
 #: ``base`` of ``conf/calibrate.yaml``: the nominal peaks a fitted profile is relative to, i.e.
 #: ``HardwareSpec`` less ``name`` and ``memory_gb`` (filled by the calibration); what the file
 #: leaves out is ``HardwareSpec``'s own default, as when the profile is built from it.
@@ -990,6 +1019,7 @@ class CalibrateApp:
     out: str
     base: CalibrationBase  # type: ignore[valid-type]
     grid: Grid
+    state_probe: StateProbe
     runs: int
     common_overrides: list[str]
     sim_overrides: list[str]
@@ -1087,6 +1117,9 @@ class EnvBenchNode:
     workload: str
     rate: float
     interval_s: float
+    #: Further overrides of the environment's config (``env.admission.on_time_first=false``),
+    #: so one setting can be measured beside another.
+    overrides: list[str]
 
 
 @dataclass(slots=True)

