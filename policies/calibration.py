@@ -24,6 +24,11 @@ of that form against nominal peaks, not measured hardware efficiencies.
 Sim-to-real (``sim_to_real``) replays one workload through ``ServingEnv`` on the live engine
 (several runs, after a warm-up) and on the simulator with the fitted profile, under the same
 controller, and compares ``vllm bench serve``-style metrics.
+
+On a shared host the same iteration takes 1x or 1.5-3x its fast time for minutes at a time, so
+both time a fixed reference iteration (``StateMeter``) around every grid point and live run:
+points taken in the slow state are re-taken or left out of the fit (``fit_set``), and the report
+compares the simulator with runs taken in the fast state (``compared_runs``).
 """
 
 from __future__ import annotations
