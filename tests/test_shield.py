@@ -198,6 +198,23 @@ def test_breaker_cooldown_holds_cap():
     assert s.apply(Proposal(), Knobs(70), SLOW, 12.5).knobs.batch_cap == 49
 
 
+
+def test_breaker_waits_for_a_cut_to_take_effect_before_the_next():
+    """A lower cap stops admissions only; while more requests run than the cap allows, the
+    latency window still shows the batch before the cut, and cutting again overshoots."""
+    s = shield(ROOMY, breaker_cooldown_s=2.0)
+    slow = ShieldInputs(tpot_p99_ms=500.0, demand=256, num_running=256)
+    assert s.apply(Proposal(), Knobs(256), slow, 10.0).knobs.batch_cap == 180
+    for t, running in ((13.0, 240), (16.0, 181)):  # past the cooldown, still above the cap
+        d = s.apply(Proposal(batch_cap=250), Knobs(180), ShieldInputs(tpot_p99_ms=500.0, demand=256, num_running=running), t)
+        assert d.knobs.batch_cap == 180 and "breaker_hold" in d.interventions
+        assert "running above the cap" in d.interventions["breaker_hold"]
+    d = s.apply(Proposal(), Knobs(180), ShieldInputs(tpot_p99_ms=500.0, demand=180, num_running=180), 17.0)
+    assert d.knobs.batch_cap == 126 and "breaker_shrink" in d.interventions
+    # an engine that fails (a preemption storm) is cut at once, whatever runs
+    storm = ShieldInputs(preemptions=50, demand=256, num_running=256)
+    assert shield(ROOMY).apply(Proposal(), Knobs(100), storm, 1.0).knobs.batch_cap == 70
+
 STORM = ShieldInputs(preemptions=50)  # >= preemption_storm (10): the engine itself fails
 
 

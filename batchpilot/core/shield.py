@@ -19,7 +19,8 @@ no policy can take the service outside these limits:
 * **circuit breaker** (graded): on an OOM (``report_oom``: the gateway's upstream answered
   with an out-of-memory error or its engine process exited), a preemption storm or P99 latency above
   ``breach_factor`` x SLO that the engine causes, level 1 shrinks the cap by ``breaker_shrink`` (x0.7, itself within the
-  30 % step); if that would go below ``min_batch``, level 2 also sheds low-priority load in
+  30 % step), and for a latency breach cuts again only once the last cut has taken effect (no
+  more requests running than the cap; a lower cap only stops admissions); if that would go below ``min_batch``, level 2 also sheds low-priority load in
   admission; after ``alert_after`` (3) adjustments in a row that leave the breach in place an
   alert is raised; when ``restart_after`` more cuts at level 2 (shedding on) still leave the
   engine *failing* (OOM, preemption storm), level 3 restarts it (``breaker_restart``; else
@@ -577,6 +578,16 @@ class Shield:
             if failed >= cfg.alert_after:
                 alerts.append(f"overload persists after {failed} sheds in a row: {reason}")
             return self.breaker_level, None
+        if kind == "engine" and inputs.num_running > cur:
+            # A lower cap only stops admissions; the running requests finish at their own pace, so
+            # until they are down to the cap the last cut has not taken effect, and the latency
+            # window still shows the batch before it. Cutting again then overshoots (measured:
+            # 256 -> 3 in 30 s after a restart's refill, docs/training.md).
+            why["breaker_hold"] = (
+                f"{reason}; {inputs.num_running} running above the cap: waiting for the last cut "
+                f"to take effect, cap held at {cur}"
+            )
+            return self.breaker_level, cur
         if now - self.last_breaker_action < cfg.breaker_cooldown_s:
             why["breaker_hold"] = f"{reason}; waiting for the last cut to show, cap held at {cur}"
             return self.breaker_level, cur
