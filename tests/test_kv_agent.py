@@ -242,19 +242,16 @@ def _eval_rows(tmp: Path, extra: list[str]) -> dict[tuple[str, int], dict]:
 @pytest.mark.slow
 def test_shipped_agent_switches_where_kv_binds_and_gains(tmp_path: Path) -> None:
     """The shipped agent (policies/pretrained/kv_agent) on a load it never trained on: long
-    prompts and answers (long_context) on a Llama-3-8B/H100 engine with half its memory, at
-    about twice what 16-bit KV serves. It proposes 8-bit, the shield lets it through, and
-    goodput rises on every seed over the same batch policy without the agent (docs/training.md:
-    0.031 -> 0.167 req/s over six seeds). With first-come-first-served admission
-    (``on_time_first=false``), the admission it was trained with: under the default on-time-first
-    order 16-bit alone serves 0.80 req/s there and the agent does not switch (docs/training.md)."""
+    prompts and answers (long_context) on a Llama-3-8B/H100 engine with 0.35 of its memory, at
+    1 req/s, under the default (on-time-first) admission. It proposes 8-bit, the shield lets it
+    through, and goodput rises on every seed over the same batch policy without the agent
+    (docs/training.md: 0.304 -> 0.507 req/s over three seeds; 1.38x and 1.59x on these two)."""
     assert (PRETRAINED_DIR / KV_AGENT_SUBDIR / "manifest.json").is_file()
-    rows = _eval_rows(tmp_path, ["workload.rate=2.0", "engine.gpu_memory_utilization=0.5",
-                                 "env.admission.on_time_first=false"])
+    rows = _eval_rows(tmp_path, ["workload.rate=1.0", "engine.gpu_memory_utilization=0.35"])
     for seed in (0, 1):
         with_agent, without = rows[("ppo", seed)], rows[("ppo_no_kv", seed)]
         assert with_agent["dtype_switches"] >= 1 and without["dtype_switches"] == 0
-        assert with_agent["request_goodput"] > 1.5 * without["request_goodput"], seed
+        assert with_agent["request_goodput"] > 1.2 * without["request_goodput"], seed
 
 
 @pytest.mark.slow

@@ -142,6 +142,26 @@ def test_dtype_dwell_gain_and_memory_gates():
     assert d.knobs.kv_dtype == "auto" and "dtype_dwell" in d.interventions  # between switches
 
 
+def test_dtype_gain_counts_only_the_batch_the_tpot_objective_allows():
+    """A smaller KV dtype lifts the memory ceiling; on an engine whose TPOT already sits near
+    its objective that buys nothing, and the restart is lost."""
+    s = shield(dtype_restart_s=40, dtype_gain_horizon_s=600)  # auto holds 80, fp8 160
+    # 80 running at p99 TPOT 75 ms: the objective (0.8 x 100 ms) allows 85, +6 % < 40/600
+    near = ShieldInputs(demand=200, num_running=80, tpot_p99_ms=75.0)
+    assert s.latency_batch(near) == 85
+    d = s.apply(Proposal(kv_dtype="fp8"), Knobs(80), near, 100.0)
+    assert d.knobs.kv_dtype == "auto" and "TPOT objective allow: 85" in d.interventions["dtype_not_worth"]
+    # the same memory-bound engine with TPOT far under its objective gains +100 %: switch
+    fast = ShieldInputs(demand=200, num_running=80, tpot_p99_ms=10.0)
+    assert s.apply(Proposal(kv_dtype="fp8"), Knobs(80), fast, 100.0).knobs.kv_dtype == "fp8"
+    # no latency seen yet (nothing finished), or the bound off: memory and demand alone decide
+    assert shield(dtype_restart_s=40).latency_batch(ShieldInputs(demand=200, num_running=80)) == 256
+    off = shield(dtype_restart_s=40, dtype_gain_latency_frac=0.0)
+    assert off.apply(Proposal(kv_dtype="fp8"), Knobs(80), near, 100.0).knobs.kv_dtype == "fp8"
+    with pytest.raises(ValueError, match="dtype_gain_latency_frac"):
+        ShieldConfig(dtype_gain_latency_frac=-0.1)
+
+
 def test_invalid_proposal_fields_are_kept_and_reported():
     s = shield(ROOMY)
     for bad in (float("nan"), 3.5, "12", True, float("inf")):

@@ -102,6 +102,10 @@ class ShieldConfig:
     dtype_restart_s: float = 60.0
     #: Seconds over which a dtype switch's throughput gain must repay the restart.
     dtype_gain_horizon_s: float = 600.0
+    #: A switch's gain counts only the batch the TPOT objective allows: TPOT taken as
+    #: proportional to the running batch (so an upper bound on that batch: TPOT has a fixed
+    #: part) and held at this fraction of the TPOT SLO (PID's target). 0: memory and demand only.
+    dtype_gain_latency_frac: float = 0.8
     #: Memory overhead per sqrt(batch), as a fraction of the budget (guide's overhead term).
     overhead_frac: float = 0.002
     #: Expected tokens per request (prompt + output so far) before telemetry reports any.
@@ -165,7 +169,7 @@ class ShieldConfig:
         for name in ("alert_after", "restart_after", "recover_after", "preemption_storm"):
             if getattr(self, name) < 1:
                 raise ValueError(f"shield.{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("min_dtype_dwell_s", "dtype_restart_s", "overhead_frac", "breaker_cooldown_s"):
+        for name in ("min_dtype_dwell_s", "dtype_restart_s", "overhead_frac", "breaker_cooldown_s", "dtype_gain_latency_frac"):
             if getattr(self, name) < 0:
                 raise ValueError(f"shield.{name} must be >= 0, got {getattr(self, name)}")
         if self.dtype_gain_horizon_s <= 0 or self.breach_factor <= 0:
@@ -485,7 +489,8 @@ class Shield:
         over the ceiling by more than a step, and worth its restart:
 
         * towards a smaller KV footprint: the relative throughput gain ``g`` (throughput taken
-          as proportional to the batch the memory and the demand allow) must repay the
+          as proportional to the batch the memory, the demand and the TPOT objective allow,
+          ``latency_batch``) must repay the
           restart, ``g * dtype_gain_horizon_s >= dtype_restart_s``;
         * back to 16 bit (better quality): no throughput loss, ``g >= 0``.
         """
@@ -510,9 +515,9 @@ class Shield:
         if self.max_feasible_batch(want) < max(self.cfg.min_batch, cur - self.max_step(cur)):
             why["dtype_memory"] = f"kv_dtype {want!r} would put batch_cap {cur} over the memory ceiling"
             return have
-        demand = max(1, min(inputs.demand, self.max_batch))
-        eff_have = max(1, min(self.max_feasible_batch(have), demand))
-        eff_want = min(self.max_feasible_batch(want), demand)
+        reach = max(1, min(inputs.demand, self.max_batch, self.latency_batch(inputs)))
+        eff_have = max(1, min(self.max_feasible_batch(have), reach))
+        eff_want = min(self.max_feasible_batch(want), reach)
         gain = eff_want / eff_have - 1.0
         if want in KV_DTYPES_16BIT and have not in KV_DTYPES_16BIT:
             worth = gain >= 0.0
@@ -522,9 +527,19 @@ class Shield:
             why["dtype_not_worth"] = (
                 f"kv_dtype {have!r}->{want!r}: predicted throughput gain {gain:+.0%} over "
                 f"{self.cfg.dtype_gain_horizon_s:.0f}s does not repay a {self.cfg.dtype_restart_s:.0f}s restart"
+                f" (batch the demand and the TPOT objective allow: {reach})"
             )
             return have
         return want
+
+    def latency_batch(self, inputs: ShieldInputs) -> int:
+        """The largest batch the TPOT objective allows, from the last interval: a KV switch that
+        only lifts the memory ceiling above it gains nothing (measured: a switch on a
+        latency-bound engine lost 72 % of goodput, docs/training.md). Unknown: ``max_batch``."""
+        frac, slo = self.cfg.dtype_gain_latency_frac, self.slo.tpot_ms
+        if frac <= 0 or not slo or not inputs.tpot_p99_ms > 0 or inputs.num_running <= 0:
+            return self.max_batch
+        return max(1, int(inputs.num_running * frac * slo / inputs.tpot_p99_ms))
 
     def _breached(self, inputs: ShieldInputs, cur: int) -> tuple[str, str] | None:
         """(why, kind) when the last interval counts as a breach, else None. ``kind`` is
