@@ -218,7 +218,6 @@ def test_breaker_cooldown_holds_cap():
     assert s.apply(Proposal(), Knobs(70), SLOW, 12.5).knobs.batch_cap == 49
 
 
-
 def test_breaker_waits_for_a_cut_to_take_effect_before_the_next():
     """A lower cap stops admissions only; while more requests run than the cap allows, the
     latency window still shows the batch before the cut, and cutting again overshoots."""
@@ -234,6 +233,7 @@ def test_breaker_waits_for_a_cut_to_take_effect_before_the_next():
     # an engine that fails (a preemption storm) is cut at once, whatever runs
     storm = ShieldInputs(preemptions=50, demand=256, num_running=256)
     assert shield(ROOMY).apply(Proposal(), Knobs(100), storm, 1.0).knobs.batch_cap == 70
+
 
 STORM = ShieldInputs(preemptions=50)  # >= preemption_storm (10): the engine itself fails
 

@@ -14,13 +14,16 @@ no policy can take the service outside these limits:
   (80 %) of the engine's budget. When the current setting is already above it, the cap moves
   down (as far as the step allows), never up;
 * **KV dtype**: switches (an engine restart in vLLM) only after ``min_dtype_dwell_s`` since the
-  last switch (none yet at start-up: the first needs only the gain check), only to a runnable dtype (refusals carry the engine's reason), and only when the
-  predicted gain pays for the restart (see ``Shield._dtype_gate``);
+  last switch (none yet at start-up: the first needs only the gain check), only to a runnable
+  dtype (refusals carry the engine's reason), and only when the predicted gain, counted up to
+  the batch the memory, the demand and the TPOT objective allow, pays for the restart (see
+  ``Shield._dtype_gate``);
 * **circuit breaker** (graded): on an OOM (``report_oom``: the gateway's upstream answered
   with an out-of-memory error or its engine process exited), a preemption storm or P99 latency above
-  ``breach_factor`` x SLO that the engine causes, level 1 shrinks the cap by ``breaker_shrink`` (x0.7, itself within the
-  30 % step), and for a latency breach cuts again only once the last cut has taken effect (no
-  more requests running than the cap; a lower cap only stops admissions); if that would go below ``min_batch``, level 2 also sheds low-priority load in
+  ``breach_factor`` x SLO that the engine causes, level 1 shrinks the cap by ``breaker_shrink``
+  (x0.7, itself within the 30 % step), and for a latency breach cuts again only once the last
+  cut has taken effect (no more requests running than the cap: a lower cap only stops
+  admissions); if a cut would go below ``min_batch``, level 2 also sheds low-priority load in
   admission; after ``alert_after`` (3) adjustments in a row that leave the breach in place an
   alert is raised; when ``restart_after`` more cuts at level 2 (shedding on) still leave the
   engine *failing* (OOM, preemption storm), level 3 restarts it (``breaker_restart``; else
