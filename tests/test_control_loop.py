@@ -32,15 +32,16 @@ def test_stale_telemetry_never_raises_the_cap_and_falls_back_to_the_safe_cap() -
     lane = gw.lanes[0]
     ctl = loop.lane_ctl[lane.index]
     loop._controller = lambda _lane: (Grow(), "pid")  # type: ignore[method-assign]
+    # The stale rule on its own: with the last counters' running batch the shield would also
+    # hold the cap (step_around_running), and the rule would have nothing left to do.
+    ctl.shield.cfg.step_around_running = False
     lane.set_knobs(lane.knobs.with_(batch_cap=16))  # well under what this KV pool allows (~50)
-    text = _metrics_text(recorded_trace()[0])
-    answers: list[str | None] = [text] * 2 + [None] * 6 + [text] * 2
+    answers: list[bool] = [True] * 2 + [False] * 6 + [True] * 2
 
     async def metrics(timeout_s: float = 2.0) -> str:
-        a = answers.pop(0)
-        if a is None:
+        if not answers.pop(0):
             raise UpstreamDown("upstream vllm0 /metrics: ReadTimeout")
-        return a
+        return _full_engine_text(lane)
 
     lane.upstream.metrics_text = metrics  # type: ignore[method-assign]
     caps, now, kinds = [lane.knobs.batch_cap], 1000.0, []
@@ -63,11 +64,15 @@ def test_stale_telemetry_never_raises_the_cap_and_falls_back_to_the_safe_cap() -
     assert loop.status()["lanes"]["vllm0"]["stale_telemetry_intervals"] == 0
 
 
-def _ticks(loop, lane, n: int, start: float = 2000.0) -> list[int]:
-    text = _metrics_text(recorded_trace()[0])
+def _full_engine_text(lane) -> str:
+    """/metrics of an engine running as many requests as the cap lets in (a backlog waits), so
+    the shield's bound around the running batch never holds the cap by itself."""
+    return _metrics_text({**recorded_trace()[0], "num_running": lane.knobs.batch_cap})
 
+
+def _ticks(loop, lane, n: int, start: float = 2000.0) -> list[int]:
     async def metrics(timeout_s: float = 2.0) -> str:
-        return text
+        return _full_engine_text(lane)
 
     lane.upstream.metrics_text = metrics
     caps = []

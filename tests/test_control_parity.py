@@ -58,6 +58,7 @@ def recorded_trace(seed: int = 7, intervals: int = 40) -> list[dict]:
             "output_tokens": 64 * n, "num_running": min(MAX_NUM_SEQS, int(40 * load)),
             "num_waiting": int(max(load - 1.0, 0.0) * 30), "kv_usage": min(0.95, 0.35 * load),
             "preemptions_total": preempted,
+            "generation_total": 64 * n + (out[-1]["generation_total"] if out else 0),
         })
     return out
 
@@ -67,7 +68,8 @@ def _metrics_text(iv: dict) -> str:
     return (f'vllm:num_requests_running{{engine="0",model_name="m"}} {iv["num_running"]}\n'
             f'vllm:num_requests_waiting{{engine="0",model_name="m"}} {iv["num_waiting"]}\n'
             f'vllm:kv_cache_usage_perc{{engine="0",model_name="m"}} {iv["kv_usage"]}\n'
-            f'vllm:num_preemptions_total{{engine="0",model_name="m"}} {iv["preemptions_total"]}\n')
+            f'vllm:num_preemptions_total{{engine="0",model_name="m"}} {iv["preemptions_total"]}\n'
+            f'vllm:generation_tokens_total{{engine="0",model_name="m"}} {iv["generation_total"]}\n')
 
 
 def _feed(tel: Telemetry, iv: dict) -> None:
@@ -186,3 +188,26 @@ def test_one_call_per_finished_request_records_its_first_token_once() -> None:
     assert sorted(x for _, x in tel._ttft_window) == [0.2, 0.3, 0.4]  # each request's TTFT once
     assert snap.ttft_p50_ms == pytest.approx(300.0) and snap.request_throughput == pytest.approx(2 / 3.0)
     assert not tel._first_seen
+
+
+def test_the_gateway_counts_output_tokens_as_the_engine_generates_them() -> None:
+    """The gateway learns a request's tokens when it ends; the engine's counter (and the
+    simulator) count them as they come out, which is what the shield's present time between
+    tokens needs. With the counter the interval's rate is its delta; without it, the own count."""
+    gw, loop = _gateway("pid", {"kind": "pid"})
+    lane = gw.lanes[0]
+    lane.telemetry.reset(0.0)
+    texts = iter(['vllm:num_requests_running{engine="0"} 20\nvllm:generation_tokens_total{engine="0"} 1000\n',
+                  'vllm:num_requests_running{engine="0"} 20\nvllm:generation_tokens_total{engine="0"} 3000\n',
+                  'vllm:num_requests_running{engine="0"} 20\n'])
+
+    async def fake_metrics(timeout_s: float = 2.0) -> str:
+        return next(texts)
+
+    lane.upstream.metrics_text = fake_metrics  # type: ignore[method-assign]
+    rates = []
+    for t in (1.0, 2.0, 3.0):
+        lane.telemetry.on_output_tokens(50)  # one request of 50 tokens ended in each interval
+        asyncio.run(loop.tick(lane, now=t))
+        rates.append(loop.lane_ctl[lane.index].last_snapshot.output_throughput)
+    assert rates == [50.0, 2000.0, 50.0]  # no earlier counter, the counter's delta, no counter

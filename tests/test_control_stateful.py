@@ -53,6 +53,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule, run_state_machine_as_test
 from test_control_parity import MAX_NUM_SEQS
 
+import batchpilot.serving.actuation as actuation_mod
 import batchpilot.serving.control_loop as control_loop_mod
 import batchpilot.serving.lanes as lanes_mod
 import batchpilot.serving.supervisor as supervisor_mod
@@ -643,7 +644,10 @@ EXERCISED = ("decisions_that_shed", "sheds_with_core_queued", "refused_shed_low_
 
 
 def test_control_path(monkeypatch: pytest.MonkeyPatch) -> None:
-    for mod in (control_loop_mod, lanes_mod, supervisor_mod):
+    # Every serving module that reads the clock: actuation stamps the KV switch's dwell when a
+    # restart is done, and on the real clock (not patched) it let a later switch through the
+    # dwell 54-216 s after the last one in this simulated time.
+    for mod in (actuation_mod, control_loop_mod, lanes_mod, supervisor_mod):
         monkeypatch.setattr(mod, "time", SimTime())
     monkeypatch.setattr(control_loop_mod, "cpu_kv8_unavailable_reason", lambda: KV8_REASON[0])
     STATS.clear()

@@ -37,7 +37,9 @@ def caps(max_num_seqs: int = 256) -> EngineCapabilities:
 
 
 def shield(kv_scale: float = 1.0, **over) -> Shield:
-    cfg = ShieldConfig(**{"overhead_frac": 0.0, "breaker_cooldown_s": 0.0, **over})
+    # Each rule on its own: no overhead, no cooldown, and steps bounded by the cap alone (the
+    # inputs here mostly leave the running batch at 0; its rule has tests of its own).
+    cfg = ShieldConfig(**{"overhead_frac": 0.0, "breaker_cooldown_s": 0.0, "step_around_running": False, **over})
     return Shield(cfg, memory(kv_scale), caps(), SLO(ttft_ms=1000.0, tpot_ms=100.0, e2el_ms=None))
 
 
@@ -69,7 +71,7 @@ def test_range_clamps():
     d = s.apply(Proposal(batch_cap=10**12), Knobs(190), CALM, 1.0)
     assert d.knobs.batch_cap == 200 and "batch_range" in d.interventions
     # max_batch above the engine's max_num_seqs is capped there
-    s2 = Shield(ShieldConfig(max_batch=512), memory(ROOMY), caps(max_num_seqs=64), SLO())
+    s2 = Shield(ShieldConfig(max_batch=512, step_around_running=False), memory(ROOMY), caps(max_num_seqs=64), SLO())
     assert s2.max_batch == 64
     assert s2.apply(Proposal(batch_cap=80), Knobs(60), CALM, 1.0).knobs.batch_cap == 64
 
@@ -233,6 +235,67 @@ def test_breaker_waits_for_a_cut_to_take_effect_before_the_next():
     # an engine that fails (a preemption storm) is cut at once, whatever runs
     storm = ShieldInputs(preemptions=50, demand=256, num_running=256)
     assert shield(ROOMY).apply(Proposal(), Knobs(100), storm, 1.0).knobs.batch_cap == 70
+
+
+def test_tpot_breach_counts_only_while_tokens_still_come_slowly():
+    """The window's TPOT is over finished requests, each averaged over its whole decode, so it
+    shows a batch long after a cut shrank it; the present time between tokens (running /
+    output tokens per s) says whether the batch running now is too slow."""
+    s = shield(ROOMY)
+    # 100 running at 2,000 tokens/s: 50 ms between tokens, within the 100 ms objective
+    flowing = ShieldInputs(tpot_p99_ms=300.0, demand=100, num_running=100, output_tokens_per_s=2000.0)
+    d = s.apply(Proposal(batch_cap=100), Knobs(100), flowing, 1.0)
+    assert d.knobs.batch_cap == 100 and d.breaker_level == 0 and d.interventions == {}
+    # 100 running at 500 tokens/s: 200 ms between tokens, the breach is now
+    slow = ShieldInputs(tpot_p99_ms=300.0, demand=100, num_running=100, output_tokens_per_s=500.0)
+    assert s.apply(Proposal(batch_cap=100), Knobs(100), slow, 2.0).knobs.batch_cap == 70
+    # no tokens while requests run (a stalled engine), or the rate unknown: the window decides
+    for rate in (0.0, None):
+        stalled = ShieldInputs(tpot_p99_ms=300.0, demand=100, num_running=100, output_tokens_per_s=rate)
+        assert shield(ROOMY).apply(Proposal(), Knobs(100), stalled, 1.0).knobs.batch_cap == 70
+    # off: the window alone, as before
+    off = shield(ROOMY, tpot_breach_needs_present=False)
+    assert off.apply(Proposal(batch_cap=100), Knobs(100), flowing, 1.0).knobs.batch_cap == 70
+
+
+def test_a_ttft_breach_soon_after_a_backlog_is_still_queueing():
+    """The TTFT window holds the requests that waited in a backlog for seconds after it has
+    drained; cutting the cap on them (measured: 134 -> 66 with an empty queue) only queues the
+    next burst behind a low cap."""
+    s = shield(ROOMY, overload_memory_s=10.0)
+    backlog = ShieldInputs(ttft_p99_ms=5000.0, demand=150, num_running=100)
+    assert "breaker_shed" in s.apply(Proposal(batch_cap=100), Knobs(100), backlog, 1.0).interventions
+    drained = ShieldInputs(ttft_p99_ms=5000.0, demand=100, num_running=100)
+    d = s.apply(Proposal(batch_cap=100), Knobs(100), drained, 8.0)
+    assert d.knobs.batch_cap == 100 and "after a backlog" in d.interventions["breaker_shed"]
+    # once the window has turned over, a TTFT breach without a backlog is the engine's
+    assert s.apply(Proposal(batch_cap=100), Knobs(100), drained, 12.0).knobs.batch_cap == 70
+    with pytest.raises(ValueError, match="overload_memory_s must be >= 0"):
+        ShieldConfig(overload_memory_s=-1.0)
+    # 0: only a backlog in the interval itself counts
+    s0 = shield(ROOMY, overload_memory_s=0.0)
+    s0.apply(Proposal(batch_cap=100), Knobs(100), backlog, 1.0)
+    assert s0.apply(Proposal(batch_cap=100), Knobs(100), drained, 2.0).knobs.batch_cap == 70
+
+
+def test_cap_stays_within_a_step_of_the_running_batch():
+    """A cap raised above an engine that does not fill it admits a whole burst at once later
+    (wind-up); one cut far below a batch still draining holds the engine under capacity once
+    it has drained."""
+    s = shield(ROOMY, step_around_running=True)
+    idle = ShieldInputs(num_running=10)
+    d = s.apply(Proposal(batch_cap=160), Knobs(128), idle, 1.0)
+    assert d.knobs.batch_cap == 128 and "10 running" in d.interventions["step_limit"]
+    # the cap binds: the usual 30 % step
+    assert s.apply(Proposal(batch_cap=160), Knobs(128), ShieldInputs(num_running=128), 2.0).knobs.batch_cap == 160
+    # draining after a cut: 250 still run, the cap goes at most a step below them
+    d = s.apply(Proposal(batch_cap=126), Knobs(180), ShieldInputs(num_running=250), 3.0)
+    assert d.knobs.batch_cap == 175 and "250 running" in d.interventions["step_limit"]
+    # never moved the other way: a cut below an idle engine's cap is the usual step
+    assert s.apply(Proposal(batch_cap=100), Knobs(128), idle, 4.0).knobs.batch_cap == 100
+    # the breaker and the memory ceiling are not bound by it
+    storm = ShieldInputs(preemptions=50, num_running=250)
+    assert s.apply(Proposal(), Knobs(180), storm, 5.0).knobs.batch_cap == 126
 
 
 STORM = ShieldInputs(preemptions=50)  # >= preemption_storm (10): the engine itself fails

@@ -4,7 +4,9 @@ Every controller (PPO, PID, AIMD, static) goes through it, in training and in pr
 no policy can take the service outside these limits:
 
 * **step**: the batch cap moves at most ``max_step_frac`` (30 %) of its current value per
-  decision, and at least ``min_step`` (1) so tiny caps can still move. At caps 1-3, 30 % rounds
+  decision, and at least ``min_step`` (1) so tiny caps can still move; a controller's cap also
+  stays within a step of the batch actually running (``step_around_running``: no wind-up
+  above an engine that does not fill the cap, no cut far below a batch still draining). At caps 1-3, 30 % rounds
   down to 0, so there the minimum step is the step: 1 -> 2 is +100 %, 2 -> 3 +50 %, 3 -> 4
   +33 %; from 4 up the 30 % holds. A cap outside the range (an operator's or a config's) is
   walked into it at that pace too, never clamped in one jump;
@@ -94,6 +96,11 @@ class ShieldConfig:
     max_step_frac: float = 0.30
     #: Smallest allowed step, so a cap of 1-3 can still move.
     min_step: int = 1
+    #: The controller's cap also moves at most a step from the batch actually running: a cap
+    #: raised above an engine that does not fill it admits a whole burst at once when traffic
+    #: returns (wind-up), and one cut far below a batch still draining holds the engine under
+    #: its capacity once it has drained. The breaker and the memory ceiling are not bound by it.
+    step_around_running: bool = True
     #: Predicted memory must stay at or below this fraction of the engine's budget.
     memory_ceiling: float = 0.80
     min_batch: int = 1
@@ -122,10 +129,21 @@ class ShieldConfig:
     #: P99 above breach_factor x SLO on any of ``breach_metrics`` is a breach.
     breach_factor: float = 1.5
     breach_metrics: tuple[str, ...] = ("ttft", "tpot", "e2el")
+    #: A TPOT breach counts only while the present time between tokens (running requests /
+    #: output tokens per second in the last interval) is above the TPOT SLO too. The window's
+    #: TPOT is over finished requests, each averaged over its whole decode (tens of seconds on a
+    #: large model), so it shows a batch long after a cut has shrunk it: measured, the breaker
+    #: cut 184 -> 32 over 10 s while tokens already flowed within the SLO. Unknown rate: as false.
+    tpot_breach_needs_present: bool = True
     #: A TTFT/E2E breach while more than this x cap requests wait is overload (queueing): the
     #: breaker sheds instead of shrinking the batch, which would only lengthen the queue. 0: any
     #: backlog (= conf/shield/default.yaml; the code default was 1.0 while the file said 0).
     overload_backlog_factor: float = 0.0
+    #: A TTFT/E2E breach within this many seconds of such a backlog is still queueing: the
+    #: latency window (telemetry's ``window_s``) holds the requests that waited in it for that
+    #: long after it has drained. Measured: the breaker cut 134 -> 66 with an empty queue on the
+    #: TTFTs of a backlog just served. 0: only a backlog in the interval itself counts.
+    overload_memory_s: float = 10.0
     #: Level-1 shrink factor of the cap.
     breaker_shrink: float = 0.7
     #: Seconds after a breaker shrink before the next one (latency windows need time to show it).
@@ -162,6 +180,8 @@ class ShieldConfig:
                 f"shield.breaker_shrink={self.breaker_shrink} must be in [1 - max_step_frac, 1) "
                 f"= [{1 - self.max_step_frac:.2f}, 1) so the breaker's cut respects the step limit"
             )
+        if not self.overload_memory_s >= 0:
+            raise ValueError(f"shield.overload_memory_s must be >= 0 seconds, got {self.overload_memory_s}")
         unknown = set(self.breach_metrics) - {"ttft", "tpot", "e2el"}
         if unknown:
             raise ValueError(f"shield.breach_metrics: unknown {sorted(unknown)}; use ttft, tpot, e2el")
@@ -200,6 +220,8 @@ class ShieldInputs:
     #: Mean tokens held per running request (prompt + output so far); 0 = unknown.
     mean_context_len: float = 0.0
     num_running: int = 0
+    #: Output tokens per second in the last interval, counted as generated; None = unknown.
+    output_tokens_per_s: float | None = None
     #: KV blocks in use as the engine reports them; None = unknown (no calibration).
     num_kv_blocks_used: int | None = None
     #: Requests that want to run (waiting in admission + running); sizes a dtype switch's gain.
@@ -227,6 +249,7 @@ class ShieldInputs:
             e2el_p99_ms=snap.e2el_p99_ms,
             mean_context_len=mean_context_len or snap.mean_prompt_len,
             num_running=snap.num_running,
+            output_tokens_per_s=snap.output_throughput,
             num_kv_blocks_used=blocks,
             demand=snap.num_running + snap.num_waiting_engine + snap.queue_total,
         )
@@ -310,6 +333,7 @@ class Shield:
         self.num_failed_sheds = 0
         self.last_breach_kind = "engine"
         self.last_breaker_action = -math.inf
+        self.last_backlog_time = -math.inf
         self.kv_calibration = 1.0
         self.context_len = float(self.cfg.initial_context_len)
 
@@ -377,6 +401,19 @@ class Shield:
     def max_step(self, current: int) -> int:
         return max(self.cfg.min_step, int(math.floor(self.cfg.max_step_frac * current + 1e-9)))
 
+    def _around_running(self, target: int, cur: int, running: int, why: dict[str, str]) -> int:
+        """``target`` bounded to a step around the ``running`` batch, never moving past ``cur``
+        the other way (see ``ShieldConfig.step_around_running``)."""
+        step = self.max_step(running)
+        hi, lo = max(cur, running + step), min(cur, running - step)
+        if lo <= target <= hi:
+            return target
+        new = min(max(target, lo), hi)
+        why["step_limit"] = (
+            f"batch_cap {target} is more than {step} from the {running} running; set {new}"
+        )
+        return new
+
     def apply(
         self, proposal: Proposal, current: Knobs, inputs: ShieldInputs | Snapshot, now: float
     ) -> Decision:
@@ -422,6 +459,8 @@ class Shield:
             clipped = min(max(target, cur - step), cur + step)
             why["step_limit"] = f"batch_cap {target} is more than {step} from {cur}; set {clipped}"
             target = clipped
+        if cfg.step_around_running and in_range:
+            target = self._around_running(target, cur, inputs.num_running, why)
 
         # 4. Circuit breaker: an upper bound on the cap.
         level, shrink_to = self._breaker(inputs, cur, now, why, alerts)
@@ -544,12 +583,24 @@ class Shield:
             return self.max_batch
         return max(1, int(inputs.num_running * frac * slo / inputs.tpot_p99_ms))
 
-    def _breached(self, inputs: ShieldInputs, cur: int) -> tuple[str, str] | None:
+    @staticmethod
+    def _tpot_now_ms(inputs: ShieldInputs) -> float:
+        """The present time between a running request's tokens: inf when the rate is unknown
+        or the engine stalls, 0 when nothing runs (then there is no batch to cut)."""
+        rate = inputs.output_tokens_per_s
+        if rate is None:
+            return math.inf
+        if inputs.num_running <= 0:
+            return 0.0
+        return 1e3 * inputs.num_running / rate if rate > 0 else math.inf
+
+    def _breached(self, inputs: ShieldInputs, cur: int, now: float) -> tuple[str, str] | None:
         """(why, kind) when the last interval counts as a breach, else None. ``kind`` is
         "failure" (the engine itself fails: out of memory, a preemption storm; only these walk
         the breaker to level 3, a restart), "engine" (the batch is too big for the engine's
         latency: TPOT, or a TTFT/E2E breach without a backlog) or "overload" (a TTFT/E2E breach while more requests
-        wait than run: the latency is queueing, and a smaller batch would only lengthen it)."""
+        wait than run, or within ``overload_memory_s`` of that: the latency is queueing, and a
+        smaller batch would only lengthen it)."""
         if inputs.oom:
             return f"engine out of memory ({self.oom_reason or 'reported by its engine'})", "failure"
         if inputs.preemptions >= self.cfg.preemption_storm:
@@ -558,14 +609,19 @@ class Shield:
         seen = {"ttft": inputs.ttft_p99_ms, "tpot": inputs.tpot_p99_ms, "e2el": inputs.e2el_p99_ms}
         found: tuple[str, str] | None = None
         backlog = max(0, inputs.demand - inputs.num_running)
+        if backlog > self.cfg.overload_backlog_factor * cur:
+            self.last_backlog_time = now
+        queueing = now - self.last_backlog_time <= self.cfg.overload_memory_s
         for m in sorted(self.cfg.breach_metrics, key=lambda m: m != "tpot"):  # engine-side first
             limit = slo_ms[m]
             if limit is None or not seen[m] > self.cfg.breach_factor * limit:
                 continue
+            if m == "tpot" and self.cfg.tpot_breach_needs_present and self._tpot_now_ms(inputs) <= limit:
+                continue  # the window still shows a batch a cut has already shrunk
             why = f"p99 {m} {seen[m]:.0f} ms > {self.cfg.breach_factor} x SLO {limit:.0f} ms"
-            if m == "tpot" or backlog <= self.cfg.overload_backlog_factor * cur:
+            if m == "tpot" or not queueing:
                 return why, "engine"
-            found = found or (f"{why} with {backlog} waiting", "overload")
+            found = found or (f"{why} with {backlog} waiting" if backlog else f"{why} after a backlog", "overload")
         return found
 
     def _breaker(
@@ -573,7 +629,7 @@ class Shield:
     ) -> tuple[int, int | None]:
         """Advance the breaker; returns (level, upper bound on the cap or None)."""
         cfg = self.cfg
-        breach = self._breached(inputs, cur)
+        breach = self._breached(inputs, cur, now)
         if breach is None:
             self.num_breached_in_row = 0
             self.num_clean_in_row += 1

@@ -212,8 +212,12 @@ class Telemetry:
         kv_cache_usage: float,
         knobs: Knobs,
         prefix_cache_hit_rate: float = 0.0,
+        output_tokens: int | None = None,
     ) -> Snapshot:
-        """Close the interval that ended at ``now`` and start the next one."""
+        """Close the interval that ended at ``now`` and start the next one. ``output_tokens``:
+        the tokens the engine generated in the interval by its own counter, which counts them
+        as they come out, as the simulator does (the shield reads the present time between
+        tokens from it); None: the ones reported through ``on_output_tokens``."""
         interval = max(now - self._last_time, 1e-9)
         horizon = now - self.window_s
         while self._window and self._window[0][0] < horizon:
@@ -240,7 +244,7 @@ class Telemetry:
             num_waiting_engine=num_waiting_engine,
             kv_cache_usage=float(kv_cache_usage),
             request_throughput=self._finished / interval,
-            output_throughput=self._out_tokens / interval,
+            output_throughput=(self._out_tokens if output_tokens is None else output_tokens) / interval,
             request_goodput=self._good / interval,
             ttft_p50_ms=ttft_p[0],
             ttft_p99_ms=ttft_p[1],
