@@ -544,6 +544,7 @@ class ServingEnv(gym.Env):
             kv_cache_usage=st.kv_cache_usage,
             knobs=self.knobs,
             prefix_cache_hit_rate=hit,
+            num_late_waiting=self.admission.num_late_waiting,
         )
         self.shield_interventions += snap.shield_interventions
         self._last_snapshot = snap

@@ -499,6 +499,7 @@ class ControlLoop:
             knobs=lane.knobs,
             prefix_cache_hit_rate=hit,
             output_tokens=int(d_gen) if d_gen >= 0 else None,
+            num_late_waiting=lane.admission.num_late_waiting,
         )
         ctl.last_snapshot = snap
         self._use_measured_restart(lane, ctl)

@@ -521,6 +521,20 @@ def test_on_time_first_serves_the_requests_that_can_still_meet_their_ttft(mode: 
     on.check_counts()
 
 
+def test_the_late_count_follows_the_queue() -> None:
+    """``num_late_waiting`` counts the waiting requests past their TTFT objective (the shield's
+    view of a backlog that the served requests' TTFT does not show)."""
+    adm = _on_time_first("fifo")
+    _submit(adm, ("a", 0.0, 100, 0), ("b", 0.2, 100, 0), ("c", 1.8, 100, 0))
+    assert adm.num_late_waiting == 0
+    (first,) = adm.admit(1.9)  # a and b are late by now; c, on time, goes first
+    assert first.request_id == "c" and adm.num_late_waiting == 2
+    adm.on_finished("c")
+    (second,) = adm.admit(2.0)
+    assert second.request_id == "a" and adm.num_late_waiting == 1
+    adm.check_counts()
+
+
 def test_on_time_first_prefers_a_bucket_whose_next_request_is_on_time() -> None:
     """Shortest-first would serve the short bucket's late head; a medium prompt still on time
     goes first, then the short bucket again."""

@@ -181,12 +181,13 @@ class _Bucket:
     """One length bucket: (priority, arrival, seq) heaps, long prompts apart, and requests
     past their TTFT objective apart (``on_time_first``)."""
 
-    __slots__ = ("heaps", "num_waiting")
+    __slots__ = ("heaps", "num_waiting", "num_late")
 
     def __init__(self) -> None:
         # heaps[late][long]: on time / late x not long / long
         self.heaps: tuple[tuple[list, list], tuple[list, list]] = (([], []), ([], []))
         self.num_waiting = 0
+        self.num_late = 0  # of num_waiting, those past their TTFT objective
 
     def push(self, e: _Entry) -> None:
         r = e.request
@@ -196,6 +197,7 @@ class _Bucket:
     def mark_late(self, e: _Entry) -> None:
         """Move ``e`` to the late heaps (its on-time entry is skipped from now on)."""
         e.late = True
+        self.num_late += 1
         r = e.request
         heapq.heappush(self.heaps[1][e.is_long], (r.priority, r.arrival_time, e.seq, e))
 
@@ -218,6 +220,7 @@ class _Bucket:
         """Remove ``e``, which ``head`` just returned."""
         heapq.heappop(self.heaps[e.late][e.is_long])
         self.num_waiting -= 1
+        self.num_late -= e.late
 
 
 class Admission:
@@ -311,6 +314,12 @@ class Admission:
         return tuple(b.num_waiting for b in self._buckets)
 
     @property
+    def num_late_waiting(self) -> int:
+        """Waiting requests past their TTFT objective (``on_time_first``; as of the last
+        ``admit``): a backlog the served requests' TTFT does not show, since they go last."""
+        return sum(b.num_late for b in self._buckets)
+
+    @property
     def expires(self) -> bool:
         """Whether ``expire`` can refuse anything (a wait limit or a TTFT deadline is set)."""
         return self.cfg.max_wait_s is not None or self.deadline_s is not None
@@ -345,6 +354,9 @@ class Admission:
             )
         if sum(self.queue_depths) != self.num_waiting:
             raise AssertionError(f"queue depths {self.queue_depths} do not sum to {self.num_waiting}")
+        late = sum(e.late for e in self._waiting.values())
+        if self.num_late_waiting != late:
+            raise AssertionError(f"late count {self.num_late_waiting} != {late} waiting past their TTFT objective")
 
     def bucket_of(self, prompt_len: int) -> int:
         """Index of the bucket a prompt of this length goes to."""
@@ -510,6 +522,7 @@ class Admission:
         """Take a waiting entry out (lazily from the heaps; at once from the counts)."""
         e.alive = False
         self._buckets[e.bucket].num_waiting -= 1
+        self._buckets[e.bucket].num_late -= e.late
         del self._waiting[e.request.request_id]
 
     def _mark_late(self, now: float) -> None:

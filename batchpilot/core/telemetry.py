@@ -62,6 +62,8 @@ class Snapshot:
     knobs: Knobs
     time_since_dtype_switch_s: float  # inf: no switch since start-up (the shield's dwell is met)
     prefix_cache_hit_rate: float = 0.0
+    #: Waiting requests past their TTFT objective (admission's on-time-first books).
+    num_late_waiting: int = 0
 
     @property
     def queue_total(self) -> int:
@@ -213,6 +215,7 @@ class Telemetry:
         knobs: Knobs,
         prefix_cache_hit_rate: float = 0.0,
         output_tokens: int | None = None,
+        num_late_waiting: int = 0,
     ) -> Snapshot:
         """Close the interval that ended at ``now`` and start the next one. ``output_tokens``:
         the tokens the engine generated in the interval by its own counter, which counts them
@@ -259,6 +262,7 @@ class Telemetry:
             knobs=knobs,
             time_since_dtype_switch_s=math.inf if self._last_dtype_switch is None else now - self._last_dtype_switch,
             prefix_cache_hit_rate=prefix_cache_hit_rate,
+            num_late_waiting=num_late_waiting,
         )
         self._arrivals = self._preemptions = self._rejected = self._shield = 0
         self._finished = self._good = self._out_tokens = 0
