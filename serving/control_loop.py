@@ -482,8 +482,10 @@ class ControlLoop:
         d_pre = max(0.0, m.get("num_preemptions", 0.0) - last.get("num_preemptions", m.get("num_preemptions", 0.0)))
         d_q = m.get("prefix_cache_queries", 0.0) - last.get("prefix_cache_queries", 0.0)
         d_h = m.get("prefix_cache_hits", 0.0) - last.get("prefix_cache_hits", 0.0)
-        # Tokens as the engine generated them (the gateway's own count comes only as requests end).
-        d_gen = m["generation_tokens"] - last["generation_tokens"] if "generation_tokens" in m and "generation_tokens" in last else -1.0
+        # Tokens as the engine generated them (the gateway's own count comes only as requests
+        # end); None without two readings of the counter, or when it went back (a restart).
+        gen = m.get("generation_tokens", -1.0) - last.get("generation_tokens", math.inf)
+        gen_tokens = int(gen) if gen >= 0 else None
         if m:
             ctl.last_counters = m
         lane.telemetry.on_preemptions(int(d_pre))
@@ -498,7 +500,7 @@ class ControlLoop:
             kv_cache_usage=float(seen.get("kv_cache_usage", 0.0)),
             knobs=lane.knobs,
             prefix_cache_hit_rate=hit,
-            output_tokens=int(d_gen) if d_gen >= 0 else None,
+            output_tokens=gen_tokens,
             num_late_waiting=lane.admission.num_late_waiting,
         )
         ctl.last_snapshot = snap

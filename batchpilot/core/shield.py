@@ -233,6 +233,11 @@ class ShieldInputs:
     #: Waiting requests past their TTFT objective.
     num_late_waiting: int = 0
 
+    @property
+    def backlog(self) -> int:
+        """Requests that want to run but do not."""
+        return max(0, self.demand - self.num_running)
+
     @classmethod
     def from_snapshot(
         cls,
@@ -601,13 +606,13 @@ class Shield:
             return 0.0
         return 1e3 * inputs.num_running / rate if rate > 0 else math.inf
 
-    def _breached(self, inputs: ShieldInputs, cur: int, now: float) -> tuple[str, str] | None:
+    def _breached(self, inputs: ShieldInputs, queueing: bool) -> tuple[str, str] | None:
         """(why, kind) when the last interval counts as a breach, else None. ``kind`` is
         "failure" (the engine itself fails: out of memory, a preemption storm; only these walk
         the breaker to level 3, a restart), "engine" (the batch is too big for the engine's
-        latency: TPOT, or a TTFT/E2E breach without a backlog) or "overload" (a TTFT/E2E breach while more requests
-        wait than run, or within ``overload_memory_s`` of that: the latency is queueing, and a
-        smaller batch would only lengthen it)."""
+        latency: TPOT, or a TTFT/E2E breach without a backlog) or "overload" (a TTFT/E2E breach
+        while ``queueing``: a backlog now or within ``overload_memory_s``, so the latency is
+        queueing, and a smaller batch would only lengthen it)."""
         if inputs.oom:
             return f"engine out of memory ({self.oom_reason or 'reported by its engine'})", "failure"
         if inputs.preemptions >= self.cfg.preemption_storm:
@@ -615,10 +620,7 @@ class Shield:
         slo_ms = {"ttft": self.slo.ttft_ms, "tpot": self.slo.tpot_ms, "e2el": self.slo.e2el_ms}
         seen = {"ttft": inputs.ttft_p99_ms, "tpot": inputs.tpot_p99_ms, "e2el": inputs.e2el_p99_ms}
         found: tuple[str, str] | None = None
-        backlog = max(0, inputs.demand - inputs.num_running)
-        if backlog > self.cfg.overload_backlog_factor * cur:
-            self.last_backlog_time = now
-        queueing = now - self.last_backlog_time <= self.cfg.overload_memory_s
+        backlog = inputs.backlog
         for m in sorted(self.cfg.breach_metrics, key=lambda m: m != "tpot"):  # engine-side first
             limit = slo_ms[m]
             if limit is None or not seen[m] > self.cfg.breach_factor * limit:
@@ -629,7 +631,7 @@ class Shield:
             if m == "tpot" or not queueing:
                 return why, "engine"
             found = found or (f"{why} with {backlog} waiting" if backlog else f"{why} after a backlog", "overload")
-        if found is None and self.cfg.late_queue_overload and inputs.num_late_waiting > max(inputs.num_running, 0):
+        if found is None and self.cfg.late_queue_overload and inputs.num_late_waiting > inputs.num_running:
             found = (f"{inputs.num_late_waiting} waiting past their TTFT objective, more than the "
                      f"{inputs.num_running} running", "overload")
         return found
@@ -639,7 +641,9 @@ class Shield:
     ) -> tuple[int, int | None]:
         """Advance the breaker; returns (level, upper bound on the cap or None)."""
         cfg = self.cfg
-        breach = self._breached(inputs, cur, now)
+        if inputs.backlog > cfg.overload_backlog_factor * cur:
+            self.last_backlog_time = now
+        breach = self._breached(inputs, queueing=now - self.last_backlog_time <= cfg.overload_memory_s)
         if breach is None:
             self.num_breached_in_row = 0
             self.num_clean_in_row += 1
