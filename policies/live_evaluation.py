@@ -549,7 +549,8 @@ def live_evaluate(cfg: DictConfig, model_dir: Path | None = None) -> dict[str, A
                                    match_gateway=bool(cfg.twin_match_gateway),
                                    vllm_args=[*cfg.gateway.extra_vllm_args, *scenario.vllm_args],
                                    priority=header_priority(client_cfg.get("headers"), 1), seed=int(cfg.seed),
-                                   policy_dirs={p: d for p, d in pdirs.items() if p != "ppo"})
+                                   policy_dirs={p: d for p, d in pdirs.items() if p != "ppo"},
+                                   gateway_overrides=[str(o) for o in cfg.gateway.overrides])
         write_twin(out_dir, twin, rows, match=match)
         files["twin"] = out_dir / "twin.json"
     print(f"live_evaluate: {len(rows)} runs in {time.monotonic() - t_start:.0f} s; files in {out_dir}", flush=True)

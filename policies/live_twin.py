@@ -133,7 +133,32 @@ def twin_overrides(scenario: Mapping[str, Any], slo: Mapping[str, Any], vllm_arg
     blocks = _vllm_arg(vllm_args, "--num-gpu-blocks-override")
     if blocks is not None:
         out.append(f"engine.num_gpu_blocks_override={blocks}")
-    return [*out, *extra]
+    return _merge_overrides(out, extra)
+
+
+#: The gateway's overrides (``scripts/serve.py`` keys) the twin mirrors, as its own keys: the
+#: shield is one config group in both; the gateway's admission is the env's.
+GATEWAY_TO_TWIN: tuple[tuple[str, str], ...] = (("shield.", "shield."), ("serve.admission.", "env.admission."))
+
+
+def twin_gateway_overrides(gateway_overrides: Sequence[str]) -> list[str]:
+    """The gateway overrides that change its shield or admission, as the twin's overrides, so a
+    live run with e.g. ``shield.late_queue_overload=true`` is predicted under the same shield;
+    the others (ports, control interval set by the twin itself, logging) have no twin key."""
+    out = []
+    for o in gateway_overrides:
+        o = str(o)
+        for src, dst in GATEWAY_TO_TWIN:
+            if o.lstrip("+~").startswith(src):
+                out.append(dst + o.lstrip("+~")[len(src):])
+    return out
+
+
+def _merge_overrides(base: Sequence[str], extra: Sequence[str]) -> list[str]:
+    """``base`` then ``extra``; an ``extra`` key=value replaces ``base``'s of the same key
+    (Hydra refuses the same key twice)."""
+    keys = {e.split("=", 1)[0] for e in extra if "=" in e}
+    return [*(b for b in base if b.split("=", 1)[0] not in keys), *extra]
 
 
 # --- running it -------------------------------------------------------------------------------
@@ -339,13 +364,16 @@ def twin_of_rows(tf: TimedTraceFile, scenario: Mapping[str, Any], slo: Mapping[s
                  live_rows: Sequence[Mapping[str, Any]], *, paths: Sequence[str], match: bool = True,
                  match_gateway: bool = True, vllm_args: Sequence[Any] = (), priority: int | None = None,
                  seed: int = 0, policy_dirs: Mapping[str, str] | None = None,
+                 gateway_overrides: Sequence[str] = (),
                  log: Any = print) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
     """The twin of a live evaluation's rows: with ``match``, its speed first matched to the live
     reference path(s) (``match_slowdown``; ``match_gateway``: the gateway paths' factor too);
-    then one episode per path. Returns rows and the match."""
+    then one episode per path, under the gateway's shield and admission overrides. Returns rows
+    and the match."""
     refs = [MATCH_PATH, GATEWAY_MATCH_PATH] if match and match_gateway else [MATCH_PATH]
     run = _twin_runner(tf, scenario, slo, paths=[*dict.fromkeys([*paths, *refs])],
-                       vllm_args=vllm_args, priority=priority, seed=seed, policy_dirs=policy_dirs)
+                       vllm_args=vllm_args, priority=priority, seed=seed, policy_dirs=policy_dirs,
+                       extra_overrides=twin_gateway_overrides(gateway_overrides))
     m = (match_slowdown(tf, scenario, slo, live_rows, seed=seed, run=run, gateway=match_gateway, log=log)
          if match else None)
     k = float(m["slowdown"]) if m else 1.0
@@ -566,9 +594,10 @@ def twin_of(out_dir: str | Path, log: Any = print) -> dict[str, Any]:
         seed = int(cfg.get("seed", 0))
         match = bool(cfg.get("twin_match", True))
         match_gateway = bool(cfg.get("twin_match_gateway", True))
+        gw_over = [str(o) for o in (cfg.get("gateway", {}).get("overrides") or [])]
     else:
         scenario, slo, headers, seed = OmegaConf.create(res["meta"]["scenario"]), res["meta"]["slo"], [], 0
-        vargs, match, match_gateway = list(scenario.vllm_args), True, True
+        vargs, match, match_gateway, gw_over = list(scenario.vllm_args), True, True, []
     tf = scenario_trace(scenario)
     sc = OmegaConf.to_container(scenario, resolve=True)
     load = res["meta"].get("load") or {}
@@ -582,13 +611,13 @@ def twin_of(out_dir: str | Path, log: Any = print) -> dict[str, Any]:
     rows, m = twin_of_rows(tf, sc, slo, res["rows"], match=match, match_gateway=match_gateway,
                            paths=[p for p in TWIN_POLICY if any(r["path"] == p for r in res["rows"])],
                            vllm_args=vargs, priority=header_priority(headers, _serve_defaults()["default_priority"]),
-                           seed=seed, log=log)
+                           seed=seed, gateway_overrides=gw_over, log=log)
     summary = write_twin(d, rows, res["rows"], match=m)
     return {"rows": rows, "match": m, **summary}
 
 
 __all__ = [
     "GAINS", "TARGET_SHARE", "TWIN_POLICY", "header_priority", "live_paired", "match_slowdown", "run_twin",
-    "stream_from_records", "survival", "twin_markdown", "twin_of", "twin_of_rows", "twin_overrides", "twin_summary",
-    "write_twin",
+    "stream_from_records", "survival", "twin_gateway_overrides", "twin_markdown", "twin_of", "twin_of_rows",
+    "twin_overrides", "twin_summary", "write_twin",
 ]

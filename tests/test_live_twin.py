@@ -21,6 +21,7 @@ from batchpilot.policies.live_twin import (
     run_twin,
     stream_from_records,
     survival,
+    twin_gateway_overrides,
     twin_markdown,
     twin_of,
     twin_of_rows,
@@ -57,6 +58,23 @@ def test_overrides_carry_the_kv_budget_and_scheduler() -> None:
               "engine.num_gpu_blocks_override=96", "engine.max_num_batched_tokens=2048", "slo.ttft_ms=1000.0"):
         assert o in ov
     assert not any("num_gpu_blocks_override" in o for o in twin_overrides(_scenario("steady"), SLO, []))
+
+
+def test_the_twin_runs_under_the_gateways_shield_and_admission_overrides() -> None:
+    """A live run whose gateway was started with shield or admission overrides is predicted
+    under the same ones (one shield); the gateway's other settings have no twin key."""
+    gw = ["shield.max_batch=4", "+serve.admission.on_time_first=false", "serve.port=9000", "serve.control.interval_s=0.5"]
+    assert twin_gateway_overrides(gw) == ["shield.max_batch=4", "env.admission.on_time_first=false"]
+    ov = twin_overrides(_scenario(), SLO, [], twin_gateway_overrides(["shield.breaker_shrink=0.5"]))
+    assert [o for o in ov if o.startswith("shield.breaker_shrink=")] == ["shield.breaker_shrink=0.5"]
+    sc = _scenario("steady", n=16)
+    tf = scenario_trace(OmegaConf.create(sc))
+    live = [{"path": "pid", "round": 0, "request_goodput": 1.0}]
+    rows, _ = twin_of_rows(tf, sc, SLO, live, paths=["pid"], match=False, gateway_overrides=gw, log=lambda m: None)
+    free, _ = twin_of_rows(tf, sc, SLO, live, paths=["pid"], match=False, log=lambda m: None)
+    # the shield steps the start-up cap down by at most 30 % a tick, to its max_batch of 4
+    capped, own = rows[0]["timeline"]["batch_cap"], free[0]["timeline"]["batch_cap"]
+    assert capped[-1] <= 4 < min(own) and capped[1] < capped[0]
 
 
 @pytest.mark.slow
