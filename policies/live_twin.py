@@ -146,11 +146,11 @@ def twin_gateway_overrides(gateway_overrides: Sequence[str]) -> list[str]:
     live run with e.g. ``shield.late_queue_overload=true`` is predicted under the same shield;
     the others (ports, control interval set by the twin itself, logging) have no twin key."""
     out = []
-    for o in gateway_overrides:
-        o = str(o)
+    for o in map(str, gateway_overrides):
+        body = o.lstrip("+~")  # Hydra's add / delete prefixes stay as they were
         for src, dst in GATEWAY_TO_TWIN:
-            if o.lstrip("+~").startswith(src):
-                out.append(dst + o.lstrip("+~")[len(src):])
+            if body.startswith(src):
+                out.append(o[: len(o) - len(body)] + dst + body[len(src):])
     return out
 
 

@@ -63,8 +63,10 @@ def test_overrides_carry_the_kv_budget_and_scheduler() -> None:
 def test_the_twin_runs_under_the_gateways_shield_and_admission_overrides() -> None:
     """A live run whose gateway was started with shield or admission overrides is predicted
     under the same ones (one shield); the gateway's other settings have no twin key."""
-    gw = ["shield.max_batch=4", "+serve.admission.on_time_first=false", "serve.port=9000", "serve.control.interval_s=0.5"]
+    gw = ["shield.max_batch=4", "serve.admission.on_time_first=false", "serve.port=9000", "serve.control.interval_s=0.5"]
     assert twin_gateway_overrides(gw) == ["shield.max_batch=4", "env.admission.on_time_first=false"]
+    assert twin_gateway_overrides(["~shield.breaker_shrink", "+serve.admission.x=1"]) == [
+        "~shield.breaker_shrink", "+env.admission.x=1"]  # Hydra's delete / add prefixes kept
     ov = twin_overrides(_scenario(), SLO, [], twin_gateway_overrides(["shield.breaker_shrink=0.5"]))
     assert [o for o in ov if o.startswith("shield.breaker_shrink=")] == ["shield.breaker_shrink=0.5"]
     sc = _scenario("steady", n=16)
