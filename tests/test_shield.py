@@ -280,14 +280,16 @@ def test_a_ttft_breach_soon_after_a_backlog_is_still_queueing():
 
 def test_a_late_backlog_is_overload_when_asked():
     """Served first, on-time requests keep the TTFT window near the objective while the late
-    ones pile up behind them; with ``late_queue_overload`` more late than running sheds."""
+    ones pile up behind them; with ``late_queue_overload`` (the default) more late than running
+    sheds."""
     piled = ShieldInputs(ttft_p99_ms=1050.0, demand=3800, num_running=150, num_late_waiting=3000)
     d = shield(ROOMY, late_queue_overload=True).apply(Proposal(batch_cap=200), Knobs(200), piled, 1.0)
     assert d.breaker_level == 2 and "3000 waiting past their TTFT" in d.interventions["breaker_shed"]
     assert d.knobs.batch_cap == 200  # shed, the cap stays with the controller
     few = ShieldInputs(ttft_p99_ms=1050.0, demand=300, num_running=150, num_late_waiting=100)
     assert shield(ROOMY, late_queue_overload=True).apply(Proposal(), Knobs(200), few, 1.0).breaker_level == 0
-    assert shield(ROOMY).apply(Proposal(), Knobs(200), piled, 1.0).breaker_level == 0  # off by default
+    assert shield(ROOMY, late_queue_overload=False).apply(Proposal(), Knobs(200), piled, 1.0).breaker_level == 0
+    assert shield(ROOMY).apply(Proposal(), Knobs(200), piled, 1.0).breaker_level == 2  # on by default
 
 
 def test_cap_stays_within_a_step_of_the_running_batch():

@@ -147,7 +147,9 @@ class ShieldConfig:
     #: More requests waiting past their TTFT objective than running is overload too (shed).
     #: Served first, the on-time requests keep the TTFT window near the objective while the
     #: late ones pile up behind them (measured: 3,700 waiting, p99 TTFT 1.06 s, never shed).
-    late_queue_overload: bool = False
+    #: On since 2026-12-02: the live gateway shed such a backlog on its TTFT and the simulator
+    #: did not, so the twin mispredicted every gateway path 3-6x (docs/live_evaluation.md).
+    late_queue_overload: bool = True
     #: Level-1 shrink factor of the cap.
     breaker_shrink: float = 0.7
     #: Seconds after a breaker shrink before the next one (latency windows need time to show it).
