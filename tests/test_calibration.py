@@ -266,3 +266,25 @@ def test_compared_runs_keep_the_fast_state_unless_too_few() -> None:
     assert compared_runs([1.0, 1.9, 1.05, 1.1], 0.2, runs=2) == [0, 2]
     assert compared_runs([1.9, 1.0, 2.2], 0.2, runs=3) == [0, 1, 2]  # one fast run: all compared
     assert compared_runs([float("nan")] * 3, 0.2, runs=3) == [0, 1, 2]  # not probed
+
+
+def test_the_fast_state_is_anchored_on_a_quantile_of_the_probes() -> None:
+    """One lucky probe must not make an idle host read as busy: with ``anchor_quantile`` the
+    fast state is that quantile of the probes; 0 keeps the fastest; the report's floor (the
+    profile's own prediction of the probe) still wins when it is faster."""
+    from batchpilot.policies.calibration import StateMeter
+    from batchpilot.schemas import StateProbe
+
+    kw = dict(enabled=True, batch=8, context=64, steps=4, tolerance=0.2, retries=2, max_runs=6)
+    probes = [2.4, *[3.0 + 0.01 * i for i in range(18)], 6.0]  # one outlier, the host's usual ~3 ms, one slow
+    fastest = StateMeter(None, StateProbe(**kw), 0.9)  # type: ignore[arg-type]  (no probe is taken)
+    tenth = StateMeter(None, StateProbe(**kw, anchor_quantile=0.1), 0.9)  # type: ignore[arg-type]
+    for m in (fastest, tenth):
+        m.probes.extend(probes)
+    assert fastest.anchor_s == 2.4 and fastest.slow(3.05)  # the usual state reads as busy
+    assert tenth.anchor_s == pytest.approx(3.0) and not tenth.slow(3.05) and tenth.slow(6.0)
+    assert tenth.fastest_s == 2.4 and tenth.count == len(probes)
+    tenth.floor_s = 2.8
+    assert tenth.anchor_s == 2.8
+    with pytest.raises(ValueError, match="anchor_quantile"):
+        StateProbe(**kw, anchor_quantile=1.0)
