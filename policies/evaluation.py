@@ -208,7 +208,8 @@ class EvalConfig:
 
 
 # --- composing one workload's config ------------------------------------------------------------
-def _override_key(o: str) -> str:
+def override_key(o: str) -> str:
+    """The config key a Hydra override sets (``+a.b=1``, ``~a.b`` -> ``a.b``)."""
     return o.split("=", 1)[0].lstrip("+~")
 
 
@@ -218,11 +219,11 @@ def workload_overrides(
     """The overrides one workload composes with: the user's (without ``workloads``, and without
     ``workload=`` when ``name`` comes from the list), then ``workload=<name>``, then the
     workload's own ``extra`` group choices unless the user set that group explicitly."""
-    out = [o for o in user if _override_key(o) != "workloads" and not (name and _override_key(o) == "workload")]
+    out = [o for o in user if override_key(o) != "workloads" and not (name and override_key(o) == "workload")]
     if name:
         out.append(f"workload={name}")
-    user_keys = {_override_key(o) for o in user}
-    out += [o for o in extra if _override_key(o) not in user_keys]
+    user_keys = {override_key(o) for o in user}
+    out += [o for o in extra if override_key(o) not in user_keys]
     return out
 
 
@@ -287,7 +288,7 @@ def deployment_overrides(extra: Sequence[str], deployment: Deployment | None) ->
     a window length, stay)."""
     if deployment is None:
         return list(extra)
-    kept = [o for o in extra if _override_key(o) not in ("model", "hardware")]
+    kept = [o for o in extra if override_key(o) not in ("model", "hardware")]
     return [*kept, f"model={deployment.model}", f"hardware={deployment.hardware}"]
 
 
@@ -453,7 +454,7 @@ def deployment_multiplier(
 def plan_matrix(user: Sequence[str], ecfg: EvalConfig, log: Callable[[str], None]) -> list[WorkloadPlan]:
     """Every workload (× deployment) of the run, load sized per deployment."""
     if ecfg.deployments:
-        clash = sorted({_override_key(o) for o in user} & {"model", "hardware"})
+        clash = sorted({override_key(o) for o in user} & {"model", "hardware"})
         if clash:
             raise EvaluationError(
                 f"deployments=[...] sets model and hardware per cell; drop {clash} from the command line"

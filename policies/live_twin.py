@@ -157,8 +157,10 @@ def twin_gateway_overrides(gateway_overrides: Sequence[str]) -> list[str]:
 def _merge_overrides(base: Sequence[str], extra: Sequence[str]) -> list[str]:
     """``base`` then ``extra``; an ``extra`` key=value replaces ``base``'s of the same key
     (Hydra refuses the same key twice)."""
-    keys = {e.split("=", 1)[0] for e in extra if "=" in e}
-    return [*(b for b in base if b.split("=", 1)[0] not in keys), *extra]
+    from batchpilot.policies.evaluation import override_key
+
+    keys = {override_key(e) for e in extra}
+    return [*(b for b in base if override_key(b) not in keys), *extra]
 
 
 # --- running it -------------------------------------------------------------------------------
