@@ -684,6 +684,16 @@ class MetricComparison:
             return None
         return abs(self.rel_err) <= max(self.target, self.live_spread)
 
+    @property
+    def verdict(self) -> str:
+        """"yes" within the target itself, "spread" only within the live runs' spread (a noisy
+        host, not a met target), "NO" outside both, "" without a target."""
+        if self.target is None:
+            return ""
+        if abs(self.rel_err) <= self.target:
+            return "yes"
+        return "spread" if self.ok else "NO"
+
 
 def compare(workload: str, sim: dict[str, float], live: Sequence[dict[str, float]],
             metrics: Sequence[str] = REPORT_METRICS) -> list[MetricComparison]:
@@ -705,6 +715,10 @@ def summary_json(rows: Sequence[MetricComparison], preemptions_sim: float,
     for r in rows:
         out[f"{r.workload}/{r.metric}"] = round(r.rel_err, 4)
         out[f"{r.workload}/{r.metric}_live_spread"] = round(r.live_spread, 4)
+    verdicts = [r.verdict for r in rows if r.verdict]
+    out["targets_met"] = float(verdicts.count("yes"))
+    out["targets_within_spread_only"] = float(verdicts.count("spread"))
+    out["targets_missed"] = float(verdicts.count("NO"))
     out["preemptions_sim"] = float(preemptions_sim)
     out["preemptions_live"] = float(preemptions_live)
     return out
@@ -922,10 +936,9 @@ def run_report(cfg: Any, console: Any) -> dict[str, float]:
         table.add_column(col, justify="left" if col in ("workload", "metric") else "right")
     rows = [r for w in runs for r in w.rows]
     for r in rows:
-        ok = {None: "", True: "yes", False: "NO"}[r.ok]
         table.add_row(r.workload, r.metric, _fmt(r.sim), _fmt(r.live_mean),
                       " / ".join(_fmt(x) for x in r.live), f"{r.rel_err:+.1%}",
-                      f"±{r.live_spread:.1%}", f"{r.target:.0%}" if r.target else "", ok)
+                      f"±{r.live_spread:.1%}", f"{r.target:.0%}" if r.target else "", r.verdict)
     for w in runs:
         used = [w.live[i] for i in w.compared]
         table.add_row(w.name, "preemptions", _fmt(w.sim["preemptions"]),

@@ -77,6 +77,19 @@ def test_summary_json_keys_and_spread() -> None:
     assert out["p99_ttft_ms_live_spread"] == pytest.approx(0.2)
     assert out["preemptions_sim"] == 0 and out["preemptions_live"] == 1.5
     assert rows[0].ok and rows[1].ok
+    assert out["targets_missed"] == 0
+
+
+def test_a_row_within_the_live_spread_only_is_not_called_a_met_target() -> None:
+    """A noisy host's spread can cover any error; the report says so rather than "yes"."""
+    met = MetricComparison("azure_conv", "median_tpot_ms", 2.1, (2.0, 2.0, 2.0))
+    spread = MetricComparison("azure_conv", "median_tpot_ms", 1.3, (6.4, 1.5, 1.5))
+    missed = MetricComparison("azure_conv", "median_tpot_ms", 9.0, (2.0, 2.1, 1.9))
+    untargeted = MetricComparison("azure_conv", "median_e2el_ms", 9.0, (2.0, 2.1, 1.9))
+    assert [met.verdict, spread.verdict, missed.verdict, untargeted.verdict] == ["yes", "spread", "NO", ""]
+    assert spread.ok and not missed.ok
+    out = summary_json([met, spread, missed, untargeted], preemptions_sim=0, preemptions_live=0)
+    assert (out["targets_met"], out["targets_within_spread_only"], out["targets_missed"]) == (1, 1, 1)
 
 
 @pytest.mark.live
