@@ -686,8 +686,9 @@ class MetricComparison:
 
     @property
     def verdict(self) -> str:
-        """"yes" within the target itself, "spread" only within the live runs' spread (a noisy
-        host, not a met target), "NO" outside both, "" without a target."""
+        """The report's ``ok`` column: ``yes`` within the target itself, ``spread`` only within
+        the live runs' spread (a noisy host, not a met target), ``NO`` outside both, empty
+        without a target."""
         if self.target is None:
             return ""
         if abs(self.rel_err) <= self.target:
