@@ -58,7 +58,7 @@ evaluation's ``_check``).
 by ``batchpilot.config.node_schema`` (the
 dataclass's fields, types and defaults, plus the keys that select the class, ``kind`` / ``name``,
 or that its caller reads, the vLLM engine's ``warmup``); PID's and AIMD's leave out ``slo_ms`` and
-``tpot_slo_ms``, which ``build_controller`` fills from the top config's ``slo``. The objects
+``tpot_slo_ms``, PPO's its served ``slo``, which ``build_controller`` fills from the top config's ``slo``. The objects
 are built from the dataclass itself with ``from_node(cls, node, drop=(...))``. ``EnvNode`` and
 ``LiveScenarioConfig`` are schemas only (their readers take the composed node); their
 top-level keys are required, so they hold no default that could disagree with the file.
@@ -460,17 +460,20 @@ class PPOPolicyConfig:
     #: The engine's restart time for a KV switch, which the agent weighs (the shield's
     #: ``dtype_restart_s``); None: the KV agent is not run.
     kv_restart_s: float | None = None
+    #: The SLO served, ``{"ttft": ms, "tpot": ms, "e2el": ms}`` (``build_controller`` fills it from
+    #: the top config's ``slo``); None = the SLO the policy was trained at.
+    slo: dict[str, float | None] | None = None
 
 
 # The conf/policy files' schemas: the controller's dataclass plus ``kind``, which selects the
 # builder (``policies/controllers.py build_controller``), and a static controller's ``name``.
-# PID's and AIMD's leave out the SLO fields: build_controller fills them from the top config's
-# ``slo`` group, and a schema default there would hide the SLO.
+# PID's, AIMD's and PPO's leave out the SLO fields: build_controller fills them from the top
+# config's ``slo`` group, and a schema default there would hide the SLO.
 _SLO_FILLED = ("slo_ms", "tpot_slo_ms")
 PIDPolicyNode = node_schema(PIDConfig, "PIDPolicyNode", extra=[("kind", str, "pid")], exclude=_SLO_FILLED)
 AIMDPolicyNode = node_schema(AIMDConfig, "AIMDPolicyNode", extra=[("kind", str, "aimd")], exclude=_SLO_FILLED)
 StaticPolicyNode = node_schema(StaticConfig, "StaticPolicyNode", extra=[("kind", str, "static"), ("name", str, "static")])
-PPOPolicyNode = node_schema(PPOPolicyConfig, "PPOPolicyNode", extra=[("kind", str, "ppo")])
+PPOPolicyNode = node_schema(PPOPolicyConfig, "PPOPolicyNode", extra=[("kind", str, "ppo")], exclude=("slo",))
 
 
 # --- serve -----------------------------------------------------------------------------------

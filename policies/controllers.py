@@ -130,11 +130,14 @@ register_controller("ppo", _build_ppo)
 
 def build_controller(cfg_policy: Any, max_num_seqs: int, slo_ms: dict[str, float | None] | None = None) -> Controller:
     """The controller ``cfg_policy.kind`` names. ``slo_ms`` (``{"ttft": .., "tpot": .., "e2el": ..}``
-    from the top config) fills PID/AIMD ``slo_ms`` when the policy config leaves it out."""
+    from the top config) fills PID/AIMD ``slo_ms`` and PPO's served ``slo`` when the policy
+    config leaves them out."""
     d = _node(cfg_policy)
     kind = d.get("kind")
     if kind not in CONTROLLER_BUILDERS:
         raise ValueError(f"unknown policy kind {kind!r}; known: {sorted(CONTROLLER_BUILDERS)}")
+    if slo_ms and kind == "ppo" and "slo" not in d:
+        d["slo"] = dict(slo_ms)
     if slo_ms and kind in ("pid", "aimd"):
         slo = slo_ms.get(d.get("metric", "ttft"))
         if slo is not None and "slo_ms" not in d:

@@ -42,7 +42,7 @@ def fast_controller(fast_path: str | None, env: ServingEnv) -> Controller:
     caps = env.engine.capabilities()
     return PPOController.from_dir(
         fast_path, max_num_seqs=caps.max_num_seqs, max_model_len=caps.max_model_len,
-        kv_runnable={d: caps.can_run(d) for d in caps.kv_dtypes}, kv_agent=False,
+        kv_runnable={d: caps.can_run(d) for d in caps.kv_dtypes}, kv_agent=False, slo=env.slo,
     )
 
 

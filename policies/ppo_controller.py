@@ -84,6 +84,7 @@ class PPOController:
         kv_runnable: Mapping[str, bool] | None = None,
         ood_margin: float = 0.25,
         kv_agent: KVAgent | None = None,
+        slo: SLO | None = None,
     ) -> None:
         self.runtime = runtime
         path = runtime.artifact.path
@@ -99,8 +100,13 @@ class PPOController:
                 f"policy artifact {path}: max_num_seqs/max_model_len neither given nor recorded in the manifest"
             )
         self.max_num_seqs, self.max_model_len = int(seqs), int(model_len)
-        slo = runtime.manifest.get("slo") or {}
-        self.slo = SLO(ttft_ms=slo.get("ttft_ms"), tpot_ms=slo.get("tpot_ms"), e2el_ms=slo.get("e2el_ms"))
+        trained = runtime.manifest.get("slo") or {}
+        #: The objectives the policy was trained at, and those it serves now (``slo``; default:
+        #: the trained ones). Latencies are observed relative to the served SLO and the PID it
+        #: corrects steers on it, so the policy aims at the deployment's objectives.
+        self.trained_slo = SLO(ttft_ms=trained.get("ttft_ms"), tpot_ms=trained.get("tpot_ms"),
+                               e2el_ms=trained.get("e2el_ms"))
+        self.slo = slo if slo is not None else self.trained_slo
         self.set_kv_runnable(kv_runnable)
         cfg = runtime.manifest.get("training", {}).get("config", {})
         ctl = cfg.get("controller") or {}
@@ -108,7 +114,7 @@ class PPOController:
         if self.action_mode not in ACTION_MODES:
             raise PolicyLoadError(f"policy artifact {path}: action_mode {self.action_mode!r} not in {ACTION_MODES}")
         try:
-            self._pid_cfg = residual_pid_config(self.slo, self.max_num_seqs, ctl.get("pid"))
+            self._pid_cfg = residual_pid_config(self.slo, self.max_num_seqs, ctl.get("pid"), self.trained_slo)
         except (TypeError, ValueError) as exc:
             raise PolicyLoadError(f"policy artifact {path}: bad controller.pid in the manifest: {exc}") from exc
         #: PID: the base a residual policy scales, and who acts outside the training range.
@@ -246,4 +252,6 @@ def build_ppo_controller(cfg_policy: Any, max_num_seqs: int) -> PPOController:
         ood_margin=pc.ood_margin,
         kv_agent=pc.kv_agent,
         kv_restart_s=pc.kv_restart_s,
+        slo=None if pc.slo is None else SLO(ttft_ms=pc.slo.get("ttft"), tpot_ms=pc.slo.get("tpot"),
+                                            e2el_ms=pc.slo.get("e2el")),
     )

@@ -264,7 +264,7 @@ class ControlLoop:
         caps = self.lane_ctl[gw.lanes[0].index].shield.capabilities
         self.policies = PolicyManager(cfg.control, gw.metrics, max_num_seqs=cfg.max_num_seqs,
                                       kv_runnable={d: caps.can_run(d) for d in caps.kv_dtypes}, note=self._note,
-                                      kv_restart_s=shield_cfg.dtype_restart_s)
+                                      kv_restart_s=shield_cfg.dtype_restart_s, slo=s.slo)
         self._task: asyncio.Task | None = None
 
     # --- lifecycle -----------------------------------------------------------------------

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 from batchpilot.core.knobs import Knobs, Proposal
-from batchpilot.core.telemetry import Snapshot
+from batchpilot.core.telemetry import SLO, Snapshot
 from batchpilot.policies.ppo_controller import PRETRAINED_DIR, PolicyLoadError, PPOController
 from batchpilot.serving.prom import GatewayMetrics
 from batchpilot.serving.settings import CONTROL_MODES, ControlConfig
@@ -80,13 +80,15 @@ class PolicyManager:
 
     ``max_num_seqs``, ``kv_runnable`` and ``kv_restart_s`` describe the upstream engines (what a
     policy's running counts are normalised by, which KV dtypes its mask allows, what a KV switch
-    costs its KV agent); ``note`` reports notable events.
+    costs its KV agent); ``slo`` is the gateway's SLO, which a policy steers on (as its PID and
+    shield do; None = the SLO the policy was trained at); ``note`` reports notable events.
     """
 
     def __init__(self, cfg: ControlConfig, metrics: GatewayMetrics, *, max_num_seqs: int,
                  kv_runnable: Mapping[str, bool], note: Callable[[str], None],
-                 kv_restart_s: float | None = None) -> None:
+                 kv_restart_s: float | None = None, slo: SLO | None = None) -> None:
         self.cfg = cfg
+        self.slo = slo
         self.metrics = metrics
         self.max_num_seqs = max_num_seqs
         self.kv_runnable = dict(kv_runnable)
@@ -109,7 +111,7 @@ class PolicyManager:
     # --- loading -------------------------------------------------------------------------
     def _build(self, path: str) -> PPOController:
         return PPOController.from_dir(path, max_num_seqs=self.max_num_seqs, kv_runnable=self.kv_runnable,
-                                      kv_restart_s=self.kv_restart_s)
+                                      kv_restart_s=self.kv_restart_s, slo=self.slo)
 
     def load_policy(self, path: str | None) -> bool:
         """Load the policy the controller modes use; on failure fall back to PID and say why."""

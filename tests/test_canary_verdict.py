@@ -89,3 +89,15 @@ def test_no_verdict_on_a_handful_of_requests() -> None:
     verdicts = [c.record("canary", 1, 0, **kw) for _ in range(17)]  # the queued ones, late
     assert verdicts[:-1] == [None] * 16 and verdicts[-1] is not None
     assert verdicts[-1][0] is False and "rolled back" in verdicts[-1][1]
+
+
+def test_the_gateways_policy_steers_on_the_gateways_slo() -> None:
+    """The served policy observes and steers on the SLO the gateway's PID and shield use."""
+    from batchpilot.serving.policy_manager import PolicyManager
+    from batchpilot.serving.prom import GatewayMetrics
+    from batchpilot.serving.settings import ControlConfig
+
+    slo = SLO(ttft_ms=800.0, tpot_ms=30.0)
+    pm = PolicyManager(ControlConfig(mode="policy"), GatewayMetrics(), max_num_seqs=256,
+                       kv_runnable={"auto": True}, note=lambda _m: None, slo=slo)
+    assert pm.policy is not None and pm.policy.slo == slo and pm.policy._pid_cfg.tpot_slo_ms == 30.0

@@ -83,6 +83,39 @@ def test_residual_pid_config_fills_the_slo_and_bounds_the_cap():
         residual_pid_config(SLO(), 64, {"kq": 1.0})
 
 
+def test_a_recorded_pid_moves_its_objectives_with_the_served_slo():
+    """A PID recorded at training steers at the same share of the objective it is served at."""
+    recorded = dataclasses.asdict(PIDConfig(slo_ms=80.0, tpot_slo_ms=100.0, kp=0.7))
+    trained = SLO(ttft_ms=1000.0, tpot_ms=100.0)
+    cfg = residual_pid_config(SLO(ttft_ms=500.0, tpot_ms=25.0), 256, recorded, trained)
+    assert (cfg.slo_ms, cfg.tpot_slo_ms, cfg.kp) == (20.0, 25.0, 0.7)
+    assert residual_pid_config(trained, 256, recorded, trained).slo_ms == 80.0
+    # no TPOT objective served: the recorded one stands
+    assert residual_pid_config(SLO(tpot_ms=None), 256, recorded, trained).tpot_slo_ms == 100.0
+
+
+def test_a_policy_serves_the_deployments_slo_not_the_one_it_was_trained_at():
+    """Under a tighter SLO than training's, PPO observes latencies relative to it and its PID
+    cuts where the trained objective would have let it grow (before, under TPOT 25 ms, it
+    steered at 80 ms and was 0.14x PID on a sweep, docs/evaluation.md)."""
+    env = _env()
+    snap = dataclasses.replace(_snapshot_from(env), tpot_p99_ms=40.0, queue_depth=(20, 0, 0))
+    knobs = Knobs(batch_cap=64, bucketing="weighted")
+    seqs = env.engine.capabilities().max_num_seqs
+    node = load_config(["policy=ppo"]).policy
+    trained = build_controller(node, seqs)
+    served = build_controller(node, seqs, slo_ms={"ttft": 500.0, "tpot": 25.0, "e2el": None})
+    assert trained.slo == SLO(ttft_ms=1000.0, tpot_ms=100.0) == trained.trained_slo
+    assert served.slo == SLO(ttft_ms=500.0, tpot_ms=25.0) and served.trained_slo == trained.slo
+    tpot = FEATURE_NAMES.index("tpot_p99")
+    assert trained.observation(snap)[tpot] == pytest.approx(0.4)
+    assert served.observation(snap)[tpot] == pytest.approx(1.6)
+    assert served._pid_cfg.slo_ms == 25.0 and served._pid_cfg.tpot_slo_ms == 25.0
+    for ctl in (trained, served):
+        ctl.reset(knobs)
+    assert trained.residual.base(snap, knobs).batch_cap > 64 > served.residual.base(snap, knobs).batch_cap
+
+
 def _shipped_copy(tmp_path: Path, edit) -> Path:
     dst = tmp_path / "policy"
     shutil.copytree(PRETRAINED_DIR, dst)

@@ -26,19 +26,35 @@ ACTION_MODES: tuple[str, ...] = ("residual_pid", "absolute")
 RESIDUAL_FACTORS: tuple[float, ...] = tuple(1.0 + s for s in BATCH_STEPS)
 
 
-def residual_pid_config(slo: SLO, max_num_seqs: int, recorded: Mapping[str, Any] | None = None) -> PIDConfig:
-    """The PID a residual policy corrects: ``recorded`` (a trained policy's manifest), else
-    ``PIDConfig``'s defaults (= ``conf/policy/pid.yaml``) with the SLO filled in; the cap
-    bounds at the engine's ``max_num_seqs``."""
+def _slo_ms(slo: SLO, metric: str) -> float | None:
+    return {"ttft": slo.ttft_ms, "tpot": slo.tpot_ms, "e2el": slo.e2el_ms}[metric]
+
+
+def residual_pid_config(
+    slo: SLO,
+    max_num_seqs: int,
+    recorded: Mapping[str, Any] | None = None,
+    trained_slo: SLO | None = None,
+) -> PIDConfig:
+    """The PID a residual policy corrects, steering on ``slo`` (the objectives served now):
+    ``recorded`` (a trained policy's manifest, whose objectives were ``trained_slo``) with each
+    objective moved by the ratio of the served to the trained SLO, so it aims at the same share
+    of the objective the deployment actually has; else ``PIDConfig``'s defaults (=
+    ``conf/policy/pid.yaml``) with the SLO filled in. The cap bounds at ``max_num_seqs``."""
     base = dataclasses.asdict(PIDConfig())
     d = dict(recorded or {})
     if not d:
-        slo_ms = {"ttft": slo.ttft_ms, "tpot": slo.tpot_ms, "e2el": slo.e2el_ms}[base["metric"]]
+        slo_ms = _slo_ms(slo, base["metric"])
         d = {"slo_ms": float(slo_ms if slo_ms is not None else base["slo_ms"]), "tpot_slo_ms": slo.tpot_ms}
     unknown = set(d) - set(base)
     if unknown:
         raise ValueError(f"residual PID config: unknown keys {sorted(unknown)}; known: {sorted(base)}")
     d = {**base, **d}
+    if recorded and trained_slo is not None:
+        for key, metric in (("slo_ms", d["metric"]), ("tpot_slo_ms", "tpot")):
+            now, then = _slo_ms(slo, metric), _slo_ms(trained_slo, metric)
+            if d[key] is not None and now and then:
+                d[key] = float(d[key]) * now / then
     d["max_batch"] = min(int(d["max_batch"]), max_num_seqs)
     d["initial_batch_cap"] = min(int(d["initial_batch_cap"]), d["max_batch"])
     d["min_batch"] = min(int(d["min_batch"]), d["initial_batch_cap"])
