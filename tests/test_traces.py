@@ -23,6 +23,7 @@ from batchpilot.envs.traces import (
 
 AZURE = REPO_ROOT / "data/traces/azure_llm_2023_conv.csv"
 MOONCAKE = REPO_ROOT / "data/traces/mooncake_synthetic.jsonl"
+AZURE_CODE = REPO_ROOT / "data/traces/azure_llm_2023_code.csv"
 
 
 @pytest.fixture(scope="module")
@@ -48,6 +49,15 @@ def test_azure_conv_matches_published_facts(azure):
     assert azure.output_len.mean() == pytest.approx(211, abs=1)
     assert azure.output_len.max() == 1000
     assert azure.prefix_hashes is None
+
+
+def test_azure_code_matches_the_facts_in_its_readme():
+    code = read_trace(AZURE_CODE, "azure")
+    assert len(code) == 8_819 and code.report.skipped == {}
+    assert code.arrival_s[-1] == pytest.approx(3435.948, abs=1e-3)
+    assert code.prompt_len.mean() == pytest.approx(2048, abs=1) and code.prompt_len.max() == 7437
+    assert np.median(code.prompt_len) == 1469 and np.median(code.output_len) == 13
+    assert code.output_len.mean() == pytest.approx(28, abs=1) and code.output_len.max() == 1899
 
 
 def test_mooncake_matches_published_facts(mooncake):
