@@ -487,8 +487,23 @@ OnTimeFirstMachine.TestCase.settings = settings(max_examples=60, stateful_step_c
 TestOnTimeFirstMachine = OnTimeFirstMachine.TestCase
 
 
-def _on_time_first(mode: str, on: bool = True, ttft_ms: float | None = 1000.0) -> Admission:
-    adm = Admission(AdmissionConfig(on_time_first=on), Knobs(batch_cap=1, bucketing=mode))
+class NewestFirstMachine(AdmissionMachine):
+    """And with the on-time requests taken newest first once any has gone late: a second heap
+    per bucket, removed lazily, still loses nothing and counts right."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        cfg = AdmissionConfig(max_queue_len=5, max_wait_s=10.0, max_num_long=2, newest_first_when_late=True)
+        self.a = Admission(cfg, Knobs(3))
+        self.a.use_slo(3000.0)
+
+
+NewestFirstMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=60, deadline=None)
+TestNewestFirstMachine = NewestFirstMachine.TestCase
+
+
+def _on_time_first(mode: str, on: bool = True, ttft_ms: float | None = 1000.0, newest: bool = False) -> Admission:
+    adm = Admission(AdmissionConfig(on_time_first=on, newest_first_when_late=newest), Knobs(batch_cap=1, bucketing=mode))
     adm.use_slo(ttft_ms)
     return adm
 
@@ -519,6 +534,34 @@ def test_on_time_first_serves_the_requests_that_can_still_meet_their_ttft(mode: 
     assert _drain(off, 2.1) == ["old", "older_too", "fresh", "fresher"]
     assert on.num_rejected == 0 and on.num_finished == 4
     on.check_counts()
+
+
+@pytest.mark.parametrize("mode", BUCKETING_MODES)
+def test_once_a_request_is_late_the_on_time_ones_go_newest_first(mode: str) -> None:
+    """Past capacity the oldest on-time request has the least slack left and would mostly go
+    late while it is served: with ``newest_first_when_late`` the newest goes first while any
+    waiting request is late, and first come, first served returns once none is."""
+    adm = _on_time_first(mode, newest=True)
+    _submit(adm, ("late", 0.0, 100, 0), ("a", 1.5, 100, 0), ("b", 1.6, 100, 0), ("c", 1.7, 100, 0))
+    (r,) = adm.admit(1.8)
+    assert r.request_id == "c"  # "late" waited 1.8 s > 1 s: overloaded
+    adm.on_finished("c")
+    assert _drain(adm, 1.9) == ["b", "a", "late"]
+    # nobody late: arrival order
+    calm = _on_time_first(mode, newest=True)
+    _submit(calm, ("x", 0.0, 100, 0), ("y", 0.1, 100, 0), ("z", 0.2, 100, 0))
+    assert _drain(calm, 0.5) == ["x", "y", "z"]
+    assert adm.num_rejected == 0 and calm.num_rejected == 0
+    adm.check_counts()
+
+
+def test_newest_first_spans_buckets_and_keeps_priority_first() -> None:
+    """FIFO bucketing takes the newest on-time head across buckets; within a bucket priority
+    still ranks first (a late core request before an on-time batch one, as without the rule)."""
+    adm = _on_time_first("fifo", newest=True)
+    _submit(adm, ("late", 0.0, 100, 0), ("short", 1.5, 100, 0), ("medium", 1.7, 2000, 0),
+            ("batch_newest", 1.75, 100, 1), ("core_short", 1.6, 100, 0))
+    assert _drain(adm, 1.8) == ["medium", "core_short", "short", "late", "batch_newest"]
 
 
 def test_the_late_count_follows_the_queue() -> None:

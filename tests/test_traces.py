@@ -24,6 +24,7 @@ from batchpilot.envs.traces import (
 AZURE = REPO_ROOT / "data/traces/azure_llm_2023_conv.csv"
 MOONCAKE = REPO_ROOT / "data/traces/mooncake_synthetic.jsonl"
 AZURE_CODE = REPO_ROOT / "data/traces/azure_llm_2023_code.csv"
+MOONCAKE_CONV = REPO_ROOT / "data/traces/mooncake_conversation.jsonl"
 
 
 @pytest.fixture(scope="module")
@@ -58,6 +59,20 @@ def test_azure_code_matches_the_facts_in_its_readme():
     assert code.prompt_len.mean() == pytest.approx(2048, abs=1) and code.prompt_len.max() == 7437
     assert np.median(code.prompt_len) == 1469 and np.median(code.output_len) == 13
     assert code.output_len.mean() == pytest.approx(28, abs=1) and code.output_len.max() == 1899
+
+
+def test_mooncake_conversation_matches_the_facts_in_its_readme():
+    conv = read_trace(MOONCAKE_CONV, "mooncake")
+    assert len(conv) == 12_031 and conv.report.skipped == {}
+    assert conv.arrival_s[-1] == pytest.approx(3536.999)
+    assert conv.prompt_len.mean() == pytest.approx(12_035, abs=1) and conv.prompt_len.max() == 126_195
+    assert conv.output_len.mean() == pytest.approx(343, abs=1) and conv.output_len.max() == 2_000
+    # Timestamps come in ~3 s buckets (1,180 distinct for 12,031 requests); spreading them
+    # inside their bucket gives every request its own arrival time.
+    assert len(np.unique(conv.arrival_s)) == 1_180
+    spread = read_trace(MOONCAKE_CONV, "mooncake", TraceOptions(spread_quantum_s=3.0))
+    assert len(np.unique(spread.arrival_s)) == 12_031
+    assert all(len(h) == -(-p // 512) for h, p in zip(conv.prefix_hashes, conv.prompt_len))
 
 
 def test_mooncake_matches_published_facts(mooncake):

@@ -117,6 +117,11 @@ class AdmissionConfig:
     #: turn past the objective; this keeps serving the ones still on time. Nothing is refused
     #: (``ttft_deadline`` refuses instead).
     on_time_first: bool = True
+    #: With ``on_time_first``, once any waiting request has gone late the queue holds more than
+    #: the engine serves in time: requests still on time are then taken newest first (most slack
+    #: left: "adaptive LIFO"), since the oldest on-time request, with almost none, would mostly
+    #: go late while it is served. First come, first served again once none is late.
+    newest_first_when_late: bool = True
     #: Share of admissions per bucket in ``weighted`` mode (normalised; one per bucket).
     weights: tuple[float, ...] = (0.5, 0.3, 0.2)
     #: Move the boundaries online by incremental k-means over (log prompt length, priority).
@@ -179,19 +184,23 @@ class _Entry:
 
 class _Bucket:
     """One length bucket: (priority, arrival, seq) heaps, long prompts apart, and requests
-    past their TTFT objective apart (``on_time_first``)."""
+    past their TTFT objective apart (``on_time_first``); the on-time ones also newest first."""
 
-    __slots__ = ("heaps", "num_waiting", "num_late")
+    __slots__ = ("heaps", "newest", "num_waiting", "num_late")
 
     def __init__(self) -> None:
         # heaps[late][long]: on time / late x not long / long
         self.heaps: tuple[tuple[list, list], tuple[list, list]] = (([], []), ([], []))
+        # newest[long]: the on-time entries again, (priority, -arrival, -seq): newest first
+        self.newest: tuple[list, list] = ([], [])
         self.num_waiting = 0
         self.num_late = 0  # of num_waiting, those past their TTFT objective
 
     def push(self, e: _Entry) -> None:
         r = e.request
         heapq.heappush(self.heaps[e.late][e.is_long], (r.priority, r.arrival_time, e.seq, e))
+        if not e.late:
+            heapq.heappush(self.newest[e.is_long], (r.priority, -r.arrival_time, -e.seq, e))
         self.num_waiting += 1
 
     def mark_late(self, e: _Entry) -> None:
@@ -201,13 +210,14 @@ class _Bucket:
         r = e.request
         heapq.heappush(self.heaps[1][e.is_long], (r.priority, r.arrival_time, e.seq, e))
 
-    def head(self, allow_long: bool) -> _Entry | None:
-        """The next live entry, or None: by priority, then on time before late, then arrival.
-        Skips (and drops) dead entries and the on-time entries of those gone late."""
+    def head(self, allow_long: bool, newest: bool = False) -> _Entry | None:
+        """The next live entry, or None: by priority, then on time before late, then arrival
+        (the on-time ones newest first with ``newest``). Skips (and drops) dead entries and the
+        on-time entries of those gone late; ``pop`` removes the rest lazily."""
         best, best_key = None, None
         for late in (0, 1):
             for kind in (0, 1) if allow_long else (0,):
-                h = self.heaps[late][kind]
+                h = self.newest[kind] if newest and not late else self.heaps[late][kind]
                 while h and (not h[0][3].alive or h[0][3].late != late):
                     heapq.heappop(h)
                 if h:
@@ -217,8 +227,7 @@ class _Bucket:
         return best
 
     def pop(self, e: _Entry) -> None:
-        """Remove ``e``, which ``head`` just returned."""
-        heapq.heappop(self.heaps[e.late][e.is_long])
+        """Count ``e`` out; the caller marks it dead, so its heap entries are skipped."""
         self.num_waiting -= 1
         self.num_late -= e.late
 
@@ -536,7 +545,8 @@ class Admission:
                 self._buckets[e.bucket].mark_late(e)
 
     def _choose(self, allow_long: bool) -> _Entry | None:
-        heads = [b.head(allow_long) if b.num_waiting else None for b in self._buckets]
+        newest = self.cfg.newest_first_when_late and self.num_late_waiting > 0
+        heads = [b.head(allow_long, newest) if b.num_waiting else None for b in self._buckets]
         candidates = [i for i, h in enumerate(heads) if h is not None]
         if not candidates:
             return None
@@ -547,6 +557,8 @@ class Admission:
             i = candidates[0]
         elif self.bucketing == "weighted":
             i = min(candidates, key=lambda j: (self._pass[j], j))
+        elif newest and on_time:  # fifo, overloaded: the newest on-time head across buckets
+            i = max(candidates, key=lambda j: (heads[j].request.arrival_time, heads[j].seq))
         else:  # fifo: the oldest head across buckets
             i = min(candidates, key=lambda j: (heads[j].request.arrival_time, heads[j].seq))
         return heads[i]
