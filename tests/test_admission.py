@@ -564,6 +564,25 @@ def test_newest_first_spans_buckets_and_keeps_priority_first() -> None:
     assert _drain(adm, 1.8) == ["medium", "core_short", "short", "late", "batch_newest"]
 
 
+@pytest.mark.parametrize("late", [False, True])
+def test_the_queues_stay_as_small_as_what_waits(late: bool) -> None:
+    """Entries leave the heaps lazily; a heap nobody reads (newest first while none is late, or
+    the arrival-order one while some are) must still not keep every request it ever held."""
+    adm = _on_time_first("fifo", newest=True)
+    if late:  # a lower class waits past its TTFT throughout: newest first all along
+        _submit(adm, ("stuck", 0.0, 100, 1))
+    for i in range(5_000):
+        t = 2.0 + i * 0.01
+        _submit(adm, (f"r{i}", t, 100, 0))
+        (r,) = adm.admit(t)
+        assert r.request_id == f"r{i}" and adm.num_late_waiting == late
+        adm.on_finished(r.request_id)
+    assert adm.num_waiting == late
+    sizes = [len(h) for b in adm._buckets for h in (*b.heaps[0], *b.heaps[1], *b.newest)]
+    assert max(sizes) <= 2 * (1 + late) + 33, sizes
+    adm.check_counts()
+
+
 def test_the_late_count_follows_the_queue() -> None:
     """``num_late_waiting`` counts the waiting requests past their TTFT objective (the shield's
     view of a backlog that the served requests' TTFT does not show)."""

@@ -198,17 +198,26 @@ class _Bucket:
 
     def push(self, e: _Entry) -> None:
         r = e.request
-        heapq.heappush(self.heaps[e.late][e.is_long], (r.priority, r.arrival_time, e.seq, e))
-        if not e.late:
-            heapq.heappush(self.newest[e.is_long], (r.priority, -r.arrival_time, -e.seq, e))
         self.num_waiting += 1
+        self._push(self.heaps[e.late][e.is_long], (r.priority, r.arrival_time, e.seq, e), e.late)
+        if not e.late:
+            self._push(self.newest[e.is_long], (r.priority, -r.arrival_time, -e.seq, e), False)
 
     def mark_late(self, e: _Entry) -> None:
         """Move ``e`` to the late heaps (its on-time entry is skipped from now on)."""
         e.late = True
         self.num_late += 1
         r = e.request
-        heapq.heappush(self.heaps[1][e.is_long], (r.priority, r.arrival_time, e.seq, e))
+        self._push(self.heaps[1][e.is_long], (r.priority, r.arrival_time, e.seq, e), True)
+
+    def _push(self, h: list, item: tuple, late: bool) -> None:
+        """Push, and drop the dead entries once they outnumber the waiting ones: entries leave
+        lazily, and a heap that is not read (the newest-first one while nobody is late) would
+        otherwise keep every request it ever held. Amortised O(1) a push."""
+        heapq.heappush(h, item)
+        if len(h) > 2 * self.num_waiting + 32:
+            h[:] = [t for t in h if t[3].alive and t[3].late == late]
+            heapq.heapify(h)
 
     def head(self, allow_long: bool, newest: bool = False) -> _Entry | None:
         """The next live entry, or None: by priority, then on time before late, then arrival
