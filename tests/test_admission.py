@@ -473,32 +473,29 @@ def test_the_ttft_deadline_refuses_late_requests_above_core_priority_only() -> N
 
 
 class OnTimeFirstMachine(AdmissionMachine):
-    """The same random sequences with ``on_time_first``: requests go late as time passes, and
-    still nothing is lost."""
+    """The same random sequences with ``on_time_first`` (in arrival order): requests go late as
+    time passes, and still nothing is lost."""
+
+    newest_first_when_late = False
 
     def __init__(self) -> None:
         super().__init__()
-        cfg = AdmissionConfig(max_queue_len=5, max_wait_s=10.0, max_num_long=2, on_time_first=True)
+        cfg = AdmissionConfig(max_queue_len=5, max_wait_s=10.0, max_num_long=2, on_time_first=True,
+                              newest_first_when_late=self.newest_first_when_late)
         self.a = Admission(cfg, Knobs(3))
         self.a.use_slo(3000.0)
 
 
-OnTimeFirstMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=60, deadline=None)
-TestOnTimeFirstMachine = OnTimeFirstMachine.TestCase
-
-
-class NewestFirstMachine(AdmissionMachine):
+class NewestFirstMachine(OnTimeFirstMachine):
     """And with the on-time requests taken newest first once any has gone late: a second heap
     per bucket, removed lazily, still loses nothing and counts right."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        cfg = AdmissionConfig(max_queue_len=5, max_wait_s=10.0, max_num_long=2, newest_first_when_late=True)
-        self.a = Admission(cfg, Knobs(3))
-        self.a.use_slo(3000.0)
+    newest_first_when_late = True
 
 
-NewestFirstMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=60, deadline=None)
+for _machine in (OnTimeFirstMachine, NewestFirstMachine):
+    _machine.TestCase.settings = settings(max_examples=60, stateful_step_count=60, deadline=None)
+TestOnTimeFirstMachine = OnTimeFirstMachine.TestCase
 TestNewestFirstMachine = NewestFirstMachine.TestCase
 
 
