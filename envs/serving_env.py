@@ -413,6 +413,7 @@ class ServingEnv(gym.Env):
         self.knobs = Knobs(batch_cap=cap, bucketing=str(e.initial_bucketing), kv_dtype=self.engine.kv_dtype)
         self.admission = Admission(self.admission_cfg, self.knobs)
         self.admission.use_slo(self.slo.ttft_ms)
+        self.admission.use_token_budget(self._caps.max_num_batched_tokens)
         self.shield = Shield(self.shield_cfg, self.engine.memory_model(), self._caps, slo=self.slo, now=self.engine.now)
         if self.cfg.env.get("memory_admission", True):  # per request: in flight + it within the ceiling
             self.admission.memory = self.shield
@@ -455,7 +456,10 @@ class ServingEnv(gym.Env):
             t_next = min(stream.next_arrival_time, t_end)
             if t_next <= eng.now:
                 continue
-            res = eng.advance_until(t_next, stop_on_finish=adm.num_waiting > 0)
+            # While requests wait, come back when a slot frees or a prompt leaves the engine's
+            # prefill backlog (either may let one in).
+            waiting = adm.num_waiting > 0
+            res = eng.advance_until(t_next, stop_on_finish=waiting, stop_on_first_token=waiting)
             self._account(res)
 
     def _take_arrivals(self, now: float) -> None:
@@ -481,6 +485,7 @@ class ServingEnv(gym.Env):
         tel, adm = self.telemetry, self.admission
         for rid, arrival, first in res.first_tokens:
             tel.on_first_token(rid, first, first - arrival)
+            adm.on_first_token(rid)
         tel.on_output_tokens(res.num_output_tokens)
         for fr in res.finished:
             tel.on_finished(fr.request_id, fr.finish_time, fr.ttft, fr.tpot, fr.e2el)
@@ -512,7 +517,8 @@ class ServingEnv(gym.Env):
         while (adm.num_waiting or adm.num_in_flight) and eng.now < deadline:
             self._take_arrivals(eng.now)
             before = eng.now
-            res = eng.advance_until(min(eng.now + self.interval_s, deadline), stop_on_finish=True)
+            res = eng.advance_until(min(eng.now + self.interval_s, deadline), stop_on_finish=True,
+                                    stop_on_first_token=adm.num_waiting > 0)
             self._account(res)
             if eng.now == before and res.num_iterations == 0:
                 break

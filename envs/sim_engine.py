@@ -257,7 +257,7 @@ class SimEngine(Engine):
         agg.duration = self._now - agg.start_time
         return agg
 
-    def advance_until(self, t_end: float, stop_on_finish: bool = False) -> StepResult:
+    def advance_until(self, t_end: float, stop_on_finish: bool = False, stop_on_first_token: bool = False) -> StepResult:
         agg = self._take_pending()
         if self._now < self._down_until:  # restarting: time passes, nothing runs
             self.idle_until(min(t_end, self._down_until))
@@ -267,10 +267,13 @@ class SimEngine(Engine):
                 if self._now >= t_end:
                     break
             nfin = len(agg.finished)
+            nft = len(agg.first_tokens)
             if not self._iterate(agg):
                 self.idle_until(t_end)
                 break
             if stop_on_finish and len(agg.finished) > nfin:
+                break
+            if stop_on_first_token and len(agg.first_tokens) > nft:
                 break
         agg.duration = self._now - agg.start_time
         return agg

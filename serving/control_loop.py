@@ -293,11 +293,13 @@ class ControlLoop:
 
     # --- the memory model ------------------------------------------------------------------
     def _use_memory_model(self, ln: Lane, ctl: LaneControl, mem: MemoryModel) -> None:
-        """Wire a lane's memory model: admission checks each request against the lane's shield
+        """Wire a lane's engine model: admission checks each request against the lane's shield
         (the one prediction) when the budget is known; when it is not, the cap is held at the
         safe static cap (``_fail_safe``) and this says so loudly (log, metric, status)."""
         ctl.info = ln.upstream.info
         ln.admission.memory = ctl.shield if mem.known else None
+        # The engine's token budget, which admission's prefill backlog counts in.
+        ln.admission.use_token_budget(ctl.shield.capabilities.max_num_batched_tokens)
         self.gw.metrics.memory_model_known.labels(ln.name).set(
             1.0 if mem.known and mem.source != "kv_pool" else 0.5 if mem.known else 0.0)
         if not mem.known:
@@ -608,6 +610,8 @@ class ControlLoop:
             "lanes": {ln.name: {**self.lane_ctl[ln.index].last_decision, "knobs_in_force": ln.knobs.as_dict(),
                                 "queue_depths": list(ln.admission.queue_depths),
                                 "in_flight": ln.admission.num_in_flight,
+                                "prefill_backlog_tokens": ln.admission.prefill_tokens_in_flight,
+                                "prefill_hold_tokens": ln.admission.prefill_hold_tokens,
                                 "stale_telemetry_intervals": self.lane_ctl[ln.index].stale_intervals,
                                 "memory_model": self.lane_ctl[ln.index].shield.memory.source,
                                 "kv_restart_s": self.lane_ctl[ln.index].shield.cfg.dtype_restart_s,

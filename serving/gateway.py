@@ -323,7 +323,7 @@ async def _proxy(request: Request, path: str, chat: bool) -> Response:
                          f"max_tokens={max_tokens} exceeds the model's max_model_len={max_len}")
     rid = f"gw-{uuid.uuid4().hex}"
     req = EngineRequest(rid, t_arrival, prompt_len, expected_output_len(max_tokens, chat, prompt_len, max_len),
-                        priority, num_seqs=parsed.seqs)
+                        priority, num_seqs=parsed.seqs, reports_first_token=bool(body.get("stream")))
     bucket = lane.admission.bucket_of(prompt_len)
     guard = _DisconnectGuard(request)
     admitted: list[bool] = [False]
@@ -481,6 +481,7 @@ class _Timer:
             # first token): a growing queue shows before the slow requests finish.
             self.t_first = time.monotonic()
             self.lane.telemetry.on_first_token(self.req.request_id, self.t_first, self.t_first - self.t0)
+            self.lane.on_first_token(self.req.request_id)
         self.n_chunks += data.count(b"data: ")
         if b'"usage"' in data:
             self.usage_tokens = _completion_tokens(data)

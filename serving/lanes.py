@@ -184,6 +184,13 @@ class Lane:
             self.admission.on_finished(request_id)
             self.pump()
 
+    def on_first_token(self, request_id: str) -> None:
+        """A streamed request's first token arrived: its prompt left the engine's prefill
+        backlog, which may let a held request in."""
+        if self.admission.is_in_flight(request_id):
+            self.admission.on_first_token(request_id)
+            self.pump()
+
     def pump(self) -> None:
         """Hand free slots to waiting requests (in the bucketing order)."""
         if not self.available:

@@ -215,6 +215,7 @@ class AdmissionMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.a = Admission(AdmissionConfig(max_queue_len=5, max_wait_s=10.0, max_num_long=2), Knobs(3))
+        self.a.use_token_budget(4000)  # the prefill backlog holds at 4000 prompt tokens
         self.now = 0.0
         self.submitted: set[str] = set()
         self.rejected: set[str] = set()
@@ -243,7 +244,14 @@ class AdmissionMachine(RuleBasedStateMachine):
             self.in_flight.add(r.request_id)
         if got:
             assert self.a.num_in_flight <= self.a.batch_cap
+            # the hold is checked before each admission: only the last may take it past the hold
+            assert self.a.prefill_tokens_in_flight - got[-1].prompt_len < self.a.prefill_hold_tokens
         assert self.a.num_long_in_flight <= 2
+
+    @rule(data=st.data())
+    def first_token(self, data):
+        if self.in_flight:
+            self.a.on_first_token(data.draw(st.sampled_from(sorted(self.in_flight))))
 
     @rule(data=st.data())
     def finish(self, data):
@@ -287,6 +295,9 @@ class AdmissionMachine(RuleBasedStateMachine):
         assert all(a.is_in_flight(r) for r in self.in_flight)
         assert a.num_finished == len(self.finished)
         assert a.num_rejected == len(self.rejected)
+        assert 0 <= a.prefill_tokens_in_flight
+        if not self.in_flight:
+            assert a.prefill_tokens_in_flight == 0
 
 
 AdmissionMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=60, deadline=None)
@@ -484,6 +495,7 @@ class OnTimeFirstMachine(AdmissionMachine):
                               newest_first_when_late=self.newest_first_when_late)
         self.a = Admission(cfg, Knobs(3))
         self.a.use_slo(3000.0)
+        self.a.use_token_budget(4000)
 
 
 class NewestFirstMachine(OnTimeFirstMachine):
@@ -615,3 +627,65 @@ def test_on_time_first_needs_a_ttft_objective() -> None:
     assert adm.late_after_s is None
     _submit(adm, ("a", 0.0, 100, 0), ("b", 5.0, 100, 0))
     assert _drain(adm, 6.0) == ["a", "b"]
+
+
+def _held(budget: int | None = 1000, **cfg) -> Admission:
+    adm = make(cap=100, **cfg)
+    adm.use_token_budget(budget)
+    return adm
+
+
+def test_the_prefill_backlog_holds_requests_until_first_tokens_come() -> None:
+    """An engine's own queue is first come, first served: admission keeps requests here while
+    the prompts in flight without a first token fill the engine's token budget."""
+    adm = _held(1000)
+    a, b, c, d = (req(600, rid=x) for x in "abcd")
+    for r in (a, b, c, d):
+        adm.submit(r, 0.0)
+    assert ids(adm.admit(0.0)) == ["a", "b"]  # 600 < 1000 lets b in; 1200 holds the rest
+    assert adm.prefill_tokens_in_flight == 1200
+    assert adm.admit(0.0) == []
+    adm.on_first_token("a")
+    adm.on_first_token("a")  # idempotent
+    assert adm.prefill_tokens_in_flight == 600
+    assert ids(adm.admit(0.1)) == ["c"]
+    adm.on_finished("b")  # finished (or failed) before its first token: it leaves the backlog too
+    assert ids(adm.admit(0.2)) == ["d"]
+    adm.on_first_token("unknown")  # finished already: a no-op
+    adm.check_counts()
+
+
+def test_a_prompt_larger_than_the_budget_runs_alone() -> None:
+    adm = _held(1000)
+    adm.submit(req(5000, rid="big"), 0.0)
+    adm.submit(req(10, rid="small"), 0.0)
+    assert ids(adm.admit(0.0)) == ["big"]
+    adm.on_first_token("big")
+    assert ids(adm.admit(0.0)) == ["small"]
+
+
+def test_requests_whose_first_token_is_not_seen_count_nothing() -> None:
+    """A gateway does not see the first token of an answer that is not streamed."""
+    adm = _held(1000)
+    for i in range(3):
+        adm.submit(Request(f"n{i}", 0.0, 900, 16, reports_first_token=False), 0.0)
+    assert len(adm.admit(0.0)) == 3
+    assert adm.prefill_tokens_in_flight == 0
+
+
+@pytest.mark.parametrize("budget, setting", [(None, 1.0), (1000, None)])
+def test_without_a_token_budget_or_with_the_hold_off_admission_does_not_hold(budget, setting) -> None:
+    adm = _held(budget, prefill_backlog_budgets=setting)
+    for i in range(5):
+        adm.submit(req(900, rid=f"x{i}"), 0.0)
+    assert len(adm.admit(0.0)) == 5
+    assert adm.prefill_hold_tokens is None
+
+
+def test_the_hold_counts_in_token_budgets() -> None:
+    adm = _held(1000, prefill_backlog_budgets=2.5)
+    assert adm.prefill_hold_tokens == 2500
+    with pytest.raises(ValueError, match="prefill_backlog_budgets"):
+        AdmissionConfig(prefill_backlog_budgets=0.0)
+    with pytest.raises(ValueError, match="prefill_backlog_budgets"):
+        AdmissionConfig.from_cfg({"prefill_backlog_budgets": float("nan")})

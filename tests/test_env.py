@@ -171,3 +171,26 @@ def test_memory_is_checked_per_request_in_the_env_as_in_the_gateway(memory_admis
         assert 0.3 < peak <= ceiling
     else:
         assert adm.memory is None and adm.kv_blocks_in_flight == 0  # nothing charged: count only
+
+
+@pytest.mark.parametrize("hold", [True, False])
+def test_prompts_wait_in_admission_not_in_the_engines_queue(hold: bool):
+    """Long prompts above capacity at a high cap: with the prefill backlog (the default) the
+    engine has about one token budget of prompts ahead of it and the rest wait in admission,
+    where its order applies; without it they pile up in the engine's first-come queue."""
+    budgets = "1.0" if hold else "null"
+    env = make("workload=poisson", "workload.rate_scale=3", "workload.lengths.prompt_mean=3000",
+               "env.initial_batch_cap=256", f"env.admission.prefill_backlog_budgets={budgets}")
+    env.reset(seed=0)
+    budget = env.engine.capabilities().max_num_batched_tokens
+    peak_engine_queue = peak_admission_queue = 0
+    for _ in range(15):
+        env.step(np.array([2, 0, 0]))
+        peak_engine_queue = max(peak_engine_queue, env.engine.stats().num_waiting)
+        peak_admission_queue = max(peak_admission_queue, env.admission.num_waiting)
+        env.admission.check_counts()
+    if hold:
+        assert env.admission.prefill_hold_tokens == budget
+        assert peak_engine_queue <= 10 and peak_admission_queue > 500  # 8192 tokens: a few prompts
+    else:
+        assert env.admission.prefill_hold_tokens is None and peak_engine_queue > 50

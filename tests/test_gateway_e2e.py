@@ -319,3 +319,25 @@ def test_ttft_in_metrics_matches_what_clients_measure(gw: RunningGateway) -> Non
     assert p99 > 50.0, measured  # queueing really is in it
     for name, got, want in (("gauge p99", gauge, p99), ("snapshot p99", lane["ttft_p99_ms"], p99)):
         assert got > 0 and abs(got - want) <= 0.10 * want, (name, got, want, p50)
+
+
+def test_a_streamed_prompt_leaves_the_prefill_backlog_at_its_first_token(gw: RunningGateway) -> None:
+    """Admission holds requests while streamed prompts without a first token fill the engine's
+    token budget; the stream's first chunk takes its prompt out of that backlog while it runs on."""
+
+    def lane() -> dict:
+        return next(iter(httpx.get(f"{gw.url}/admin/status", headers=AUTH).json()["control"]["lanes"].values()))
+
+    assert lane()["prefill_hold_tokens"] == 2048  # vLLM's CPU server budget (max_num_batched_tokens)
+    body = {"prompt": "go on " * 100, "max_tokens": 1500, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", f"{gw.url}/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()  # kept: a dropped iterator closes the response
+        while not next(lines).startswith("data: "):  # the first token
+            pass
+        st = lane()
+        assert st["in_flight"] == 1 and st["prefill_backlog_tokens"] == 0, st
+    deadline = time.monotonic() + 15
+    while (st := lane())["in_flight"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert st["in_flight"] == 0 and st["prefill_backlog_tokens"] == 0, st

@@ -557,3 +557,30 @@ async def test_a_client_leaving_between_the_handler_and_the_response_frees_its_s
     assert lane.admission.num_in_flight == 0 and answer.closed
     lane.admission.check_counts()
     await lane.upstream.client.aclose()
+
+
+@pytest.mark.anyio
+async def test_a_streams_first_token_lets_a_held_request_in() -> None:
+    """The lane hands a slot to a request held for the prefill backlog as soon as a streamed
+    request in flight reports its first token, not when it finishes."""
+    from batchpilot.core.admission import AdmissionConfig
+    from batchpilot.core.engine import Request
+    from batchpilot.core.knobs import Knobs
+    from batchpilot.core.telemetry import SLO, Telemetry
+    from batchpilot.serving.lanes import Lane
+    from batchpilot.serving.upstream import Upstream
+
+    lane = Lane.build(0, Upstream("http://127.0.0.1:9"), AdmissionConfig(), Knobs(batch_cap=8),
+                      Telemetry(SLO()), GatewayMetrics(), retry_after_s=1)
+    lane.upstream.healthy = True
+    lane.admission.use_token_budget(1000)
+    deadline = time.monotonic() + 30
+    await lane.acquire(Request("a", time.monotonic(), 600, 4), deadline)
+    await lane.acquire(Request("b", time.monotonic(), 600, 4), deadline)  # 600 < 1000: in
+    third = asyncio.create_task(lane.acquire(Request("c", time.monotonic(), 600, 4), deadline))
+    await asyncio.sleep(0)
+    assert lane.admission.num_waiting == 1 and lane.admission.num_in_flight == 2  # 1200: held
+    lane.on_first_token("a")
+    await asyncio.wait_for(third, 5)
+    assert lane.admission.num_in_flight == 3 and lane.admission.prefill_tokens_in_flight == 1200
+    await lane.upstream.aclose()

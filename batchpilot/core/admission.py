@@ -28,6 +28,13 @@ whose next request is on time first. Removal by timeout, shedding or cancel is l
 when they reach a heap top), so every operation is O(log n) amortised; ``shed`` is O(n) and
 only runs when the circuit breaker asks for it.
 
+The prefill backlog (``prefill_backlog_budgets``, with the engine's token budget from
+``use_token_budget``): admission also holds requests while the prompts in flight that have not
+produced a first token (``on_first_token``) add up to that many iterations of the engine's
+prefill. An engine takes its own queue first come, first served, and every queued prompt shares
+the coming iterations with the running decodes; held here instead, they keep this module's
+order (on time first, newest first, the bucketing mode) until the engine is ready for them.
+
 Memory, per request (``memory``, the shield): besides the count, a request is admitted only if
 the predicted memory of everything in flight plus it stays within the shield's ceiling. Each
 request is charged the KV blocks it holds at its end, all its sequences at prompt + output
@@ -122,6 +129,14 @@ class AdmissionConfig:
     #: left: "adaptive LIFO"), since the oldest on-time request, with almost none, would mostly
     #: go late while it is served. First come, first served again once none is late.
     newest_first_when_late: bool = True
+    #: Hold requests here while the prompt tokens in flight that have not produced a first token
+    #: reach this many of the engine's per-iteration token budgets (``use_token_budget``; None
+    #: = no hold). The engine takes its queue first come, first served and a long queue of
+    #: prompts there shares each iteration with the decodes (TPOT); held here, they keep the
+    #: order above and the engine only ever has about one iteration of prefill ahead of it.
+    #: A request whose first token its caller cannot see (``reports_first_token`` False on
+    #: the request) counts nothing.
+    prefill_backlog_budgets: float | None = 1.0
     #: Share of admissions per bucket in ``weighted`` mode (normalised; one per bucket).
     weights: tuple[float, ...] = (0.5, 0.3, 0.2)
     #: Move the boundaries online by incremental k-means over (log prompt length, priority).
@@ -154,6 +169,9 @@ class AdmissionConfig:
             raise ValueError(f"admission.max_wait_s must be > 0 or null, got {self.max_wait_s}")
         if not 0 < self.adapt_rate <= 1:
             raise ValueError(f"admission.adapt_rate must be in (0, 1], got {self.adapt_rate}")
+        if self.prefill_backlog_budgets is not None and not (
+                self.prefill_backlog_budgets > 0 and math.isfinite(self.prefill_backlog_budgets)):
+            raise ValueError(f"admission.prefill_backlog_budgets must be > 0 or null, got {self.prefill_backlog_budgets}")
         if self.adapt_priority_weight < 0:
             raise ValueError(f"admission.adapt_priority_weight must be >= 0, got {self.adapt_priority_weight}")
 
@@ -258,6 +276,12 @@ class Admission:
         self.memory = memory
         #: Sequences in flight: what the batch cap bounds (a request with n=4 runs four).
         self.num_seqs_in_flight = 0
+        #: Prompt tokens in flight whose request has not produced its first token (the engine's
+        #: prefill backlog, ``prefill_backlog_budgets``), and per request.
+        self.prefill_tokens_in_flight = 0
+        self._awaiting_first: dict[str, int] = {}
+        #: Hold admissions at this many prefill tokens in flight (``use_token_budget``; None: no hold).
+        self.prefill_hold_tokens: int | None = None
         self._expiry: list[tuple[float, int, _Entry]] = []  # (arrival, seq, entry), lazy
         self._deadlines: list[tuple[float, int, _Entry]] = []  # the same, for the TTFT deadline
         self._lateness: list[tuple[float, int, _Entry]] = []  # the same, for ``on_time_first``
@@ -348,6 +372,13 @@ class Admission:
         self.deadline_s = ttft_s if self.cfg.ttft_deadline else None
         self.late_after_s = ttft_s if self.cfg.on_time_first else None
 
+    def use_token_budget(self, max_num_batched_tokens: int | None) -> None:
+        """The engine's per-iteration token budget, which ``prefill_backlog_budgets`` counts in
+        (None: unknown, no hold)."""
+        f = self.cfg.prefill_backlog_budgets
+        ok = f is not None and max_num_batched_tokens is not None and max_num_batched_tokens > 0
+        self.prefill_hold_tokens = max(1, int(f * max_num_batched_tokens)) if ok else None
+
     @property
     def boundaries(self) -> tuple[int, ...]:
         """Current bucket boundaries (they move when ``adapt_boundaries`` is on)."""
@@ -370,6 +401,8 @@ class Admission:
             raise AssertionError(
                 f"admitted {self.num_admitted} != finished {self.num_finished} + in flight {self.num_in_flight}"
             )
+        if self.prefill_tokens_in_flight != sum(self._awaiting_first.values()) or not set(self._awaiting_first) <= set(self._in_flight):
+            raise AssertionError(f"prefill backlog {self.prefill_tokens_in_flight} tokens does not match the requests in flight")
         if sum(self.queue_depths) != self.num_waiting:
             raise AssertionError(f"queue depths {self.queue_depths} do not sum to {self.num_waiting}")
         late = sum(e.late for e in self._waiting.values())
@@ -421,7 +454,10 @@ class Admission:
         not run; with ``memory`` set, collect ``take_rejections`` after.)"""
         out: list[Any] = []
         self._mark_late(now)
+        hold = self.prefill_hold_tokens
         while self.num_seqs_in_flight < self.batch_cap and self._waiting:
+            if hold is not None and self.prefill_tokens_in_flight >= hold:
+                break  # the engine has an iteration of prefill ahead of it: the rest wait here
             allow_long = self.num_long_in_flight < self.cfg.max_num_long
             e = self._choose(allow_long)
             if e is None:
@@ -448,6 +484,9 @@ class Admission:
             self.num_seqs_in_flight += seqs
             self.kv_blocks_in_flight += blocks
             self.num_long_in_flight += e.is_long
+            if getattr(e.request, "reports_first_token", True):
+                self._awaiting_first[e.request.request_id] = e.request.prompt_len
+                self.prefill_tokens_in_flight += e.request.prompt_len
             self.num_admitted += 1
             out.append(e.request)
         return out
@@ -456,10 +495,16 @@ class Admission:
         """Free the slot of a request that left the engine (finished, failed, cancelled or
         disconnected). Raises KeyError for an id that is not in flight (a bug)."""
         is_long, seqs, blocks, _ = self._in_flight.pop(request_id)
+        self.on_first_token(request_id)
         self.num_seqs_in_flight -= seqs
         self.kv_blocks_in_flight -= blocks
         self.num_long_in_flight -= is_long
         self.num_finished += 1
+
+    def on_first_token(self, request_id: str) -> None:
+        """A request in flight produced its first token: its prompt leaves the prefill backlog
+        (then call ``admit``: a held request may go). Idempotent; unknown ids are a no-op."""
+        self.prefill_tokens_in_flight -= self._awaiting_first.pop(request_id, 0)
 
     def cancel(self, request_id: str, now: float) -> Rejection | None:
         """A client went away. A waiting request is dropped (reason "cancelled"); an in-flight

@@ -56,6 +56,9 @@ class Request:
     #: Sequences it runs at once (``n``/``best_of`` x prompts of one HTTP request); admission
     #: counts these against the batch cap, not requests.
     num_seqs: int = 1
+    #: Whether its first token will be reported (``Admission.on_first_token``): a gateway does not
+    #: see it in an answer that is not streamed, and admission's prefill backlog skips those.
+    reports_first_token: bool = True
 
 
 @dataclass(slots=True)
@@ -283,12 +286,13 @@ class Engine(abc.ABC):
     def step(self) -> StepResult:
         """Run one engine iteration (an idle engine returns a zero-iteration result at once)."""
 
-    def advance_until(self, t_end: float, stop_on_finish: bool = False) -> StepResult:
+    def advance_until(self, t_end: float, stop_on_finish: bool = False, stop_on_first_token: bool = False) -> StepResult:
         """Run iterations until the clock reaches ``t_end`` (or the engine is idle, when the
         clock jumps to ``t_end``). An iteration that starts before ``t_end`` runs to its end, so
         the clock may pass ``t_end`` by less than one iteration. With ``stop_on_finish``, stop
         after the first iteration in which a request finished (so admission can refill the
-        freed slot at the right time). Subclasses may fast-forward in closed form; results must
+        freed slot at the right time); with ``stop_on_first_token``, after the first in which a
+        request produced its first token (its prompt left the prefill backlog). Subclasses may fast-forward in closed form; results must
         match stepping one iteration at a time."""
         agg = StepResult(start_time=self.now, duration=0.0)
         while self.now < t_end:
@@ -297,7 +301,7 @@ class Engine(abc.ABC):
                 self.idle_until(t_end)
                 break
             merge_into(agg, r)
-            if stop_on_finish and r.finished:
+            if (stop_on_finish and r.finished) or (stop_on_first_token and r.first_tokens):
                 break
         agg.duration = self.now - agg.start_time
         return agg
