@@ -292,8 +292,9 @@ class Engine(abc.ABC):
         the clock may pass ``t_end`` by less than one iteration. With ``stop_on_finish``, stop
         after the first iteration in which a request finished (so admission can refill the
         freed slot at the right time); with ``stop_on_first_token``, after the first in which a
-        request produced its first token (its prompt left the prefill backlog). Subclasses may fast-forward in closed form; results must
-        match stepping one iteration at a time."""
+        request produced its first token (its prompt left admission's prefill backlog).
+        Subclasses may fast-forward in closed form; results must match stepping one iteration
+        at a time."""
         agg = StepResult(start_time=self.now, duration=0.0)
         while self.now < t_end:
             r = self.step()
