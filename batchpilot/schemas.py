@@ -600,6 +600,12 @@ class ServeConfig:
     managed_port_base: int = 0
     max_num_seqs: int = 256
     max_model_len: int = 2048
+    #: The engines' token budget per iteration (vLLM's ``--max-num-batched-tokens``), which
+    #: admission's prefill backlog counts in. Managed engines are started with it; for unmanaged
+    #: ones it is what their operator set. None = ``--max-num-batched-tokens`` in
+    #: ``extra_vllm_args``, else vLLM's server default on CPUs (2,048, or ``max_model_len`` if
+    #: larger); GPU servers default to more (8,192 on H100/H200), so say it for them.
+    max_num_batched_tokens: int | None = None
     kv_cache_space_gib: int = 1
     kv_dtype: str = "auto"
     kv8_dtype: str = "fp8"
@@ -672,6 +678,9 @@ class ServeConfig:
             raise ValueError(f"serve.request_timeout_s must be > 0, got {self.request_timeout_s}")
         if self.max_num_seqs < 1 or self.max_model_len < 1:
             raise ValueError("serve.max_num_seqs and serve.max_model_len must be >= 1")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(f"serve.max_num_batched_tokens={self.max_num_batched_tokens} must be >= "
+                             f"serve.max_num_seqs={self.max_num_seqs} (as vLLM requires), or null")
         self.upstreams = [u.rstrip("/") for u in self.upstreams]
         for u in self.upstreams:
             if not u.startswith(("http://", "https://")):

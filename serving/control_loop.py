@@ -66,7 +66,8 @@ def deployment_model(model_dir: str | None, tensor_parallel: int = 1) -> tuple[M
 def upstream_engine_model(lane: Lane, max_num_seqs: int, managed: bool,
                           declared_kv_dtypes: list[str] | None = None, *,
                           model: ModelMemory | None = None,
-                          given_kv_bytes: float | None = None) -> tuple[MemoryModel, EngineCapabilities]:
+                          given_kv_bytes: float | None = None,
+                          max_num_batched_tokens: int | None = None) -> tuple[MemoryModel, EngineCapabilities]:
     """The shield's view of an upstream, from what the upstream itself says (``/v1/models``,
     ``vllm:cache_config_info``) and how the gateway launched it; never from the gateway's own
     host unless the engine runs there (managed).
@@ -87,7 +88,11 @@ def upstream_engine_model(lane: Lane, max_num_seqs: int, managed: bool,
     budget; it was an invented 16,384 blocks).
 
     KV dtypes: a managed engine can run what this machine's vLLM can; an unmanaged one what its
-    operator declared (``serve.upstream_kv_dtypes``), else only the dtype it runs."""
+    operator declared (``serve.upstream_kv_dtypes``), else only the dtype it runs.
+
+    Token budget per iteration: ``max_num_batched_tokens`` (``token_budget``: what the gateway
+    started the engine with or its operator said), else vLLM's CPU server default (2,048, or
+    ``max_model_len`` if larger); vLLM does not publish it on /metrics."""
     info = lane.upstream.info
     blocks = info.num_kv_blocks if info and info.num_kv_blocks else None
     block_size = info.block_size if info and info.block_size else None
@@ -119,7 +124,8 @@ def upstream_engine_model(lane: Lane, max_num_seqs: int, managed: bool,
         kv = {d: (None if d in ok else why) for d in (*KV_DTYPES_16BIT, *KV_DTYPES_8BIT)}
     max_len = info.max_model_len if info and info.max_model_len else 2048
     caps = EngineCapabilities(kv_dtypes=kv, max_model_len=max_len, max_num_seqs=max_num_seqs,
-                              max_num_batched_tokens=max(max_len, 2048), block_size=block_size or 16)
+                              max_num_batched_tokens=max_num_batched_tokens or max(max_len, 2048),
+                              block_size=block_size or 16)
     return mem, caps
 
 
@@ -133,18 +139,33 @@ def given_kv_bytes(lane: Lane) -> float | None:
     return float(managed.kv_cache_space_gib) * 2**30
 
 
+def _vllm_arg(cfg: Any, *names: str) -> str | None:
+    """The value of the first of ``names`` in the managed engines' extra arguments."""
+    args = list(cfg.extra_vllm_args or ())
+    for i, a in enumerate(args):
+        for name in names:
+            if a.startswith(name + "="):
+                return a.split("=", 1)[1]
+            if a == name and i + 1 < len(args):
+                return args[i + 1]
+    return None
+
+
 def _tensor_parallel(cfg: Any) -> int:
     """``serve.tensor_parallel``, else ``--tensor-parallel-size``/``-tp`` in the managed engines'
     arguments, else 1."""
     if cfg.tensor_parallel:
         return int(cfg.tensor_parallel)
-    args = list(cfg.extra_vllm_args or ())
-    for i, a in enumerate(args):
-        if a.startswith("--tensor-parallel-size="):
-            return int(a.split("=", 1)[1])
-        if a in ("--tensor-parallel-size", "-tp") and i + 1 < len(args):
-            return int(args[i + 1])
-    return 1
+    return int(_vllm_arg(cfg, "--tensor-parallel-size", "-tp") or 1)
+
+
+def token_budget(cfg: Any) -> int | None:
+    """``serve.max_num_batched_tokens``, else ``--max-num-batched-tokens`` in the engines'
+    arguments, else None (``upstream_engine_model`` then takes vLLM's CPU server default)."""
+    if cfg.max_num_batched_tokens:
+        return int(cfg.max_num_batched_tokens)
+    given = _vllm_arg(cfg, "--max-num-batched-tokens")
+    return int(given) if given else None
 
 
 def _needed_prefixes() -> tuple[str, ...]:
@@ -249,7 +270,7 @@ class ControlLoop:
         for ln in gw.lanes:
             mem, caps = upstream_engine_model(ln, cfg.max_num_seqs, ln.upstream.managed is not None,
                                               cfg.upstream_kv_dtypes, model=self.model,
-                                              given_kv_bytes=given_kv_bytes(ln))
+                                              given_kv_bytes=given_kv_bytes(ln), max_num_batched_tokens=token_budget(cfg))
             static = build_controller({"kind": "static", "batch_cap": ln.knobs.batch_cap,
                                        "bucketing": ln.knobs.bucketing, "kv_dtype": ln.knobs.kv_dtype}, cfg.max_num_seqs)
             self.lane_ctl[ln.index] = LaneControl(
@@ -317,7 +338,7 @@ class ControlLoop:
     def _refresh_memory_model(self, ln: Lane, ctl: LaneControl) -> None:
         mem, caps = upstream_engine_model(ln, self.cfg.max_num_seqs, ln.upstream.managed is not None,
                                           self.cfg.upstream_kv_dtypes, model=self.model,
-                                          given_kv_bytes=given_kv_bytes(ln))
+                                          given_kv_bytes=given_kv_bytes(ln), max_num_batched_tokens=token_budget(self.cfg))
         was = ctl.shield.memory.source
         ctl.shield.set_engine(mem, caps)
         self._use_memory_model(ln, ctl, mem)

@@ -106,7 +106,8 @@ class Gateway:
                 proc = ManagedVLLM(
                     self.model_dir, port, served_model_name=name, max_model_len=cfg.max_model_len,
                     max_num_seqs=cfg.max_num_seqs, kv_dtype=cfg.kv_dtype,
-                    kv_cache_space_gib=cfg.kv_cache_space_gib, extra_args=cfg.extra_vllm_args,
+                    kv_cache_space_gib=cfg.kv_cache_space_gib, max_num_batched_tokens=cfg.max_num_batched_tokens,
+                    extra_args=cfg.extra_vllm_args,
                     log_path=self.log_dir / f"vllm-{port}.log", cpu_cores=cores[i],
                 )
                 upstreams.append(Upstream(proc.url, managed=proc, name=f"vllm{i}"))

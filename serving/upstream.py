@@ -92,6 +92,7 @@ class ManagedVLLM:
         max_num_seqs: int,
         kv_dtype: str = "auto",
         kv_cache_space_gib: int = 1,
+        max_num_batched_tokens: int | None = None,
         extra_args: list[str] | None = None,
         log_path: Path | None = None,
         cpu_cores: str | None = None,
@@ -104,6 +105,7 @@ class ManagedVLLM:
         self.served_model_name = served_model_name
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
         self.kv_dtype = kv_dtype
         self.kv_cache_space_gib = kv_cache_space_gib
         self.extra_args = list(extra_args or [])
@@ -133,6 +135,7 @@ class ManagedVLLM:
             "--max-model-len", str(self.max_model_len),
             "--max-num-seqs", str(self.max_num_seqs),
             "--kv-cache-dtype", self.kv_dtype,
+            *(["--max-num-batched-tokens", str(self.max_num_batched_tokens)] if self.max_num_batched_tokens else []),
             "--disable-uvicorn-access-log",
             *self.extra_args,
         ]

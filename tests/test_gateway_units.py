@@ -257,6 +257,39 @@ def test_capabilities_come_from_the_upstream_not_the_gateways_host() -> None:
     assert managed.can_run("fp8") == (cpu_kv8_unavailable_reason() is None)
 
 
+def test_the_engines_token_budget_is_the_one_given_or_vllms_cpu_default() -> None:
+    """Admission's prefill backlog counts in the engine's token budget, which vLLM does not
+    publish: it is what the gateway starts its engines with, what their operator declares, or
+    the flag in the engines' arguments; only without any of them vLLM's CPU server default."""
+    from batchpilot.core.admission import AdmissionConfig
+    from batchpilot.core.knobs import Knobs
+    from batchpilot.core.telemetry import SLO, Telemetry
+    from batchpilot.serving.control_loop import token_budget, upstream_engine_model
+    from batchpilot.serving.lanes import Lane
+    from batchpilot.serving.upstream import EngineInfo, ManagedVLLM, Upstream
+
+    up = ["http://10.0.0.9:8000"]
+    assert token_budget(ServeConfig.from_cfg({"upstreams": up})) is None
+    assert token_budget(ServeConfig.from_cfg({"upstreams": up, "max_num_batched_tokens": 8192})) == 8192
+    for args in (["--max-num-batched-tokens", "4096"], ["--enforce-eager", "--max-num-batched-tokens=4096"]):
+        assert token_budget(ServeConfig.from_cfg({"managed": True, "extra_vllm_args": args})) == 4096
+    with pytest.raises(ValueError, match="serve.max_num_batched_tokens=64 must be >= serve.max_num_seqs=256"):
+        ServeConfig.from_cfg({"upstreams": up, "max_num_batched_tokens": 64})
+
+    lane = Lane.build(0, Upstream(up[0]), AdmissionConfig(), Knobs(batch_cap=8), Telemetry(SLO()), GatewayMetrics(), 1)
+    lane.upstream.info = EngineInfo(model="m", max_model_len=4096, num_kv_blocks=777, block_size=32, kv_dtype="auto")
+    assert upstream_engine_model(lane, 128, managed=False)[1].max_num_batched_tokens == 4096  # max_model_len
+    assert upstream_engine_model(lane, 128, managed=False, max_num_batched_tokens=8192)[1].max_num_batched_tokens == 8192
+
+    def flag(engine: ManagedVLLM) -> list[str]:
+        cmd = engine.command()
+        return cmd[cmd.index("--max-num-batched-tokens"):][:2] if "--max-num-batched-tokens" in cmd else []
+
+    kw = dict(model="m", served_model_name="m", max_model_len=64, max_num_seqs=4, port=1)
+    assert flag(ManagedVLLM(**kw)) == []  # vLLM's own default
+    assert flag(ManagedVLLM(**kw, max_num_batched_tokens=512)) == ["--max-num-batched-tokens", "512"]
+
+
 @pytest.mark.anyio
 async def test_quality_replays_take_an_admission_slot() -> None:
     """A replay's upstream copy used to bypass admission (the batch could pass the cap); it now
