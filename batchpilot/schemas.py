@@ -824,6 +824,19 @@ class LiveScenarioConfig:
     #: serves here (a saturated probe of the same requests, straight to vLLM, after warm-up);
     #: ``time_scale`` then only picks the window's shape. null = the rate as written.
     load_multiple: float | None
+    #: What vLLM serves here (req/s) to size ``load_multiple`` on, instead of probing: another
+    #: run's ``load.capacity_req_s`` (results.json), to replay the very load it replayed (an A/B
+    #: of one setting across two runs). null = the probe measures it.
+    capacity_req_s: float | None
+
+    def __post_init__(self) -> None:
+        for name in ("load_multiple", "capacity_req_s"):
+            v = getattr(self, name)
+            if v is not None and not (math.isfinite(v) and v > 0):
+                raise ValueError(f"live_scenario.{name}={v} must be a positive number or null")
+        if self.capacity_req_s is not None and self.load_multiple is None:
+            raise ValueError("live_scenario.capacity_req_s sizes the load by load_multiple; set that too "
+                             "(or capacity_req_s=null to replay the written rate)")
 
 # --- app configs: the top-level keys of conf/<app>.yaml -------------------------------------
 # Each app's top config lists its schema first (``- /schema/<app>@_here_``), so a mistyped

@@ -64,7 +64,7 @@ from batchpilot.envs.timed_trace import (
 )
 from batchpilot.envs.traces import TraceOptions
 from batchpilot.policies.eval_report import _fmt, mean_ci
-from batchpilot.schemas import LiveEvaluateApp, check_app
+from batchpilot.schemas import LiveEvaluateApp, LiveScenarioConfig, check_app, from_node
 
 log = logging.getLogger(__name__)
 
@@ -426,6 +426,7 @@ def _check(cfg: DictConfig) -> list[str]:
     ``+key=...``; then what a type cannot say (known, distinct paths; at least one round)."""
     try:
         check_app(LiveEvaluateApp, cfg)
+        from_node(LiveScenarioConfig, cfg.live_scenario)  # its values (a schema checks types only)
     except ValueError as e:
         raise LiveEvaluationError(str(e)) from None
     paths = list(cfg.paths)
@@ -517,15 +518,7 @@ def live_evaluate(cfg: DictConfig, model_dir: Path | None = None) -> dict[str, A
                       f"in {time.monotonic() - t0:.0f} s", flush=True)
 
         if scenario.load_multiple is not None:  # sized to this machine: a saturated probe first
-            load = capacity_probe(lambda recs: one_run(BASELINE, recs, "capacity_probe")[0], tf)
-            sized, tf = sized_window(scenario, tf, float(scenario.load_multiple) * load["capacity_req_s"])
-            load.update(load_multiple=float(scenario.load_multiple), replayed_rate_req_s=tf.rate,
-                        requests=len(tf), time_scale=sized["time_scale"], window_trace_s=sized["duration_s"])
-            print(f"live_evaluate: capacity probe: vLLM served the window's {load['probe_requests']:.0f} requests "
-                  f"at {load['capacity_req_s']:.2f} req/s (all sent at once); replaying {len(tf)} requests at "
-                  f"{tf.rate:.2f} req/s = {scenario.load_multiple} x that over {tf.duration_s:.1f} s "
-                  f"(written: {load['written_rate_req_s']:.2f} req/s; time_scale {sized['time_scale']:.3g})",
-                  flush=True)
+            load, sized, tf = machine_load(scenario, tf, lambda recs: one_run(BASELINE, recs, "capacity_probe")[0])
 
         for rnd, paths_r in enumerate(order):
             for pos, path in enumerate(paths_r):
@@ -565,6 +558,31 @@ def _meta(cfg: DictConfig, tf: TimedTraceFile, order: list[list[str]], pdirs: Ma
             "slo": {"ttft_ms": cfg.slo.ttft_ms, "tpot_ms": cfg.slo.tpot_ms},
             "warmup_requests": int(cfg.warmup.requests), "host_cpus": os.cpu_count(),
             "policies": dict(pdirs), "load": dict(load)}
+
+
+def machine_load(scenario: DictConfig, tf: TimedTraceFile,
+                 run: Callable[[Sequence[Mapping[str, Any]]], Mapping[str, Any]]
+                 ) -> tuple[dict[str, Any], dict[str, Any], TimedTraceFile]:
+    """The load a sized scenario replays: ``load_multiple`` x what vLLM serves here, probed
+    (``capacity_probe`` with ``run``) or given (``capacity_req_s``: another run's, so two runs
+    replay the same requests at the same times). Returns (results.json's ``load``, the
+    scenario as replayed, the window)."""
+    given = scenario.get("capacity_req_s")
+    if given is None:
+        load: dict[str, Any] = capacity_probe(run, tf)
+        how = (f"capacity probe: vLLM served the window's {load['probe_requests']:.0f} requests at "
+               f"{load['capacity_req_s']:.2f} req/s (all sent at once)")
+    else:
+        load = {"capacity_req_s": float(given), "capacity_given": True, "written_rate_req_s": tf.rate,
+                "written_duration_s": tf.duration_s}
+        how = f"capacity given (live_scenario.capacity_req_s, not probed): {float(given):.2f} req/s"
+    sized, tf = sized_window(scenario, tf, float(scenario.load_multiple) * load["capacity_req_s"])
+    load.update(load_multiple=float(scenario.load_multiple), replayed_rate_req_s=tf.rate,
+                requests=len(tf), time_scale=sized["time_scale"], window_trace_s=sized["duration_s"])
+    print(f"live_evaluate: {how}; replaying {len(tf)} requests at {tf.rate:.2f} req/s = "
+          f"{scenario.load_multiple} x that over {tf.duration_s:.1f} s (written: {load['written_rate_req_s']:.2f} "
+          f"req/s; time_scale {sized['time_scale']:.3g})", flush=True)
+    return load, sized, tf
 
 
 def capacity_probe(run: Callable[[Sequence[Mapping[str, Any]]], Mapping[str, Any]],

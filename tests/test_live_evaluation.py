@@ -195,6 +195,37 @@ def test_config_checks() -> None:
             _check(load_config([*bad, "out_dir=/tmp/x"], config_name="live_evaluate"))
 
 
+def test_a_given_capacity_replays_another_runs_load_without_a_probe() -> None:
+    """Two runs of a sized scenario compare one setting only if they replay the same load: a
+    run's ``load.capacity_req_s`` given back sizes the window exactly as its probe did, and no
+    probe runs; the probed path sizes on what the probe measured."""
+    from batchpilot.policies.live_evaluation import machine_load, scenario_trace
+
+    cfg = load_config(["live_scenario=code", "out_dir=/tmp/x"], config_name="live_evaluate")
+    sc = cfg.live_scenario
+    tf = scenario_trace(sc)
+    probes: list[int] = []
+
+    def probe(records):
+        probes.append(len(records))
+        assert all(r["timestamp"] == 0.0 for r in records)  # all sent at once
+        return {"request_throughput": 7.5, "completed": len(records)}
+
+    probed, sized, replayed = machine_load(sc, tf, probe)
+    assert probes == [len(tf)] and probed["capacity_req_s"] == 7.5
+    assert replayed.rate == pytest.approx(7.5 * float(sc.load_multiple), rel=1e-3)
+    sc.capacity_req_s = probed["capacity_req_s"]
+    given, sized_again, again = machine_load(sc, tf, probe)
+    assert probes == [len(tf)] and given["capacity_given"]  # not probed again
+    assert sized_again == {**sized, "capacity_req_s": 7.5}
+    assert [(r["timestamp"], r["input_length"]) for r in again.records] == \
+        [(r["timestamp"], r["input_length"]) for r in replayed.records]
+    for bad, needle in ((["live_scenario.capacity_req_s=-1"], "capacity_req_s=-1.0 must be a positive"),
+                        (["live_scenario=kv_tight", "live_scenario.capacity_req_s=5"], "set that too")):
+        with pytest.raises(LiveEvaluationError, match=needle):
+            _check(load_config([*bad, "out_dir=/tmp/x"], config_name="live_evaluate"))
+
+
 def test_prom_values_sums_label_sets() -> None:
     text = ('# HELP x\nvllm:num_preemptions_total{engine="0"} 3.0\nvllm:num_preemptions_total{engine="1"} 2.0\n'
             'vllm:kv_cache_usage_perc 0.25\nother 9\n')
