@@ -1112,6 +1112,7 @@ class LiveEvaluateApp:
     twin_match: bool
     twin_match_gateway: bool
     twin_of: str | None
+    twin_speed_of: str | None
     out_dir: str
 
 

@@ -366,18 +366,20 @@ def twin_of_rows(tf: TimedTraceFile, scenario: Mapping[str, Any], slo: Mapping[s
                  live_rows: Sequence[Mapping[str, Any]], *, paths: Sequence[str], match: bool = True,
                  match_gateway: bool = True, vllm_args: Sequence[Any] = (), priority: int | None = None,
                  seed: int = 0, policy_dirs: Mapping[str, str] | None = None,
-                 gateway_overrides: Sequence[str] = (),
+                 gateway_overrides: Sequence[str] = (), speed: Mapping[str, Any] | None = None,
                  log: Any = print) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
     """The twin of a live evaluation's rows: with ``match``, its speed first matched to the live
-    reference path(s) (``match_slowdown``; ``match_gateway``: the gateway paths' factor too);
-    then one episode per path, under the gateway's shield and admission overrides. Returns rows
-    and the match."""
+    reference path(s) (``match_slowdown``; ``match_gateway``: the gateway paths' factor too), or
+    ``speed`` given (another run's match, ``speed_of``); then one episode per path, under the
+    gateway's shield and admission overrides. Returns rows and the match."""
+    if speed is not None:
+        match = False
     refs = [MATCH_PATH, GATEWAY_MATCH_PATH] if match and match_gateway else [MATCH_PATH]
     run = _twin_runner(tf, scenario, slo, paths=[*dict.fromkeys([*paths, *refs])],
                        vllm_args=vllm_args, priority=priority, seed=seed, policy_dirs=policy_dirs,
                        extra_overrides=twin_gateway_overrides(gateway_overrides))
     m = (match_slowdown(tf, scenario, slo, live_rows, seed=seed, run=run, gateway=match_gateway, log=log)
-         if match else None)
+         if match else (dict(speed) if speed is not None else None))
     k = float(m["slowdown"]) if m else 1.0
     g = float(m.get("gateway_factor", 1.0)) if m else 1.0
     return [run(path, k if path == MATCH_PATH else k * g, log) for path in paths], m
@@ -460,10 +462,31 @@ def twin_summary(sim_rows: Sequence[Mapping[str, Any]], live_rows: Sequence[Mapp
             "gains": gains}
 
 
+def speed_of(run_dir: str | Path) -> dict[str, Any]:
+    """Another live run's twin speed (its twin.json ``match``), for a twin that cannot match its
+    own (no vllm_direct runs), marked with the run it was matched on (a run that took its speed
+    from a third passes that one on)."""
+    path = Path(run_dir) / "twin.json"
+    try:
+        match = json.loads(path.read_text()).get("match")
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"twin_speed_of: cannot read {path}: {exc}") from None
+    if not isinstance(match, dict) or not match.get("matched") or "slowdown" not in match:
+        raise ValueError(f"twin_speed_of: {path} has no matched speed (its twin ran at the profile's speed)")
+    return {**match, "given_from": match.get("given_from") or str(run_dir)}
+
+
 def match_markdown(match: Mapping[str, Any] | None) -> str:
-    """One paragraph on the twin's speed: the profile's, or matched to the live reference path."""
+    """One paragraph on the twin's speed: the profile's, or matched to the live reference path
+    (of this run, or of the run it was given from)."""
     if not match:
         return "Speed: the profile's (`hardware.slowdown` 1, not matched to the live runs)."
+    if match.get("given_from"):
+        return (f"Speed given from another run (`twin_speed_of`: {match['given_from']}, matched there on its "
+                f"{match.get('path', 'vllm_direct')} and {match.get('gateway', {}).get('path', 'static')} runs): "
+                f"**slowdown {float(match['slowdown']):.2f}**, the gateway paths at "
+                f"**{float(match.get('gateway_factor', 1.0)):.2f}×** that. Every path's twin result here is a "
+                "prediction.")
     if "target_ms" not in match:
         return f"Speed: the profile's — {match.get('reason', 'not matched')}."
     text = (f"Speed matched to the live reference: **slowdown {match['slowdown']:.2f}** (every simulated iteration "
@@ -580,9 +603,10 @@ def plot_cap_timelines(out_dir: Path, sim_rows: Sequence[Mapping[str, Any]]) -> 
     return out
 
 
-def twin_of(out_dir: str | Path, log: Any = print) -> dict[str, Any]:
+def twin_of(out_dir: str | Path, log: Any = print, speed_from: str | Path | None = None) -> dict[str, Any]:
     """The twin of a finished live run: its config (``.hydra/config.yaml``, else results.json's
-    meta), its window re-converted the same way, its rows from results.json."""
+    meta), its window re-converted the same way, its rows from results.json; its speed matched on
+    its own runs, or ``speed_from`` another run's (``speed_of``)."""
     from batchpilot.policies.live_evaluation import scenario_trace, sized_window
 
     d = Path(out_dir)
@@ -613,13 +637,14 @@ def twin_of(out_dir: str | Path, log: Any = print) -> dict[str, Any]:
     rows, m = twin_of_rows(tf, sc, slo, res["rows"], match=match, match_gateway=match_gateway,
                            paths=[p for p in TWIN_POLICY if any(r["path"] == p for r in res["rows"])],
                            vllm_args=vargs, priority=header_priority(headers, _serve_defaults()["default_priority"]),
-                           seed=seed, gateway_overrides=gw_over, log=log)
+                           seed=seed, gateway_overrides=gw_over, log=log,
+                           speed=speed_of(speed_from) if speed_from else None)
     summary = write_twin(d, rows, res["rows"], match=m)
     return {"rows": rows, "match": m, **summary}
 
 
 __all__ = [
-    "GAINS", "TARGET_SHARE", "TWIN_POLICY", "header_priority", "live_paired", "match_slowdown", "run_twin",
+    "GAINS", "TARGET_SHARE", "TWIN_POLICY", "header_priority", "live_paired", "match_slowdown", "run_twin", "speed_of",
     "stream_from_records", "survival", "twin_gateway_overrides", "twin_markdown", "twin_of", "twin_of_rows",
     "twin_overrides", "twin_summary", "write_twin",
 ]

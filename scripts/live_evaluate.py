@@ -27,7 +27,10 @@ def main(cfg: DictConfig) -> None:
         if cfg.get("twin_of"):
             from batchpilot.policies.live_twin import twin_of
 
-            twin_of(str(cfg.twin_of))
+            try:
+                twin_of(str(cfg.twin_of), speed_from=cfg.get("twin_speed_of"))
+            except (OSError, ValueError) as e:  # a folder without a finished run, or no speed to take
+                raise LiveEvaluationError(str(e)) from None
             print(f"live_evaluate: simulated twin written to {cfg.twin_of}/results.md and twin.json", flush=True)
         else:
             live_evaluate(cfg)

@@ -212,6 +212,38 @@ def test_twin_of_a_finished_live_run(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+def test_a_run_without_reference_paths_takes_another_runs_twin_speed(tmp_path: Path) -> None:
+    """A run of PID and PPO only (an A/B at another run's load) has no vllm_direct runs to match
+    its twin's speed on: it takes the other run's match (``twin_speed_of``), says so, and runs
+    its paths at exactly that speed; a folder without a matched speed is refused by name."""
+    from batchpilot.policies.live_twin import speed_of
+
+    sc = _scenario("steady", n=8)
+    tf = scenario_trace(OmegaConf.create(sc))
+    meta = {"scenario": sc, "slo": SLO, "requests_per_run": len(tf)}
+    ref, ab = tmp_path / "ref", tmp_path / "ab"
+    for d, paths in ((ref, ("vllm_direct", "static", "pid", "ppo")), (ab, ("pid", "ppo"))):
+        d.mkdir()
+        rows = [{"scenario": "steady", "path": p, "round": r, "request_goodput": 1.0, "mean_tpot_ms": 3.0 + r}
+                for r in range(2) for p in paths]
+        (d / "results.json").write_text(json.dumps({"meta": meta, "rows": rows}))
+        (d / "results.md").write_text("# Live evaluation\n")
+    with pytest.raises(ValueError, match="cannot read .*twin.json"):
+        twin_of(ab, log=lambda m: None, speed_from=ref)
+    first = twin_of(ref, log=lambda m: None)
+    assert first["match"]["matched"]
+    out = twin_of(ab, log=lambda m: None, speed_from=ref)
+    assert out["match"]["given_from"] == str(ref) and out["match"]["slowdown"] == first["match"]["slowdown"]
+    assert [r["path"] for r in out["rows"]] == ["pid", "ppo"]
+    assert [r["request_goodput"] for r in out["rows"]] == [r["request_goodput"] for r in first["rows"][2:]]
+    assert "Speed given from another run" in (ab / "results.md").read_text()
+    assert speed_of(ab)["given_from"] == str(ref)  # passed on, still naming the run it was matched on
+    (ab / "twin.json").write_text(json.dumps({"match": None, "rows": []}))
+    with pytest.raises(ValueError, match="no matched speed"):
+        speed_of(ab)
+
+
+@pytest.mark.slow
 def test_twin_of_a_run_sized_to_the_machine(tmp_path: Path) -> None:
     """A run sized by its capacity probe (``load_multiple``) replayed the window at another rate:
     the twin replays that same window, not the written one."""
