@@ -436,19 +436,20 @@ def _check(cfg: DictConfig) -> list[str]:
         raise LiveEvaluationError(f"paths must be distinct names among {tuple(dict.fromkeys(known))}, got {paths}")
     if int(cfg.rounds) < 1:
         raise LiveEvaluationError(f"rounds must be >= 1, got {cfg.rounds}")
-    if cfg.sim_twin and cfg.twin_speed_of:  # before the runs, not after them
-        from batchpilot.policies.live_twin import speed_of
-
-        try:
-            speed_of(cfg.twin_speed_of)
-        except ValueError as e:
-            raise LiveEvaluationError(str(e)) from None
     return paths
 
 
 def live_evaluate(cfg: DictConfig, model_dir: Path | None = None) -> dict[str, Any]:
     """Run the live evaluation ``cfg`` (conf/live_evaluate.yaml) and write its files."""
     paths = _check(cfg)
+    speed = None
+    if cfg.sim_twin and cfg.twin_speed_of:  # read before the runs: a bad folder fails now, not after them
+        from batchpilot.policies.live_twin import speed_of
+
+        try:
+            speed = speed_of(cfg.twin_speed_of)
+        except ValueError as e:
+            raise LiveEvaluationError(str(e)) from None
     pdirs = policy_dirs(cfg)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per admin/metrics poll otherwise
     out_dir = Path(str(cfg.out_dir))
@@ -540,7 +541,7 @@ def live_evaluate(cfg: DictConfig, model_dir: Path | None = None) -> dict[str, A
                 write_results(rows, out_dir, meta=_meta(cfg, tf, order, pdirs, load), plots=False)
     files = write_results(rows, out_dir, meta=_meta(cfg, tf, order, pdirs, load), plots=bool(cfg.plots))
     if cfg.sim_twin:  # the same requests on the calibrated simulator (policies/live_twin.py)
-        from batchpilot.policies.live_twin import header_priority, speed_of, twin_of_rows, write_twin
+        from batchpilot.policies.live_twin import header_priority, twin_of_rows, write_twin
 
         sc = sized or OmegaConf.to_container(scenario, resolve=True)  # the window the runs replayed
         assert isinstance(sc, dict)
@@ -551,7 +552,7 @@ def live_evaluate(cfg: DictConfig, model_dir: Path | None = None) -> dict[str, A
                                    priority=header_priority(client_cfg.get("headers"), 1), seed=int(cfg.seed),
                                    policy_dirs={p: d for p, d in pdirs.items() if p != "ppo"},
                                    gateway_overrides=[str(o) for o in cfg.gateway.overrides],
-                                   speed=speed_of(cfg.twin_speed_of) if cfg.twin_speed_of else None)
+                                   speed=speed)
         write_twin(out_dir, twin, rows, match=match)
         files["twin"] = out_dir / "twin.json"
     print(f"live_evaluate: {len(rows)} runs in {time.monotonic() - t_start:.0f} s; files in {out_dir}", flush=True)

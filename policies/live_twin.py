@@ -372,14 +372,16 @@ def twin_of_rows(tf: TimedTraceFile, scenario: Mapping[str, Any], slo: Mapping[s
     reference path(s) (``match_slowdown``; ``match_gateway``: the gateway paths' factor too), or
     ``speed`` given (another run's match, ``speed_of``); then one episode per path, under the
     gateway's shield and admission overrides. Returns rows and the match."""
-    if speed is not None:
-        match = False
+    match = match and speed is None  # a given speed is not matched again
     refs = [MATCH_PATH, GATEWAY_MATCH_PATH] if match and match_gateway else [MATCH_PATH]
     run = _twin_runner(tf, scenario, slo, paths=[*dict.fromkeys([*paths, *refs])],
                        vllm_args=vllm_args, priority=priority, seed=seed, policy_dirs=policy_dirs,
                        extra_overrides=twin_gateway_overrides(gateway_overrides))
-    m = (match_slowdown(tf, scenario, slo, live_rows, seed=seed, run=run, gateway=match_gateway, log=log)
-         if match else (dict(speed) if speed is not None else None))
+    if match:
+        m: dict[str, Any] | None = match_slowdown(tf, scenario, slo, live_rows, seed=seed, run=run,
+                                                  gateway=match_gateway, log=log)
+    else:
+        m = dict(speed) if speed is not None else None
     k = float(m["slowdown"]) if m else 1.0
     g = float(m.get("gateway_factor", 1.0)) if m else 1.0
     return [run(path, k if path == MATCH_PATH else k * g, log) for path in paths], m

@@ -267,10 +267,9 @@ class ControlLoop:
         if self.model is None:
             log.warning("memory model: %s; the shield counts the upstreams' KV pools alone (weights not counted)",
                         self.model_source)
+        self.token_budget = token_budget(cfg)
         for ln in gw.lanes:
-            mem, caps = upstream_engine_model(ln, cfg.max_num_seqs, ln.upstream.managed is not None,
-                                              cfg.upstream_kv_dtypes, model=self.model,
-                                              given_kv_bytes=given_kv_bytes(ln), max_num_batched_tokens=token_budget(cfg))
+            mem, caps = self._engine_model(ln)
             static = build_controller({"kind": "static", "batch_cap": ln.knobs.batch_cap,
                                        "bucketing": ln.knobs.bucketing, "kv_dtype": ln.knobs.kv_dtype}, cfg.max_num_seqs)
             self.lane_ctl[ln.index] = LaneControl(
@@ -335,10 +334,14 @@ class ControlLoop:
         if ln.upstream.info is not ctl.info:
             self._refresh_memory_model(ln, ctl)
 
+    def _engine_model(self, ln: Lane) -> tuple[MemoryModel, EngineCapabilities]:
+        """The shield's view of a lane's upstream as it reports itself now."""
+        return upstream_engine_model(ln, self.cfg.max_num_seqs, ln.upstream.managed is not None,
+                                     self.cfg.upstream_kv_dtypes, model=self.model,
+                                     given_kv_bytes=given_kv_bytes(ln), max_num_batched_tokens=self.token_budget)
+
     def _refresh_memory_model(self, ln: Lane, ctl: LaneControl) -> None:
-        mem, caps = upstream_engine_model(ln, self.cfg.max_num_seqs, ln.upstream.managed is not None,
-                                          self.cfg.upstream_kv_dtypes, model=self.model,
-                                          given_kv_bytes=given_kv_bytes(ln), max_num_batched_tokens=token_budget(self.cfg))
+        mem, caps = self._engine_model(ln)
         was = ctl.shield.memory.source
         ctl.shield.set_engine(mem, caps)
         self._use_memory_model(ln, ctl, mem)
