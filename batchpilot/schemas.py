@@ -290,6 +290,9 @@ class SimEngineConfig:
     #: ``requeue``: restart preempts everything in flight by recompute; ``drain``: finish the
     #: running requests first (no admissions), then restart.
     restart_mode: str = "requeue"
+    #: Engine seconds between adding a request and the scheduler seeing it (a live server's
+    #: HTTP, tokenizer and engine-core queue); 0 = at once.
+    ingress_latency_s: float = 0.0
     #: The simulator is deterministic; kept so runs record the seed they were made with.
     seed: int = 0
 
@@ -314,6 +317,8 @@ class SimEngineConfig:
             raise bad("num_gpu_blocks_override", "must be a positive block count or null")
         if self.restart_mode not in ("requeue", "drain"):
             raise bad("restart_mode", "use 'requeue' or 'drain'")
+        if not (isinstance(self.ingress_latency_s, (int, float)) and 0 <= self.ingress_latency_s < math.inf):
+            raise bad("ingress_latency_s", "must be a finite number of seconds >= 0")
 
     @classmethod
     def from_cfg(cls, cfg: Any) -> "SimEngineConfig":
@@ -1111,6 +1116,7 @@ class LiveEvaluateApp:
     sim_twin: bool
     twin_match: bool
     twin_match_gateway: bool
+    twin_ingress_latency_s: float
     twin_of: str | None
     twin_speed_of: str | None
     out_dir: str
@@ -1170,6 +1176,16 @@ class ServedDecodeBenchNode(ServedDecodeSettings):
 
 
 @dataclass(slots=True)
+class ServedRoundTripBenchNode:
+    """``served_round_trip`` of ``conf/bench.yaml`` (``target=served_round_trip``)."""
+
+    profile: str
+    prompt_tokens: int
+    requests: int
+    warmup: int
+
+
+@dataclass(slots=True)
 class BenchApp:
     """``conf/bench.yaml`` (``scripts/bench.py``). ``gateway_bench`` / ``client_bench`` extend
     ``schema/gateway_bench`` / ``schema/client_bench`` in the file's defaults list."""
@@ -1187,6 +1203,7 @@ class BenchApp:
     env_bench: EnvBenchNode
     policy_bench: PolicyBenchNode
     served_decode: ServedDecodeBenchNode
+    served_round_trip: ServedRoundTripBenchNode
 
 
 @dataclass(slots=True)

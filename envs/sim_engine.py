@@ -17,6 +17,12 @@ costs O(events), and ``advance_until`` adds up whole pure-decode stretches (no p
 finish, no admission possible, enough blocks) in closed form. Results equal stepping one
 iteration at a time.
 
+Ingress latency (``ingress_latency_s``, 0 by default): a request added now reaches the
+scheduler that much engine time later, as a live request crosses the API server (HTTP, tokens,
+the engine core's input queue) before its first iteration. It matters where admission feeds the
+engine one request at a time: behind a gateway that admits the next prompt when the last one's
+first token arrives, the engine runs decode-only iterations in between.
+
 Simplifications (documented, deliberate): a preempted request's own KV is not found in the
 prefix cache when it resumes (only ``prefix_hashes`` blocks are cached); cached-but-unreferenced
 blocks are reused only after plain free blocks run out (vLLM mixes them in one LRU queue); the
@@ -95,6 +101,8 @@ class SimEngine(Engine):
         self._pc_hits = 0
         self._ids: set[str] = set()
         self._waiting: deque[_Seq] = deque()
+        #: Requests on their way in (``ingress_latency_s``): (engine time they arrive, seq), in order.
+        self._inbound: deque[tuple[float, _Seq]] = deque()
         self._running: dict[str, _Seq] = {}
         self._configure(self.cfg.kv_dtype)
 
@@ -159,7 +167,7 @@ class SimEngine(Engine):
 
     @property
     def num_waiting(self) -> int:
-        return len(self._waiting)
+        return len(self._waiting) + len(self._inbound)
 
     @property
     def num_kv_blocks_total(self) -> int:
@@ -197,7 +205,11 @@ class SimEngine(Engine):
             raise RequestRejected(rid, "exceeds_kv_capacity", f"needs {need} KV blocks, the cache has "
                                   f"{self._total_blocks}; use a smaller request or an 8-bit KV dtype")
         self._ids.add(rid)
-        self._waiting.append(_Seq(request, out))
+        lat = self.cfg.ingress_latency_s
+        if lat > 0:
+            self._inbound.append((self._now + lat, _Seq(request, out)))
+        else:
+            self._waiting.append(_Seq(request, out))
 
     def set_max_active(self, n: int) -> bool:
         """Limit running requests (as vLLM's ``max_num_active_reqs``): stops admissions while
@@ -213,7 +225,7 @@ class SimEngine(Engine):
 
     def stats(self) -> EngineStats:
         used = self._total_blocks - self._available()
-        return EngineStats(time=self._now, num_running=len(self._running), num_waiting=len(self._waiting),
+        return EngineStats(time=self._now, num_running=len(self._running), num_waiting=self.num_waiting,
                            num_kv_blocks_used=used, num_kv_blocks_total=self._total_blocks,
                            kv_cache_usage=used / self._total_blocks, num_preemptions=self._num_preemptions,
                            prefix_cache_queries=self._pc_queries, prefix_cache_hits=self._pc_hits)
@@ -253,6 +265,8 @@ class SimEngine(Engine):
     def step(self) -> StepResult:
         agg = self._take_pending()
         self.idle_until(self._down_until)  # one iteration: after the restart, if one is on
+        if not self._running and not self._waiting and self._inbound:
+            self.idle_until(self._inbound[0][0])  # nothing to run before the next arrives
         self._iterate(agg)
         agg.duration = self._now - agg.start_time
         return agg
@@ -262,13 +276,19 @@ class SimEngine(Engine):
         if self._now < self._down_until:  # restarting: time passes, nothing runs
             self.idle_until(min(t_end, self._down_until))
         while self._now < t_end:
+            self._take_inbound()
             if self._partial is None and self._n_dec and not self._can_admit():
-                self._fast_forward(t_end, stop_on_finish, agg)
+                t_in = self._inbound[0][0] if self._inbound else t_end
+                self._fast_forward(min(t_end, t_in), stop_on_finish, agg)
                 if self._now >= t_end:
                     break
+                self._take_inbound()
             nfin = len(agg.finished)
             nft = len(agg.first_tokens)
             if not self._iterate(agg):
+                if self._inbound and self._inbound[0][0] < t_end:
+                    self.idle_until(self._inbound[0][0])  # idle until the next request is in
+                    continue
                 self.idle_until(t_end)
                 break
             if stop_on_finish and len(agg.finished) > nfin:
@@ -285,6 +305,12 @@ class SimEngine(Engine):
             return StepResult(start_time=self._now, duration=0.0)
         agg, self._pending = self._pending, None
         return agg
+
+    def _take_inbound(self) -> None:
+        """Requests whose ingress latency has passed join the waiting queue, in order."""
+        inbound, now = self._inbound, self._now
+        while inbound and inbound[0][0] <= now:
+            self._waiting.append(inbound.popleft()[1])
 
     def _available(self) -> int:
         return self._free + len(self._evictable) * self._bph
@@ -437,6 +463,7 @@ class SimEngine(Engine):
     def _iterate(self, agg: StepResult) -> bool:
         """Run one iteration into ``agg``; False when there is nothing to run."""
         cfg = self.cfg
+        self._take_inbound()
         if not self._running and not self._can_admit():
             return False
         bs = cfg.block_size

@@ -436,6 +436,9 @@ def _check(cfg: DictConfig) -> list[str]:
         raise LiveEvaluationError(f"paths must be distinct names among {tuple(dict.fromkeys(known))}, got {paths}")
     if int(cfg.rounds) < 1:
         raise LiveEvaluationError(f"rounds must be >= 1, got {cfg.rounds}")
+    lat = float(cfg.twin_ingress_latency_s)
+    if not 0 <= lat < math.inf:  # checked before the runs, not when the twin starts after them
+        raise LiveEvaluationError(f"twin_ingress_latency_s must be a finite number of seconds >= 0, got {lat}")
     return paths
 
 
@@ -552,7 +555,7 @@ def live_evaluate(cfg: DictConfig, model_dir: Path | None = None) -> dict[str, A
                                    priority=header_priority(client_cfg.get("headers"), 1), seed=int(cfg.seed),
                                    policy_dirs={p: d for p, d in pdirs.items() if p != "ppo"},
                                    gateway_overrides=[str(o) for o in cfg.gateway.overrides],
-                                   speed=speed)
+                                   speed=speed, ingress_latency_s=float(cfg.twin_ingress_latency_s))
         write_twin(out_dir, twin, rows, match=match)
         files["twin"] = out_dir / "twin.json"
     print(f"live_evaluate: {len(rows)} runs in {time.monotonic() - t_start:.0f} s; files in {out_dir}", flush=True)

@@ -10,7 +10,9 @@ plus what ``vllm serve`` adds per decode step and running sequence on this machi
 ``conf/hardware/cpu_tiny_served.yaml``: the live paths go through the API server, with
 the live engine's scheduler: block size 32 unless the scenario's ``--block-size`` says
 otherwise, token budget 2,048, 256 sequences, the scenario's ``--num-gpu-blocks-override`` as
-``engine.num_gpu_blocks_override``), under the same SLO, and on the same paths:
+``engine.num_gpu_blocks_override``, and the served round trip as ``engine.ingress_latency_s``:
+a prompt the gateway admits when the last one's first token comes back reaches the engine an
+iteration or more later, not in the very next one), under the same SLO, and on the same paths:
 
 - ``vllm_direct`` ≙ the ``vllm_default`` controller as shipped (no shield, breaker or
   batchpilot admission; ``policy_overrides.vllm_default.as_shipped``);
@@ -110,9 +112,10 @@ def _serve_defaults() -> dict[str, Any]:
 
 
 def twin_overrides(scenario: Mapping[str, Any], slo: Mapping[str, Any], vllm_args: Sequence[Any] = (),
-                   extra: Sequence[str] = ()) -> list[str]:
+                   extra: Sequence[str] = (), ingress_latency_s: float = 0.0) -> list[str]:
     """Hydra overrides (``conf/evaluate.yaml``) of the twin's simulator: the calibrated tiny
-    model, the live engine's scheduler and KV budget, the gateway's control settings, the SLO."""
+    model, the live engine's scheduler, KV budget and round trip, the gateway's control
+    settings, the SLO."""
     sd = _serve_defaults()
     ctl = sd["control"]
     bs = _vllm_arg(vllm_args, "--block-size") or 32
@@ -120,6 +123,7 @@ def twin_overrides(scenario: Mapping[str, Any], slo: Mapping[str, Any], vllm_arg
         "engine=sim", "model=tiny_llama", f"hardware={TWIN_HARDWARE}", f"engine.block_size={bs}",
         f"engine.max_num_batched_tokens={_vllm_arg(vllm_args, '--max-num-batched-tokens') or 2048}",
         f"engine.max_num_seqs={_vllm_arg(vllm_args, '--max-num-seqs') or 256}",
+        f"engine.ingress_latency_s={float(ingress_latency_s)}",
         "workload=trace", f"workload.path={scenario['trace']}", f"workload.format={scenario['format']}",
         f"workload.start_s={float(scenario.get('start_s') or 0.0)}",
         f"workload.time_scale={float(scenario.get('time_scale') or 1.0)}",
@@ -184,21 +188,23 @@ def run_twin(tf: TimedTraceFile, scenario: Mapping[str, Any], slo: Mapping[str, 
              paths: Sequence[str] = tuple(TWIN_POLICY), vllm_args: Sequence[Any] = (), priority: int | None = None,
              seed: int = 0, extra_overrides: Sequence[str] = (), policy_overrides: Mapping[str, Any] | None = None,
              policy_dirs: Mapping[str, str] | None = None, slowdown: float = 1.0,
-             log: Any = print) -> list[dict[str, Any]]:
+             ingress_latency_s: float = 0.0, log: Any = print) -> list[dict[str, Any]]:
     """One simulated episode per live path on the records of ``tf``; one row per path.
     ``policy_dirs``: more paths, each an exported policy folder run as the ``ppo`` controller
     (the live evaluation's ``policies``, e.g. a fine-tuned policy beside the shipped one).
     ``slowdown``: every simulated iteration takes this many times the profile's time
-    (``HardwareSpec.slowdown``; ``match_slowdown`` fits it to the live reference path)."""
+    (``HardwareSpec.slowdown``; ``match_slowdown`` fits it to the live reference path).
+    ``ingress_latency_s``: the served round trip (``engine.ingress_latency_s``)."""
     run = _twin_runner(tf, scenario, slo, paths=paths, vllm_args=vllm_args, priority=priority, seed=seed,
-                       extra_overrides=extra_overrides, policy_overrides=policy_overrides, policy_dirs=policy_dirs)
+                       extra_overrides=extra_overrides, policy_overrides=policy_overrides, policy_dirs=policy_dirs,
+                       ingress_latency_s=ingress_latency_s)
     return [run(path, slowdown, log) for path in paths]
 
 
 def _twin_runner(tf: TimedTraceFile, scenario: Mapping[str, Any], slo: Mapping[str, Any], *, paths: Sequence[str],
                  vllm_args: Sequence[Any], priority: int | None, seed: int, extra_overrides: Sequence[str] = (),
-                 policy_overrides: Mapping[str, Any] | None = None,
-                 policy_dirs: Mapping[str, str] | None = None) -> Callable[[str, float, Any], dict[str, Any]]:
+                 policy_overrides: Mapping[str, Any] | None = None, policy_dirs: Mapping[str, str] | None = None,
+                 ingress_latency_s: float = 0.0) -> Callable[[str, float, Any], dict[str, Any]]:
     """Compose the twin's config once (Hydra's compose is most of a short twin's time); the
     returned ``run(path, slowdown, log)`` plays one path's episode and gives its row."""
     from batchpilot.policies.evaluation import (
@@ -221,7 +227,7 @@ def _twin_runner(tf: TimedTraceFile, scenario: Mapping[str, Any], slo: Mapping[s
     sd = _serve_defaults()
     prio = sd["default_priority"] if priority is None else int(priority)
     names = {p: TWIN_POLICY.get(p, "ppo") for p in paths}
-    overrides = [*twin_overrides(scenario, slo, vllm_args, extra_overrides),
+    overrides = [*twin_overrides(scenario, slo, vllm_args, extra_overrides, ingress_latency_s),
                  f"policies=[{','.join(dict.fromkeys(names.values()))}]",
                  f"seeds=[{int(seed)}]"]
     cfg, _ = compose_eval(overrides)
@@ -367,16 +373,17 @@ def twin_of_rows(tf: TimedTraceFile, scenario: Mapping[str, Any], slo: Mapping[s
                  match_gateway: bool = True, vllm_args: Sequence[Any] = (), priority: int | None = None,
                  seed: int = 0, policy_dirs: Mapping[str, str] | None = None,
                  gateway_overrides: Sequence[str] = (), speed: Mapping[str, Any] | None = None,
-                 log: Any = print) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
+                 ingress_latency_s: float = 0.0, log: Any = print) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
     """The twin of a live evaluation's rows: with ``match``, its speed first matched to the live
     reference path(s) (``match_slowdown``; ``match_gateway``: the gateway paths' factor too), or
     ``speed`` given (another run's match, ``speed_of``); then one episode per path, under the
-    gateway's shield and admission overrides. Returns rows and the match."""
+    gateway's shield and admission overrides, with the served round trip ``ingress_latency_s``.
+    Returns rows and the match."""
     match = match and speed is None  # a given speed is not matched again
     refs = [MATCH_PATH, GATEWAY_MATCH_PATH] if match and match_gateway else [MATCH_PATH]
     run = _twin_runner(tf, scenario, slo, paths=[*dict.fromkeys([*paths, *refs])],
                        vllm_args=vllm_args, priority=priority, seed=seed, policy_dirs=policy_dirs,
-                       extra_overrides=twin_gateway_overrides(gateway_overrides))
+                       extra_overrides=twin_gateway_overrides(gateway_overrides), ingress_latency_s=ingress_latency_s)
     if match:
         m: dict[str, Any] | None = match_slowdown(tf, scenario, slo, live_rows, seed=seed, run=run,
                                                   gateway=match_gateway, log=log)
@@ -605,10 +612,12 @@ def plot_cap_timelines(out_dir: Path, sim_rows: Sequence[Mapping[str, Any]]) -> 
     return out
 
 
-def twin_of(out_dir: str | Path, log: Any = print, speed_from: str | Path | None = None) -> dict[str, Any]:
+def twin_of(out_dir: str | Path, log: Any = print, speed_from: str | Path | None = None,
+            ingress_latency_s: float = 0.0) -> dict[str, Any]:
     """The twin of a finished live run: its config (``.hydra/config.yaml``, else results.json's
     meta), its window re-converted the same way, its rows from results.json; its speed matched on
-    its own runs, or ``speed_from`` another run's (``speed_of``)."""
+    its own runs, or ``speed_from`` another run's (``speed_of``); the served round trip given
+    (the caller's ``twin_ingress_latency_s``, so an older run is re-twinned as a new one would be)."""
     from batchpilot.policies.live_evaluation import scenario_trace, sized_window
 
     d = Path(out_dir)
@@ -640,7 +649,7 @@ def twin_of(out_dir: str | Path, log: Any = print, speed_from: str | Path | None
                            paths=[p for p in TWIN_POLICY if any(r["path"] == p for r in res["rows"])],
                            vllm_args=vargs, priority=header_priority(headers, _serve_defaults()["default_priority"]),
                            seed=seed, gateway_overrides=gw_over, log=log,
-                           speed=speed_of(speed_from) if speed_from else None)
+                           speed=speed_of(speed_from) if speed_from else None, ingress_latency_s=ingress_latency_s)
     summary = write_twin(d, rows, res["rows"], match=m)
     return {"rows": rows, "match": m, **summary}
 

@@ -140,6 +140,30 @@ def bench_served_decode(cfg: DictConfig) -> dict[str, Any]:
             "extra_ms_per_sequence": round(fit.per_sequence_s * 1e3, 4)}
 
 
+def bench_served_round_trip(cfg: DictConfig) -> dict[str, Any]:
+    """The served round trip against the simulator: one-token requests sent one at a time to an
+    idle real ``vllm serve``, client wall ms, beside the one iteration the simulator charges
+    (hardware=<profile>); the difference is what ``engine.ingress_latency_s`` stands for."""
+    import numpy as np
+
+    from batchpilot.config import load_config
+    from batchpilot.envs.specs import HardwareSpec, ModelSpec
+    from batchpilot.envs.step_time import StepTimeModel
+    from batchpilot.serving.served_decode import measure_round_trip
+
+    b = cfg.served_round_trip
+    p = int(b.prompt_tokens)
+    walls = np.array(measure_round_trip(p, int(b.requests), int(b.warmup))) * 1e3
+    prof = load_config(["model=tiny_llama", f"hardware={b.profile}"])
+    st = StepTimeModel.build(HardwareSpec.from_cfg(prof.hardware), ModelSpec.from_cfg(prof.model), "auto", 2048, 256)
+    sim_ms = st.step_time(p, p * (p + 1) / 2.0, p, 0, 0, 1) * 1e3
+    med = float(np.median(walls))
+    return {"target": "served_round_trip", "profile": str(b.profile), "prompt_tokens": p, "requests": int(walls.size),
+            "median_ms": round(med, 2), "p10_ms": round(float(np.percentile(walls, 10)), 2),
+            "p90_ms": round(float(np.percentile(walls, 90)), 2), "sim_iteration_ms": round(sim_ms, 2),
+            "round_trip_ms": round(med - sim_ms, 2)}
+
+
 def bench_http_client(cfg: DictConfig) -> dict[str, Any]:
     """The gateway's hot-path HTTP client against aiohttp's, side by side."""
     from batchpilot.serving.client_bench import bench_http_client as run
@@ -154,6 +178,7 @@ TARGETS: dict[str, Callable[[DictConfig], dict[str, Any]]] = {
     "gateway": bench_gateway,
     "http_client": bench_http_client,
     "served_decode": bench_served_decode,
+    "served_round_trip": bench_served_round_trip,
 }
 
 

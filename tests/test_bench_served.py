@@ -30,6 +30,20 @@ def test_served_decode_reports_each_concurrency_beside_the_simulator():
     assert {"extra_ms_per_step", "extra_ms_per_sequence"} <= res.keys()
 
 
+
+def test_served_round_trip_reports_the_wall_beside_the_simulated_iteration():
+    out = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "scripts" / "bench.py"), "target=served_round_trip",
+         "served_round_trip.requests=5", "served_round_trip.warmup=1"],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=540,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    assert res["target"] == "served_round_trip" and res["profile"] == "cpu_tiny_served"
+    assert res["requests"] == 5 and res["prompt_tokens"] == 16
+    assert 0 < res["p10_ms"] <= res["median_ms"] <= res["p90_ms"] and res["sim_iteration_ms"] > 0
+    assert res["round_trip_ms"] == pytest.approx(res["median_ms"] - res["sim_iteration_ms"], abs=0.02)
+
 def test_calibrate_writes_a_served_profile(tmp_path):
     """``scripts/calibrate.py fit=false served.enabled=true``: the committed profile plus the
     served path's measured extra, as a loadable hardware profile (never below the profile)."""

@@ -190,8 +190,9 @@ def test_config_checks() -> None:
     assert cfg.live_scenario.name == "steady"
     kv = load_config(["live_scenario=kv_tight", "out_dir=/tmp/x"], config_name="live_evaluate")
     assert "--num-gpu-blocks-override" in list(kv.live_scenario.vllm_args)
-    for bad in (["paths=[vllm_direct,aimd]"], ["paths=[pid,pid]"], ["rounds=0"]):
-        with pytest.raises(LiveEvaluationError):
+    for bad, needle in ((["paths=[vllm_direct,aimd]"], "paths"), (["paths=[pid,pid]"], "paths"),
+                        (["rounds=0"], "rounds"), (["twin_ingress_latency_s=-0.01"], "twin_ingress_latency_s")):
+        with pytest.raises(LiveEvaluationError, match=needle):
             _check(load_config([*bad, "out_dir=/tmp/x"], config_name="live_evaluate"))
 
 

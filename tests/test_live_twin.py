@@ -60,6 +60,19 @@ def test_overrides_carry_the_kv_budget_and_scheduler() -> None:
     assert not any("num_gpu_blocks_override" in o for o in twin_overrides(_scenario("steady"), SLO, []))
 
 
+
+def test_the_twin_charges_the_served_round_trip() -> None:
+    """The live client's TTFT includes the request's trip through the API server; the twin's
+    engine sees each request that much later (``engine.ingress_latency_s``)."""
+    assert "engine.ingress_latency_s=0.0" in twin_overrides(_scenario(), SLO, [])
+    assert "engine.ingress_latency_s=0.05" in twin_overrides(_scenario(), SLO, [], ingress_latency_s=0.05)
+    sc = _scenario("steady", n=12)
+    tf = scenario_trace(OmegaConf.create(sc))
+    at_once, late = (run_twin(tf, sc, SLO, paths=["vllm_direct"], ingress_latency_s=lat, log=lambda m: None)[0]
+                     for lat in (0.0, 0.05))
+    assert late["completed"] == at_once["completed"] == 12
+    assert 40 < late["mean_ttft_ms"] - at_once["mean_ttft_ms"] < 75
+
 def test_the_twin_runs_under_the_gateways_shield_and_admission_overrides() -> None:
     """A live run whose gateway was started with shield or admission overrides is predicted
     under the same ones (one shield); the gateway's other settings have no twin key."""

@@ -280,3 +280,65 @@ def test_70b_does_not_fit_a100_40gb_with_clear_error() -> None:
     with pytest.raises(ValueError, match="tensor_parallel"):
         create_engine("a100_40gb", "llama3_70b")
     assert create_engine("a100_40gb", "llama3_70b_tp8").num_kv_blocks_total > 0
+
+
+# ---- ingress latency ------------------------------------------------------------------------
+
+def test_a_request_reaches_the_scheduler_after_the_ingress_latency() -> None:
+    lat = 0.004
+    plain, late = create_engine(), create_engine(ingress_latency_s=lat)
+    for e in (plain, late):
+        e.add_request(Request("a", 0.0, 100, 3))
+    assert late.stats().num_waiting == 1  # on its way in: counted as waiting
+    assert late.advance_until(lat / 2).num_iterations == 0 and late.now == pytest.approx(lat / 2)
+    a = plain.advance_until(1.0, stop_on_first_token=True).first_tokens[0][2]
+    b = late.advance_until(1.0, stop_on_first_token=True).first_tokens[0][2]
+    assert b == pytest.approx(a + lat, rel=1e-9)
+    c = create_engine(ingress_latency_s=lat)
+    c.add_request(Request("a", 0.0, 100, 3))
+    assert c.step().first_tokens[0][2] == pytest.approx(b, rel=1e-9)  # step() waits for it too
+
+
+def test_fast_forward_stops_for_a_request_on_its_way_in() -> None:
+    """A request added while others decode joins the first iteration that starts once it is in,
+    whether the decode stretch is summed in closed form or stepped."""
+    def first_token(use_advance: bool) -> float:
+        e = create_engine(ingress_latency_s=0.05)
+        e.add_request(Request("long", 0.0, 100, 5000))
+        e.advance_until(0.5)
+        e.add_request(Request("new", e.now, 100, 3))
+        if use_advance:
+            return e.advance_until(10.0, stop_on_first_token=True).first_tokens[0][2]
+        while True:
+            r = e.step()
+            if r.first_tokens:
+                return r.first_tokens[0][2]
+
+    assert first_token(True) == pytest.approx(first_token(False), rel=1e-9)
+
+
+@pytest.mark.parametrize("lat", [0.0, 0.002])
+def test_feeding_on_first_tokens_leaves_decode_only_iterations_only_with_a_latency(lat: float) -> None:
+    """A gateway that sends the next prompt when the last one's first token comes back: with no
+    latency the engine never runs an iteration without prefill; with any, it runs one between."""
+    e = create_engine(ingress_latency_s=lat, max_num_batched_tokens=2048)
+    for r in create_requests(8, prompt=50, output=2000, prefix="d"):
+        e.add_request(r)
+    e.advance_until(1.0)  # eight decoders running
+    n_decode_only, fed = 0, 0
+    e.add_request(Request("p0", e.now, 2000, 5))
+    while fed < 20:
+        r = e.step()
+        n_decode_only += r.num_prefill_tokens == 0
+        if r.first_tokens:
+            fed += 1
+            e.add_request(Request(f"p{fed}", e.now, 2000, 5))
+    assert (n_decode_only > 0) == (lat > 0)
+    if lat > 0:
+        assert n_decode_only >= fed - 1  # about one per prompt fed
+
+
+def test_ingress_latency_must_be_a_finite_non_negative_time() -> None:
+    for bad in (-0.001, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="ingress_latency_s"):
+            SimEngineConfig(ingress_latency_s=bad)
