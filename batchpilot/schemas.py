@@ -255,6 +255,10 @@ class EnvNode:
     #: At the last step, let requests in flight finish (at most drain_timeout_s).
     drain_on_truncate: bool
     drain_timeout_s: float
+    #: With drain_on_truncate: after the last step the episode goes on, the controller and the
+    #: shield acting each interval, until every request is served (the gateway's loop runs until
+    #: the client's last answer); false: drain at the last knobs.
+    drain_controlled: bool
     #: Deployment randomisation (training): "model/hardware" pairs an episode draws from; the
     #: workload's load is sized per deployment. Empty = the config's model and hardware.
     deployments: list[str]

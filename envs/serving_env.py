@@ -237,7 +237,7 @@ class ServingEnv(gym.Env):
         try:
             actuate(decision, self.knobs, self._plant, self._trip, restart_on_trip=self.shield_cfg.breaker_restart)
             t_end = self._interval_start + self.interval_s
-            self._run_until(t_end)
+            self._run_until(t_end, stop_when_served=self._steps >= self.max_steps)
         except EngineError as exc:  # expected backend failure: end the episode, keep training
             error = f"{type(exc).__name__}: {exc}"
         self._steps += 1
@@ -245,7 +245,11 @@ class ServingEnv(gym.Env):
         self._interval_start = max(self._interval_start + self.interval_s, self.engine.now)
         truncated = self._steps >= self.max_steps and error is None
         if truncated and self.cfg.env.drain_on_truncate:
-            self._drain_all()
+            deadline = self._episode_start + self.max_steps * self.interval_s + float(self.cfg.env.drain_timeout_s)
+            if self.cfg.env.drain_controlled and self._requests_left() and self.engine.now < deadline:
+                truncated = False  # the controller keeps acting until every request is served, as the gateway's loop
+            else:
+                self._drain_all(deadline if self.cfg.env.drain_controlled else None)
         snap = self._snapshot()
         on_8bit = float(self.knobs.kv_dtype in KV_DTYPES_8BIT)
         terms = reward_terms(snap, self.slo, self.reward_cfg, rate_scale=self.rate_scale, on_8bit_frac=on_8bit)
@@ -446,12 +450,14 @@ class ServingEnv(gym.Env):
         if self.residual is not None:
             self.residual.reset(self.knobs)
 
-    def _run_until(self, t_end: float) -> None:
-        """Arrivals → admission → engine, until the engine clock reaches ``t_end``."""
+    def _run_until(self, t_end: float, stop_when_served: bool = False) -> None:
+        """Arrivals → admission → engine, until the engine clock reaches ``t_end`` (or, with
+        ``stop_when_served``, the last request of the stream finishes: a controlled drain's
+        clock ends where the client's last answer arrives)."""
         eng, adm, stream = self.engine, self.admission, self.stream
         while True:
             self._take_arrivals(eng.now)
-            if eng.now >= t_end:
+            if eng.now >= t_end or (stop_when_served and not self._requests_left()):
                 break
             t_next = min(stream.next_arrival_time, t_end)
             if t_next <= eng.now:
@@ -459,8 +465,14 @@ class ServingEnv(gym.Env):
             # While requests wait, come back when a slot frees or a prompt leaves the engine's
             # prefill backlog (either may let one in).
             waiting = adm.num_waiting > 0
-            res = eng.advance_until(t_next, stop_on_finish=waiting, stop_on_first_token=waiting)
+            res = eng.advance_until(t_next, stop_on_finish=waiting or stop_when_served, stop_on_first_token=waiting)
             self._account(res)
+
+    def _requests_left(self) -> bool:
+        """Whether a request of the episode is not yet finished or rejected (waiting, in flight,
+        or still to arrive)."""
+        adm = self.admission
+        return bool(adm.num_waiting or adm.num_in_flight or self.stream.next_arrival_time < math.inf)
 
     def _take_arrivals(self, now: float) -> None:
         adm = self.admission
@@ -509,10 +521,11 @@ class ServingEnv(gym.Env):
             eng.step()
         raise EngineError("engine did not drain between episodes")
 
-    def _drain_all(self) -> None:
+    def _drain_all(self, deadline: float | None = None) -> None:
         """At the end of an evaluation episode: every request admitted or queued finishes, or
-        is counted as rejected (``unfinished``) after ``drain_timeout_s``."""
-        deadline = self.engine.now + float(self.cfg.env.drain_timeout_s)
+        is counted as rejected (``unfinished``) after ``drain_timeout_s`` (or at ``deadline``)."""
+        if deadline is None:
+            deadline = self.engine.now + float(self.cfg.env.drain_timeout_s)
         adm, eng = self.admission, self.engine
         while (adm.num_waiting or adm.num_in_flight) and eng.now < deadline:
             self._take_arrivals(eng.now)

@@ -21,6 +21,9 @@ iteration or more later, not in the very next one), under the same SLO, and on t
   gateway's breaker (``shield.breaker_shrink`` 0.8, ``conf/serve_app.yaml``); requests carry the
   gateway's default priority (1, sheddable) unless the live client sent ``x-priority``.
 
+After the window every path's controller and shield keep acting until the last request is
+answered (``env.drain_controlled``), as the gateway's loop runs on while the client waits.
+
 The simulator is deterministic, so one episode per path. Goodput is ``summarize``'s (good
 requests / run duration, as the client's ``--goodput``).
 
@@ -133,6 +136,7 @@ def twin_overrides(scenario: Mapping[str, Any], slo: Mapping[str, Any], vllm_arg
         f"env.rate_scale={ctl['rate_scale']}", f"env.token_rate_scale={ctl['token_rate_scale']}",
         f"env.initial_batch_cap={ctl['initial_batch_cap']}", f"env.initial_bucketing={ctl['initial_bucketing']}",
         f"shield.breaker_shrink={sd['breaker_shrink']}", "logger=none",
+        "env.drain_controlled=true",  # the gateway's loop runs on until the client's last answer
     ]
     blocks = _vllm_arg(vllm_args, "--num-gpu-blocks-override")
     if blocks is not None:

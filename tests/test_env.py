@@ -151,6 +151,32 @@ def test_every_request_ends_finished_or_rejected_with_drain():
     assert m["completed"] > 0.5 * arrived
 
 
+
+def test_a_controlled_drain_keeps_the_controller_acting_until_the_last_request():
+    """Evaluation as the gateway serves: past the window the controller and the shield keep
+    acting each interval until every request is finished or rejected, and the episode's clock
+    stops at the last answer; without it the backlog drains at the last knobs."""
+    runs = {}
+    for controlled in (False, True):
+        env = make("env.drain_on_truncate=true", f"env.drain_controlled={controlled}", "workload=bursty",
+                   "workload.duration_s=20", "workload.rate_scale=4")
+        ctl = build_controller(env.cfg.policy, env.engine.capabilities().max_num_seqs)
+        env.reset(seed=2)
+        ctl.reset(env.knobs)
+        steps = 0
+        while True:
+            _, _, term, trunc, info = env.step_proposal(ctl.decide(env.snapshot, env.knobs))
+            steps += 1
+            if term or trunc:
+                break
+        m = info["episode_metrics"]
+        assert m["completed"] + m["rejected"] == len(env.stream)
+        runs[controlled] = (steps, env.max_steps, m, max(f.finish_time for f in env.finished_requests))
+    (frozen_steps, n, _, _), (steps, _, m, last) = runs[False], runs[True]
+    assert frozen_steps == n < steps  # a backlog was left at the window's end, and controlled
+    assert (steps - 1) * env.interval_s < m["duration_s"] <= steps * env.interval_s
+    assert m["duration_s"] == pytest.approx(last, abs=1e-9)  # the clock ends at the last answer
+
 @pytest.mark.parametrize("memory_admission", [True, False])
 def test_memory_is_checked_per_request_in_the_env_as_in_the_gateway(memory_admission: bool):
     """Long prompts on DeepSeek-V3/H200 at a cap the count alone allows: with the per-request

@@ -55,7 +55,8 @@ def test_stream_is_the_converted_requests() -> None:
 def test_overrides_carry_the_kv_budget_and_scheduler() -> None:
     ov = twin_overrides(_scenario(), SLO, ["--enforce-eager", "--block-size", "32", "--num-gpu-blocks-override", "96"])
     for o in ("engine=sim", "model=tiny_llama", "hardware=cpu_tiny_served", "engine.block_size=32",
-              "engine.num_gpu_blocks_override=96", "engine.max_num_batched_tokens=2048", "slo.ttft_ms=1000.0"):
+              "engine.num_gpu_blocks_override=96", "engine.max_num_batched_tokens=2048", "slo.ttft_ms=1000.0",
+              "env.drain_controlled=true"):
         assert o in ov
     assert not any("num_gpu_blocks_override" in o for o in twin_overrides(_scenario("steady"), SLO, []))
 
