@@ -276,13 +276,13 @@ class SimEngine(Engine):
         if self._now < self._down_until:  # restarting: time passes, nothing runs
             self.idle_until(min(t_end, self._down_until))
         while self._now < t_end:
-            self._take_inbound()
+            if self._inbound:
+                self._take_inbound()
             if self._partial is None and self._n_dec and not self._can_admit():
                 t_in = self._inbound[0][0] if self._inbound else t_end
                 self._fast_forward(min(t_end, t_in), stop_on_finish, agg)
                 if self._now >= t_end:
                     break
-                self._take_inbound()
             nfin = len(agg.finished)
             nft = len(agg.first_tokens)
             if not self._iterate(agg):
@@ -463,7 +463,8 @@ class SimEngine(Engine):
     def _iterate(self, agg: StepResult) -> bool:
         """Run one iteration into ``agg``; False when there is nothing to run."""
         cfg = self.cfg
-        self._take_inbound()
+        if self._inbound:
+            self._take_inbound()
         if not self._running and not self._can_admit():
             return False
         bs = cfg.block_size
