@@ -301,6 +301,10 @@ class ServingEnv(gym.Env):
             shield_interventions=float(self.shield_interventions),
             dtype_switches=float(self._dtype_switches),
             breaker_restarts=float(self._breaker_restarts),
+            # The engine's iterations and their mean tokens (prefill + decode), as vLLM's
+            # vllm:iteration_tokens_total counts them: what a live run's engine is compared on.
+            engine_iterations=float(self._iterations),
+            mean_iteration_tokens=self._iteration_tokens / self._iterations if self._iterations else math.nan,
         )
         return m
 
@@ -440,6 +444,8 @@ class ServingEnv(gym.Env):
         self._finished: list = []
         self._rejections: list = []
         self._preemptions = 0
+        self._iterations = 0
+        self._iteration_tokens = 0
         self._dtype_switches = 0
         self._breaker_restarts = 0
         self._plant = EnginePlant(self)
@@ -499,6 +505,8 @@ class ServingEnv(gym.Env):
             tel.on_first_token(rid, first, first - arrival)
             adm.on_first_token(rid)
         tel.on_output_tokens(res.num_output_tokens)
+        self._iterations += res.num_iterations
+        self._iteration_tokens += res.num_prefill_tokens + res.num_decode_tokens
         for fr in res.finished:
             tel.on_finished(fr.request_id, fr.finish_time, fr.ttft, fr.tpot, fr.e2el)
             adm.on_finished(fr.request_id)

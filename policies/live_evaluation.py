@@ -23,7 +23,8 @@ evaluation waits until vLLM has no request running or waiting (a condition, not 
 
 Rows (one per round × path) carry the client's own metrics (goodput with ``--goodput
 ttft:<slo> tpot:<slo>`` from ``conf/slo``), the accounting (requests = completed + failed), and
-vLLM's preemptions and peak KV usage from its /metrics. Out: results.json, results.csv,
+vLLM's preemptions, peak KV usage, iterations (and their mean tokens) and mean wait in its own
+queue from its /metrics. Out: results.json, results.csv,
 results.md (mean ± 95 % CI per path and the paired per-round difference to ``vllm_direct``),
 goodput.png and per-run client logs under ``runs/``. Nothing in ``batchpilot.serving`` is
 imported: the gateway is a process, reached over HTTP.
@@ -78,7 +79,7 @@ LIVE_ROW_KEYS: tuple[str, ...] = (
     "request_goodput", "slo_attainment", "request_throughput", "output_throughput",
     "mean_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "p99_tpot_ms", "p99_e2el_ms", "duration_s",
     "preemptions", "peak_kv_usage", "peak_running", "mean_running", "mean_batch_cap", "acting", "kv_dtype",
-    "engine_restarts", "first_error", "wall_s",
+    "engine_restarts", "engine_iterations", "mean_iteration_tokens", "mean_engine_queue_ms", "first_error", "wall_s",
 )
 #: Metrics of the table (mean ± 95 % CI per path).
 TABLE_KEYS: tuple[str, ...] = (
@@ -357,8 +358,24 @@ def run_client(args: Any, log_file: Path) -> dict[str, Any]:
     return result
 
 
-def preemptions(vllm_url: str) -> float:
-    return prom_values(httpx.get(f"{vllm_url}/metrics", timeout=5).text, VLLM_METRICS)["vllm:num_preemptions_total"]
+#: vLLM's counters a run reads before and after: preemptions, its iterations and the tokens they
+#: carried, and the time requests waited in its own queue (what the twin's engine is compared on).
+ENGINE_COUNTERS = ("vllm:num_preemptions_total", "vllm:iteration_tokens_total_count", "vllm:iteration_tokens_total_sum",
+                   "vllm:request_queue_time_seconds_count", "vllm:request_queue_time_seconds_sum")
+
+
+def engine_counters(vllm_url: str) -> dict[str, float]:
+    return prom_values(httpx.get(f"{vllm_url}/metrics", timeout=5).text, ENGINE_COUNTERS)
+
+
+def engine_row_fields(before: Mapping[str, float], after: Mapping[str, float]) -> dict[str, float]:
+    """A run's engine-side figures from vLLM's counters before and after it: preemptions, the
+    iterations it ran, their mean tokens (prefill and decode), the mean wait in vLLM's own queue."""
+    d = {k: after[k] - before[k] for k in ENGINE_COUNTERS}
+    iters, queued = d["vllm:iteration_tokens_total_count"], d["vllm:request_queue_time_seconds_count"]
+    return {"preemptions": d["vllm:num_preemptions_total"], "engine_iterations": iters,
+            "mean_iteration_tokens": d["vllm:iteration_tokens_total_sum"] / iters if iters > 0 else math.nan,
+            "mean_engine_queue_ms": 1e3 * d["vllm:request_queue_time_seconds_sum"] / queued if queued > 0 else math.nan}
 
 
 def row_from_result(result: Mapping[str, Any], *, scenario: str, path: str, rnd: int, position: int,
@@ -496,7 +513,7 @@ def live_evaluate(cfg: DictConfig, model_dir: Path | None = None) -> dict[str, A
             url = vllm_url if path == BASELINE else gw.url
             args = client_namespace(url, jsonl, sub, model_dir, served, goodput, client_cfg, int(cfg.seed))
             restarts0 = gw.upstream().get("restarts", 0)
-            pre0 = preemptions(vllm_url)
+            counters0 = engine_counters(vllm_url)
             tick0 = gw.status()["control"]["ticks"]
             t0 = time.monotonic()
             with _VllmSampler(vllm_url) as sampler:
@@ -511,7 +528,7 @@ def live_evaluate(cfg: DictConfig, model_dir: Path | None = None) -> dict[str, A
                     extra["mean_batch_cap"] = sum(d["batch_cap"] for d in decisions) / len(decisions)
             wait_until(lambda: engine_idle(vllm_url), cfg.gateway.settle_timeout_s, "vLLM idle after a run",
                        alive=gw.exited)
-            extra["preemptions"] = preemptions(vllm_url) - pre0
+            extra.update(engine_row_fields(counters0, engine_counters(vllm_url)))
             lane, ups = gw.lane(), gw.upstream()
             extra["acting"] = "vllm" if path == BASELINE else gw.status()["control"].get("acting", "")
             extra["kv_dtype"] = lane["knobs_in_force"].get("kv_dtype", "")

@@ -61,7 +61,8 @@ TARGET_SHARE = 0.70
 TWIN_ROW_KEYS: tuple[str, ...] = (
     "scenario", "path", "controller", "requests", "completed", "rejected", "accounted", "request_goodput",
     "slo_attainment", "request_throughput", "mean_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "p99_tpot_ms", "preemptions", "peak_kv_usage",
-    "shield_interventions", "duration_s", "mean_batch_cap", "error", "timeline",
+    "shield_interventions", "duration_s", "mean_batch_cap", "engine_iterations", "mean_iteration_tokens", "error",
+    "timeline",
 )
 SECTION = "## Simulated twin"
 
@@ -470,7 +471,8 @@ def twin_summary(sim_rows: Sequence[Mapping[str, Any]], live_rows: Sequence[Mapp
     return {"paths": {p: {"sim": sim[p], "live_mean": live.get(p, (math.nan,))[0],
                           "live_ci": live.get(p, (math.nan, math.nan))[1],
                           "live_mean_tpot_ms": live_mean("mean_tpot_ms", p),
-                          "live_mean_batch_cap": live_mean("mean_batch_cap", p)}
+                          "live_mean_batch_cap": live_mean("mean_batch_cap", p),
+                          "live_mean_iteration_tokens": live_mean("mean_iteration_tokens", p)}
                       for p in sim},
             "gains": gains}
 
@@ -531,8 +533,8 @@ def twin_markdown(sim_rows: Sequence[Mapping[str, Any]], summary: Mapping[str, A
               "", match_markdown(match),
               "", "| path | controller (sim) | sim goodput (req/s) | live goodput (mean ± 95 % CI) | sim SLO attainment "
               "| sim completed / rejected | sim preemptions | sim peak KV | mean TPOT sim / live (ms) "
-              "| mean batch cap sim / live |",
-              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+              "| mean batch cap sim / live | mean tokens an iteration sim / live |",
+              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in sim_rows:
         lv = summary["paths"].get(r["path"], {})
         lm, lc = _num(lv.get("live_mean")), _num(lv.get("live_ci"))
@@ -541,7 +543,9 @@ def twin_markdown(sim_rows: Sequence[Mapping[str, Any]], summary: Mapping[str, A
                      f"{_fmt(_num(r['slo_attainment']))} | {r['completed']} / {r['rejected']} | "
                      f"{_fmt(_num(r['preemptions']))} | {_fmt(_num(r['peak_kv_usage']))} | "
                      f"{_fmt(_num(r['mean_tpot_ms']))} / {_fmt(_num(lv.get('live_mean_tpot_ms')))} | "
-                     f"{_fmt(_num(r.get('mean_batch_cap')))} / {_fmt(_num(lv.get('live_mean_batch_cap')))} |")
+                     f"{_fmt(_num(r.get('mean_batch_cap')))} / {_fmt(_num(lv.get('live_mean_batch_cap')))} | "
+                     f"{_fmt(_num(r.get('mean_iteration_tokens')))} / "
+                     f"{_fmt(_num(lv.get('live_mean_iteration_tokens')))} |")
     lines += ["", "| gain | simulated (req/s) | live, paired (req/s, 95 % CI) | share that survives live |",
               "|---|---:|---:|---|"]
     for g in summary["gains"]:

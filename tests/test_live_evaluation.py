@@ -21,9 +21,11 @@ from batchpilot.envs.timed_trace import (
 )
 from batchpilot.envs.traces import TraceFormatError, TraceOptions
 from batchpilot.policies.live_evaluation import (
+    ENGINE_COUNTERS,
     LIVE_ROW_KEYS,
     LiveEvaluationError,
     _check,
+    engine_row_fields,
     paired_differences,
     prom_values,
     row_from_result,
@@ -234,6 +236,21 @@ def test_prom_values_sums_label_sets() -> None:
     assert m == {"vllm:num_preemptions_total": 5.0, "vllm:kv_cache_usage_perc": 0.25, "missing": 0.0}
 
 
+def test_engine_fields_are_the_counters_deltas_over_a_run() -> None:
+    before = dict.fromkeys(ENGINE_COUNTERS, 0.0) | {"vllm:num_preemptions_total": 4.0,
+                                                    "vllm:iteration_tokens_total_count": 100.0,
+                                                    "vllm:iteration_tokens_total_sum": 5000.0}
+    after = before | {"vllm:num_preemptions_total": 6.0, "vllm:iteration_tokens_total_count": 300.0,
+                      "vllm:iteration_tokens_total_sum": 85000.0, "vllm:request_queue_time_seconds_count": 40.0,
+                      "vllm:request_queue_time_seconds_sum": 2.0}
+    f = engine_row_fields(before, after)
+    assert f == {"preemptions": 2.0, "engine_iterations": 200.0, "mean_iteration_tokens": 400.0,
+                 "mean_engine_queue_ms": 50.0}
+    idle = engine_row_fields(before, before)  # nothing ran: no mean to take
+    assert idle["engine_iterations"] == 0 and math.isnan(idle["mean_iteration_tokens"])
+    assert math.isnan(idle["mean_engine_queue_ms"])
+
+
 def _fake_rows() -> list[dict]:
     rows = []
     for rnd, (base, pid) in enumerate([(2.0, 2.5), (3.0, 3.4), (2.5, 3.1)]):
@@ -287,6 +304,7 @@ def test_short_live_evaluation(tmp_path: Path, tiny_model_path: Path) -> None:
         assert r["completed"] + r["failed"] == n
         assert r["completed"] > 0 and math.isfinite(r["request_goodput"])
         assert r["acting"] == ("vllm" if r["path"] == "vllm_direct" else "pid")
+        assert r["engine_iterations"] > 0 and r["mean_iteration_tokens"] > 0 and r["mean_engine_queue_ms"] >= 0
     for name in ("results.json", "results.csv", "results.md", "goodput.png", "gateway.log"):
         assert (tmp_path / name).is_file(), name
     data = json.loads((tmp_path / "results.json").read_text())

@@ -105,6 +105,7 @@ def test_twin_of_a_small_scenario_accounts_for_every_request() -> None:
         assert r["requests"] == 16 and r["accounted"] and r["completed"] + r["rejected"] == 16
         assert r["error"] == "" and math.isfinite(r["request_goodput"]) and r["request_goodput"] >= 0
         assert 0 < r["peak_kv_usage"] <= 1.0
+        assert r["engine_iterations"] > 0 and 0 < r["mean_iteration_tokens"] <= 2048  # within the token budget
     # deterministic: the same twin twice gives the same numbers
     again = run_twin(tf, sc, SLO, paths=["vllm_direct"], vllm_args=sc["vllm_args"], log=lambda m: None)
     assert again[0]["request_goodput"] == rows[0]["request_goodput"]
