@@ -79,7 +79,8 @@ LIVE_ROW_KEYS: tuple[str, ...] = (
     "request_goodput", "slo_attainment", "request_throughput", "output_throughput",
     "mean_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "p99_tpot_ms", "p99_e2el_ms", "duration_s",
     "preemptions", "peak_kv_usage", "peak_running", "mean_running", "mean_batch_cap", "acting", "kv_dtype",
-    "engine_restarts", "engine_iterations", "mean_iteration_tokens", "mean_engine_queue_ms", "first_error", "wall_s",
+    "engine_restarts", "engine_iterations", "mean_iteration_tokens", "mean_engine_queue_ms", "mean_engine_ttft_ms",
+    "mean_admission_wait_ms", "first_error", "wall_s",
 )
 #: Metrics of the table (mean ± 95 % CI per path).
 TABLE_KEYS: tuple[str, ...] = (
@@ -361,21 +362,41 @@ def run_client(args: Any, log_file: Path) -> dict[str, Any]:
 #: vLLM's counters a run reads before and after: preemptions, its iterations and the tokens they
 #: carried, and the time requests waited in its own queue (what the twin's engine is compared on).
 ENGINE_COUNTERS = ("vllm:num_preemptions_total", "vllm:iteration_tokens_total_count", "vllm:iteration_tokens_total_sum",
-                   "vllm:request_queue_time_seconds_count", "vllm:request_queue_time_seconds_sum")
+                   "vllm:request_queue_time_seconds_count", "vllm:request_queue_time_seconds_sum",
+                   "vllm:time_to_first_token_seconds_count", "vllm:time_to_first_token_seconds_sum")
+#: The gateway's: the wait in its admission queue (a gateway run's TTFT = this + the engine's + the trips).
+GATEWAY_COUNTERS = ("batchpilot:admission_wait_seconds_count", "batchpilot:admission_wait_seconds_sum")
 
 
 def engine_counters(vllm_url: str) -> dict[str, float]:
     return prom_values(httpx.get(f"{vllm_url}/metrics", timeout=5).text, ENGINE_COUNTERS)
 
 
+def gateway_counters(gateway_url: str) -> dict[str, float]:
+    return prom_values(httpx.get(f"{gateway_url}/metrics", timeout=5).text, GATEWAY_COUNTERS)
+
+
+def _mean_of(d: Mapping[str, float], name: str, scale: float = 1.0) -> float:
+    """A histogram's mean over a run from its ``_sum`` and ``_count`` deltas (NaN: none observed)."""
+    n = d[f"{name}_count"]
+    return scale * d[f"{name}_sum"] / n if n > 0 else math.nan
+
+
 def engine_row_fields(before: Mapping[str, float], after: Mapping[str, float]) -> dict[str, float]:
-    """A run's engine-side figures from vLLM's counters before and after it: preemptions, the
-    iterations it ran, their mean tokens (prefill and decode), the mean wait in vLLM's own queue."""
-    d = {k: after[k] - before[k] for k in ENGINE_COUNTERS}
-    iters, queued = d["vllm:iteration_tokens_total_count"], d["vllm:request_queue_time_seconds_count"]
-    return {"preemptions": d["vllm:num_preemptions_total"], "engine_iterations": iters,
-            "mean_iteration_tokens": d["vllm:iteration_tokens_total_sum"] / iters if iters > 0 else math.nan,
-            "mean_engine_queue_ms": 1e3 * d["vllm:request_queue_time_seconds_sum"] / queued if queued > 0 else math.nan}
+    """A run's engine-side figures from vLLM's counters before and after it (``ENGINE_COUNTERS``),
+    and the gateway's when given (``GATEWAY_COUNTERS``): preemptions, the iterations it ran,
+    their mean tokens (prefill and decode), the mean wait in vLLM's own queue, vLLM's own mean
+    TTFT (from its API server's arrival), the mean wait in the gateway's admission queue."""
+    d = {k: after[k] - before[k] for k in before}
+    iters = d["vllm:iteration_tokens_total_count"]
+    out = {"preemptions": d["vllm:num_preemptions_total"], "engine_iterations": iters,
+           "mean_iteration_tokens": _mean_of(d, "vllm:iteration_tokens_total"),
+           "mean_engine_queue_ms": _mean_of(d, "vllm:request_queue_time_seconds", 1e3),
+           "mean_engine_ttft_ms": _mean_of(d, "vllm:time_to_first_token_seconds", 1e3),
+           "mean_admission_wait_ms": math.nan}
+    if "batchpilot:admission_wait_seconds_count" in d:
+        out["mean_admission_wait_ms"] = _mean_of(d, "batchpilot:admission_wait_seconds", 1e3)
+    return out
 
 
 def row_from_result(result: Mapping[str, Any], *, scenario: str, path: str, rnd: int, position: int,
@@ -513,7 +534,7 @@ def live_evaluate(cfg: DictConfig, model_dir: Path | None = None) -> dict[str, A
             url = vllm_url if path == BASELINE else gw.url
             args = client_namespace(url, jsonl, sub, model_dir, served, goodput, client_cfg, int(cfg.seed))
             restarts0 = gw.upstream().get("restarts", 0)
-            counters0 = engine_counters(vllm_url)
+            counters0 = engine_counters(vllm_url) | gateway_counters(gw.url)
             tick0 = gw.status()["control"]["ticks"]
             t0 = time.monotonic()
             with _VllmSampler(vllm_url) as sampler:
@@ -528,7 +549,10 @@ def live_evaluate(cfg: DictConfig, model_dir: Path | None = None) -> dict[str, A
                     extra["mean_batch_cap"] = sum(d["batch_cap"] for d in decisions) / len(decisions)
             wait_until(lambda: engine_idle(vllm_url), cfg.gateway.settle_timeout_s, "vLLM idle after a run",
                        alive=gw.exited)
-            extra.update(engine_row_fields(counters0, engine_counters(vllm_url)))
+            counters = engine_counters(vllm_url) | gateway_counters(gw.url)
+            if path == BASELINE:  # vLLM direct: nothing waits in the gateway
+                counters0 = {k: v for k, v in counters0.items() if k not in GATEWAY_COUNTERS}
+            extra.update(engine_row_fields(counters0, counters))
             lane, ups = gw.lane(), gw.upstream()
             extra["acting"] = "vllm" if path == BASELINE else gw.status()["control"].get("acting", "")
             extra["kv_dtype"] = lane["knobs_in_force"].get("kv_dtype", "")

@@ -471,6 +471,7 @@ class _Timer:
     def __init__(self, gw: Gateway, lane: Lane, req: EngineRequest, bucket: int, t0: float, stream: bool) -> None:
         self.gw, self.lane, self.req, self.bucket, self.t0, self.stream = gw, lane, req, bucket, t0, stream
         self.t_send = time.monotonic()
+        gw.metrics.admission_wait.labels(bucket_name(bucket)).observe(self.t_send - t0)
         self.t_first: float | None = None
         self.n_chunks = 0
         self.done = False

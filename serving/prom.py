@@ -83,6 +83,10 @@ class GatewayMetrics:
             ["upstream"],
             registry=r,
         )
+        self.admission_wait = Histogram(
+            "batchpilot:admission_wait_seconds", "Time a request waited in the gateway's admission queue.",
+            ["bucket"], buckets=_LAT_BUCKETS, registry=r,
+        )
         self.ttft = Histogram(
             "batchpilot:ttft_seconds", "Time to first token as the client sees it.", ["bucket"],
             buckets=_LAT_BUCKETS, registry=r,

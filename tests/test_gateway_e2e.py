@@ -197,9 +197,13 @@ def test_metrics_exported(gw: RunningGateway) -> None:
     text = httpx.get(f"{gw.url}/metrics").text
     for name in ("batchpilot:queue_depth", "batchpilot:knob_batch_cap", "batchpilot:breaker_level",
                  "batchpilot:ttft_seconds_bucket", "batchpilot:e2e_latency_seconds_bucket",
+                 "batchpilot:admission_wait_seconds_bucket",
                  "batchpilot:output_diff_rate", "batchpilot:upstream_kv_cache_usage"):
         assert name in text, name
     assert gw.metric("batchpilot:requests_total", route="/v1/completions", status="200") >= 3
+    # each request let through records its wait in the admission queue (every bucket summed)
+    assert gw.metric("batchpilot:admission_wait_seconds_count") >= 3
+    assert gw.metric("batchpilot:admission_wait_seconds_sum") >= 0
 
 
 def test_quality_guard_replay_agrees_on_identical_servers(gw: RunningGateway) -> None:

@@ -22,6 +22,7 @@ from batchpilot.envs.timed_trace import (
 from batchpilot.envs.traces import TraceFormatError, TraceOptions
 from batchpilot.policies.live_evaluation import (
     ENGINE_COUNTERS,
+    GATEWAY_COUNTERS,
     LIVE_ROW_KEYS,
     LiveEvaluationError,
     _check,
@@ -244,11 +245,16 @@ def test_engine_fields_are_the_counters_deltas_over_a_run() -> None:
                       "vllm:iteration_tokens_total_sum": 85000.0, "vllm:request_queue_time_seconds_count": 40.0,
                       "vllm:request_queue_time_seconds_sum": 2.0}
     f = engine_row_fields(before, after)
-    assert f == {"preemptions": 2.0, "engine_iterations": 200.0, "mean_iteration_tokens": 400.0,
-                 "mean_engine_queue_ms": 50.0}
+    assert {k: f[k] for k in ("preemptions", "engine_iterations", "mean_iteration_tokens", "mean_engine_queue_ms")} == {
+        "preemptions": 2.0, "engine_iterations": 200.0, "mean_iteration_tokens": 400.0, "mean_engine_queue_ms": 50.0}
+    assert math.isnan(f["mean_engine_ttft_ms"])  # no first token counted
+    assert math.isnan(f["mean_admission_wait_ms"])  # no gateway counters: vLLM direct
     idle = engine_row_fields(before, before)  # nothing ran: no mean to take
     assert idle["engine_iterations"] == 0 and math.isnan(idle["mean_iteration_tokens"])
     assert math.isnan(idle["mean_engine_queue_ms"])
+    gw0 = dict.fromkeys(GATEWAY_COUNTERS, 0.0)
+    gw1 = {"batchpilot:admission_wait_seconds_count": 4.0, "batchpilot:admission_wait_seconds_sum": 1.0}
+    assert engine_row_fields(before | gw0, after | gw1)["mean_admission_wait_ms"] == 250.0
 
 
 def _fake_rows() -> list[dict]:
@@ -305,6 +311,8 @@ def test_short_live_evaluation(tmp_path: Path, tiny_model_path: Path) -> None:
         assert r["completed"] > 0 and math.isfinite(r["request_goodput"])
         assert r["acting"] == ("vllm" if r["path"] == "vllm_direct" else "pid")
         assert r["engine_iterations"] > 0 and r["mean_iteration_tokens"] > 0 and r["mean_engine_queue_ms"] >= 0
+        assert r["mean_engine_ttft_ms"] > 0
+        assert math.isnan(r["mean_admission_wait_ms"]) if r["path"] == "vllm_direct" else r["mean_admission_wait_ms"] >= 0
     for name in ("results.json", "results.csv", "results.md", "goodput.png", "gateway.log"):
         assert (tmp_path / name).is_file(), name
     data = json.loads((tmp_path / "results.json").read_text())
