@@ -294,6 +294,7 @@ class ServingEnv(gym.Env):
     def episode_metrics(self) -> dict[str, float]:
         """``vllm bench serve``-style aggregates over the episode so far."""
         duration = max(self.engine.now - self._episode_start, 1e-9)
+        n_admitted = self.admission.num_admitted
         m = summarize(self._finished, duration, self.slo, num_rejected=len(self._rejections))
         m.update(
             peak_kv_usage=self._peak_kv,
@@ -305,6 +306,8 @@ class ServingEnv(gym.Env):
             # vllm:iteration_tokens_total counts them: what a live run's engine is compared on.
             engine_iterations=float(self._iterations),
             mean_iteration_tokens=self._iteration_tokens / self._iterations if self._iterations else math.nan,
+            mean_admission_wait_ms=1e3 * self._admission_wait_s / n_admitted if n_admitted else math.nan,
+            mean_engine_ttft_ms=1e3 * self._engine_ttft_s / self._num_engine_ttft if self._num_engine_ttft else math.nan,
         )
         return m
 
@@ -446,6 +449,12 @@ class ServingEnv(gym.Env):
         self._preemptions = 0
         self._iterations = 0
         self._iteration_tokens = 0
+        #: Where a request's TTFT goes: waiting in admission, then in the engine (as a live run's
+        #: gateway and vLLM report them).
+        self._admitted_at: dict[str, float] = {}
+        self._admission_wait_s = 0.0
+        self._engine_ttft_s = 0.0
+        self._num_engine_ttft = 0
         self._dtype_switches = 0
         self._breaker_restarts = 0
         self._plant = EnginePlant(self)
@@ -491,6 +500,8 @@ class ServingEnv(gym.Env):
             for rej in adm.expire(now):
                 self._on_rejected(rej)
         for req in adm.admit(now):
+            self._admitted_at[req.request_id] = now
+            self._admission_wait_s += now - req.arrival_time
             try:
                 self.engine.add_request(req)
             except RequestRejected as exc:
@@ -504,6 +515,10 @@ class ServingEnv(gym.Env):
         for rid, arrival, first in res.first_tokens:
             tel.on_first_token(rid, first, first - arrival)
             adm.on_first_token(rid)
+            t_admit = self._admitted_at.pop(rid, None)
+            if t_admit is not None:
+                self._engine_ttft_s += first - t_admit
+                self._num_engine_ttft += 1
         tel.on_output_tokens(res.num_output_tokens)
         self._iterations += res.num_iterations
         self._iteration_tokens += res.num_prefill_tokens + res.num_decode_tokens

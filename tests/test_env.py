@@ -152,6 +152,24 @@ def test_every_request_ends_finished_or_rejected_with_drain():
 
 
 
+def test_ttft_splits_into_the_admission_wait_and_the_engines_part():
+    """The episode says where TTFT went, as a live run's gateway and vLLM do: the mean wait in
+    admission plus the mean from admission to the first token is the mean TTFT (every admitted
+    request finished here), and the engine's iterations and their tokens are counted."""
+    env = make("env.drain_on_truncate=true", "workload=bursty", "workload.duration_s=20", "workload.rate_scale=4")
+    ctl = build_controller(env.cfg.policy, env.engine.capabilities().max_num_seqs)
+    env.reset(seed=2)
+    ctl.reset(env.knobs)
+    while True:
+        _, _, term, trunc, info = env.step_proposal(ctl.decide(env.snapshot, env.knobs))
+        if term or trunc:
+            break
+    m = info["episode_metrics"]
+    assert m["mean_admission_wait_ms"] > 0 and m["mean_engine_ttft_ms"] > 0  # overloaded: both
+    assert m["mean_admission_wait_ms"] + m["mean_engine_ttft_ms"] == pytest.approx(m["mean_ttft_ms"], rel=1e-6)
+    budget = env.engine.capabilities().max_num_batched_tokens
+    assert m["engine_iterations"] > 0 and 0 < m["mean_iteration_tokens"] <= budget
+
 def test_a_controlled_drain_keeps_the_controller_acting_until_the_last_request():
     """Evaluation as the gateway serves: past the window the controller and the shield keep
     acting each interval until every request is finished or rejected, and the episode's clock

@@ -216,6 +216,7 @@ def test_twin_of_a_finished_live_run(tmp_path: Path) -> None:
     md = (tmp_path / "results.md").read_text()
     assert md.count(SECTION) == 1 and md.startswith("# Live evaluation") and "live table" in md
     assert "share that survives live" in md and "Speed matched to the live reference" in md
+    assert "Where the time goes" in md and "| pid | " in md.split("Where the time goes")[1]  # a row a path
     tj = json.loads((tmp_path / "twin.json").read_text())
     assert tj["match"]["live_runs"] == 2 and tj["match"]["slowdown"] == out["match"]["slowdown"]
     assert len(tj["rows"]) == 3 and {(g["path"], g["over"]) for g in tj["gains"]} == {("ppo", "vllm_direct"),
