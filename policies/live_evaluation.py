@@ -387,7 +387,9 @@ def engine_row_fields(before: Mapping[str, float], after: Mapping[str, float]) -
     and the gateway's when given (``GATEWAY_COUNTERS``): preemptions, the iterations it ran,
     their mean tokens (prefill and decode), the mean wait in vLLM's own queue, vLLM's own mean
     TTFT (from its API server's arrival), the mean wait in the gateway's admission queue."""
-    d = {k: after[k] - before[k] for k in before}
+    # A counter lower after than before was reset (vLLM restarted, e.g. for a KV switch): count
+    # from the reset, as Prometheus's increase() does.
+    d = {k: after[k] - before[k] if after[k] >= before[k] else after[k] for k in before}
     iters = d["vllm:iteration_tokens_total_count"]
     out = {"preemptions": d["vllm:num_preemptions_total"], "engine_iterations": iters,
            "mean_iteration_tokens": _mean_of(d, "vllm:iteration_tokens_total"),

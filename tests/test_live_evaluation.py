@@ -255,6 +255,8 @@ def test_engine_fields_are_the_counters_deltas_over_a_run() -> None:
     gw0 = dict.fromkeys(GATEWAY_COUNTERS, 0.0)
     gw1 = {"batchpilot:admission_wait_seconds_count": 4.0, "batchpilot:admission_wait_seconds_sum": 1.0}
     assert engine_row_fields(before | gw0, after | gw1)["mean_admission_wait_ms"] == 250.0
+    restarted = after | {"vllm:num_preemptions_total": 1.0}  # vLLM restarted during the run: from the reset
+    assert engine_row_fields(before, restarted)["preemptions"] == 1.0
 
 
 def _fake_rows() -> list[dict]:
