@@ -301,8 +301,11 @@ def test_short_live_evaluation(tmp_path: Path, tiny_model_path: Path) -> None:
     from batchpilot.policies.live_evaluation import live_evaluate
 
     n = 24
+    # The gateway ticks every 0.25 s (1 s by default): a run of 24 requests lasts about a second
+    # on a fast machine, and its decisions file must hold some ticks whatever the machine's speed.
     cfg = load_config(["rounds=2", "paths=[vllm_direct,pid]", f"live_scenario.max_requests={n}",
-                       "live_scenario.load_multiple=2.0", "warmup.requests=6", f"out_dir={tmp_path}"],
+                       "live_scenario.load_multiple=2.0", "warmup.requests=6", f"out_dir={tmp_path}",
+                       'gateway.overrides=["serve.control.interval_s=0.25"]'],
                       config_name="live_evaluate")
     out = live_evaluate(cfg, model_dir=tiny_model_path)
     rows = out["rows"]
@@ -333,8 +336,8 @@ def test_short_live_evaluation(tmp_path: Path, tiny_model_path: Path) -> None:
     assert "Speed matched to the live reference" in (tmp_path / "results.md").read_text() or twin["match"]["reason"]
     runs = sorted(p.name for p in (tmp_path / "runs").glob("r*.jsonl") if ".decisions" not in p.name)
     assert runs == ["r0_pid.jsonl", "r0_vllm_direct.jsonl", "r1_pid.jsonl", "r1_vllm_direct.jsonl"]
-    # The gateway's decisions during each gateway run, a line per control tick (a run of 24
-    # requests lasts a few ticks; how many depends on the machine).
+    # The gateway's decisions during each gateway run, a line per control tick (how many depends
+    # on the machine; every run spans several at 0.25 s).
     decisions = [json.loads(line) for rnd in (0, 1)
                  for line in (tmp_path / "runs" / f"r{rnd}_pid.decisions.jsonl").read_text().splitlines()]
     assert decisions and all(d["acting"] == "pid" and d["batch_cap"] >= 1 for d in decisions)
