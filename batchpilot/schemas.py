@@ -1121,6 +1121,7 @@ class LiveEvaluateApp:
     twin_match: bool
     twin_match_gateway: bool
     twin_ingress_latency_s: float
+    twin_hardware: str
     twin_of: str | None
     twin_speed_of: str | None
     out_dir: str

@@ -55,7 +55,7 @@ from typing import Any, Callable, Iterator
 import httpx
 from omegaconf import DictConfig, OmegaConf
 
-from batchpilot.config import REPO_ROOT
+from batchpilot.config import CONF_DIR, REPO_ROOT
 from batchpilot.envs.timed_trace import (
     HASH_STRIDE,
     TimedTraceFile,
@@ -479,6 +479,10 @@ def _check(cfg: DictConfig) -> list[str]:
     lat = float(cfg.twin_ingress_latency_s)
     if not 0 <= lat < math.inf:  # checked before the runs, not when the twin starts after them
         raise LiveEvaluationError(f"twin_ingress_latency_s must be a finite number of seconds >= 0, got {lat}")
+    hw_dir = CONF_DIR / "hardware"
+    if not (hw_dir / f"{cfg.twin_hardware}.yaml").is_file():
+        known = sorted(p.stem for p in hw_dir.glob("*.yaml"))
+        raise LiveEvaluationError(f"twin_hardware={cfg.twin_hardware!r} is not a profile in conf/hardware; known: {known}")
     return paths
 
 
@@ -598,8 +602,9 @@ def live_evaluate(cfg: DictConfig, model_dir: Path | None = None) -> dict[str, A
                                    priority=header_priority(client_cfg.get("headers"), 1), seed=int(cfg.seed),
                                    policy_dirs={p: d for p, d in pdirs.items() if p != "ppo"},
                                    gateway_overrides=[str(o) for o in cfg.gateway.overrides],
-                                   speed=speed, ingress_latency_s=float(cfg.twin_ingress_latency_s))
-        write_twin(out_dir, twin, rows, match=match)
+                                   speed=speed, ingress_latency_s=float(cfg.twin_ingress_latency_s),
+                                   hardware=str(cfg.twin_hardware))
+        write_twin(out_dir, twin, rows, match=match, hardware=str(cfg.twin_hardware))
         files["twin"] = out_dir / "twin.json"
     print(f"live_evaluate: {len(rows)} runs in {time.monotonic() - t_start:.0f} s; files in {out_dir}", flush=True)
     print((out_dir / "results.md").read_text(), flush=True)

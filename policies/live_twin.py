@@ -122,7 +122,7 @@ def _serve_defaults() -> dict[str, Any]:
 
 
 def twin_overrides(scenario: Mapping[str, Any], slo: Mapping[str, Any], vllm_args: Sequence[Any] = (),
-                   extra: Sequence[str] = (), ingress_latency_s: float = 0.0) -> list[str]:
+                   extra: Sequence[str] = (), ingress_latency_s: float = 0.0, hardware: str = TWIN_HARDWARE) -> list[str]:
     """Hydra overrides (``conf/evaluate.yaml``) of the twin's simulator: the calibrated tiny
     model, the live engine's scheduler, KV budget and round trip, the gateway's control
     settings, the SLO."""
@@ -130,7 +130,7 @@ def twin_overrides(scenario: Mapping[str, Any], slo: Mapping[str, Any], vllm_arg
     ctl = sd["control"]
     bs = _vllm_arg(vllm_args, "--block-size") or 32
     out = [
-        "engine=sim", "model=tiny_llama", f"hardware={TWIN_HARDWARE}", f"engine.block_size={bs}",
+        "engine=sim", "model=tiny_llama", f"hardware={hardware}", f"engine.block_size={bs}",
         f"engine.max_num_batched_tokens={_vllm_arg(vllm_args, '--max-num-batched-tokens') or 2048}",
         f"engine.max_num_seqs={_vllm_arg(vllm_args, '--max-num-seqs') or 256}",
         f"engine.ingress_latency_s={float(ingress_latency_s)}",
@@ -199,23 +199,24 @@ def run_twin(tf: TimedTraceFile, scenario: Mapping[str, Any], slo: Mapping[str, 
              paths: Sequence[str] = tuple(TWIN_POLICY), vllm_args: Sequence[Any] = (), priority: int | None = None,
              seed: int = 0, extra_overrides: Sequence[str] = (), policy_overrides: Mapping[str, Any] | None = None,
              policy_dirs: Mapping[str, str] | None = None, slowdown: float = 1.0,
-             ingress_latency_s: float = 0.0, log: Any = print) -> list[dict[str, Any]]:
+             ingress_latency_s: float = 0.0, hardware: str = TWIN_HARDWARE, log: Any = print) -> list[dict[str, Any]]:
     """One simulated episode per live path on the records of ``tf``; one row per path.
     ``policy_dirs``: more paths, each an exported policy folder run as the ``ppo`` controller
     (the live evaluation's ``policies``, e.g. a fine-tuned policy beside the shipped one).
     ``slowdown``: every simulated iteration takes this many times the profile's time
     (``HardwareSpec.slowdown``; ``match_slowdown`` fits it to the live reference path).
-    ``ingress_latency_s``: the served round trip (``engine.ingress_latency_s``)."""
+    ``ingress_latency_s``: the served round trip (``engine.ingress_latency_s``); ``hardware``: the
+    profile (``conf/hardware``) of the served path on the live run's machine."""
     run = _twin_runner(tf, scenario, slo, paths=paths, vllm_args=vllm_args, priority=priority, seed=seed,
                        extra_overrides=extra_overrides, policy_overrides=policy_overrides, policy_dirs=policy_dirs,
-                       ingress_latency_s=ingress_latency_s)
+                       ingress_latency_s=ingress_latency_s, hardware=hardware)
     return [run(path, slowdown, log) for path in paths]
 
 
 def _twin_runner(tf: TimedTraceFile, scenario: Mapping[str, Any], slo: Mapping[str, Any], *, paths: Sequence[str],
                  vllm_args: Sequence[Any], priority: int | None, seed: int, extra_overrides: Sequence[str] = (),
                  policy_overrides: Mapping[str, Any] | None = None, policy_dirs: Mapping[str, str] | None = None,
-                 ingress_latency_s: float = 0.0) -> Callable[[str, float, Any], dict[str, Any]]:
+                 ingress_latency_s: float = 0.0, hardware: str = TWIN_HARDWARE) -> Callable[[str, float, Any], dict[str, Any]]:
     """Compose the twin's config once (Hydra's compose is most of a short twin's time); the
     returned ``run(path, slowdown, log)`` plays one path's episode and gives its row."""
     from batchpilot.policies.evaluation import (
@@ -238,7 +239,7 @@ def _twin_runner(tf: TimedTraceFile, scenario: Mapping[str, Any], slo: Mapping[s
     sd = _serve_defaults()
     prio = sd["default_priority"] if priority is None else int(priority)
     names = {p: TWIN_POLICY.get(p, "ppo") for p in paths}
-    overrides = [*twin_overrides(scenario, slo, vllm_args, extra_overrides, ingress_latency_s),
+    overrides = [*twin_overrides(scenario, slo, vllm_args, extra_overrides, ingress_latency_s, hardware),
                  f"policies=[{','.join(dict.fromkeys(names.values()))}]",
                  f"seeds=[{int(seed)}]"]
     cfg, _ = compose_eval(overrides)
@@ -384,7 +385,8 @@ def twin_of_rows(tf: TimedTraceFile, scenario: Mapping[str, Any], slo: Mapping[s
                  match_gateway: bool = True, vllm_args: Sequence[Any] = (), priority: int | None = None,
                  seed: int = 0, policy_dirs: Mapping[str, str] | None = None,
                  gateway_overrides: Sequence[str] = (), speed: Mapping[str, Any] | None = None,
-                 ingress_latency_s: float = 0.0, log: Any = print) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
+                 ingress_latency_s: float = 0.0, hardware: str = TWIN_HARDWARE,
+                 log: Any = print) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
     """The twin of a live evaluation's rows: with ``match``, its speed first matched to the live
     reference path(s) (``match_slowdown``; ``match_gateway``: the gateway paths' factor too), or
     ``speed`` given (another run's match, ``speed_of``); then one episode per path, under the
@@ -394,7 +396,8 @@ def twin_of_rows(tf: TimedTraceFile, scenario: Mapping[str, Any], slo: Mapping[s
     refs = [MATCH_PATH, GATEWAY_MATCH_PATH] if match and match_gateway else [MATCH_PATH]
     run = _twin_runner(tf, scenario, slo, paths=[*dict.fromkeys([*paths, *refs])],
                        vllm_args=vllm_args, priority=priority, seed=seed, policy_dirs=policy_dirs,
-                       extra_overrides=twin_gateway_overrides(gateway_overrides), ingress_latency_s=ingress_latency_s)
+                       extra_overrides=twin_gateway_overrides(gateway_overrides), ingress_latency_s=ingress_latency_s,
+                       hardware=hardware)
     if match:
         m: dict[str, Any] | None = match_slowdown(tf, scenario, slo, live_rows, seed=seed, run=run,
                                                   gateway=match_gateway, log=log)
@@ -530,12 +533,12 @@ def match_markdown(match: Mapping[str, Any] | None) -> str:
 
 
 def twin_markdown(sim_rows: Sequence[Mapping[str, Any]], summary: Mapping[str, Any], note: str = "",
-                  match: Mapping[str, Any] | None = None) -> str:
+                  match: Mapping[str, Any] | None = None, hardware: str = TWIN_HARDWARE) -> str:
     lines = [SECTION, ""]
     if note:
         lines += [note, ""]
     lines += ["The same converted requests on the calibrated simulator (`engine=sim model=tiny_llama "
-              f"hardware={TWIN_HARDWARE}`, one deterministic episode per path; vllm_direct ≙ `vllm_default` as shipped).",
+              f"hardware={hardware}`, one deterministic episode per path; vllm_direct ≙ `vllm_default` as shipped).",
               "", match_markdown(match),
               "", "| path | controller (sim) | sim goodput (req/s) | live goodput (mean ± 95 % CI) | sim SLO attainment "
               "| sim completed / rejected | sim preemptions | sim peak KV | mean TPOT sim / live (ms) "
@@ -577,17 +580,18 @@ def _clean(v: Any) -> Any:
 
 
 def write_twin(out_dir: Path, sim_rows: Sequence[Mapping[str, Any]], live_rows: Sequence[Mapping[str, Any]],
-               note: str = "", match: Mapping[str, Any] | None = None) -> dict[str, Any]:
+               note: str = "", match: Mapping[str, Any] | None = None, hardware: str = TWIN_HARDWARE) -> dict[str, Any]:
     """twin.json (sim rows, the speed match, summary) and the "Simulated twin" section of
     results.md (replaced when there is one already)."""
     summary = twin_summary(sim_rows, live_rows)
-    body = {"rows": list(map(dict, sim_rows)), "match": dict(match) if match else None, **summary}
+    body = {"rows": list(map(dict, sim_rows)), "match": dict(match) if match else None, "hardware": hardware,
+            **summary}
     (out_dir / "twin.json").write_text(json.dumps(_clean(body),
                                                   indent=1, ensure_ascii=False) + "\n")
     md_path = out_dir / "results.md"
     md = md_path.read_text() if md_path.exists() else "# Live evaluation\n"
     md = re.split(r"\n" + re.escape(SECTION) + r"\n", md, maxsplit=1)[0].rstrip("\n") + "\n\n"
-    md_path.write_text(md + twin_markdown(sim_rows, summary, note, match))
+    md_path.write_text(md + twin_markdown(sim_rows, summary, note, match, hardware))
     plot_cap_timelines(out_dir, sim_rows)
     return summary
 
@@ -632,7 +636,7 @@ def plot_cap_timelines(out_dir: Path, sim_rows: Sequence[Mapping[str, Any]]) -> 
 
 
 def twin_of(out_dir: str | Path, log: Any = print, speed_from: str | Path | None = None,
-            ingress_latency_s: float = 0.0) -> dict[str, Any]:
+            ingress_latency_s: float = 0.0, hardware: str = TWIN_HARDWARE) -> dict[str, Any]:
     """The twin of a finished live run: its config (``.hydra/config.yaml``, else results.json's
     meta), its window re-converted the same way, its rows from results.json; its speed matched on
     its own runs, or ``speed_from`` another run's (``speed_of``); the served round trip given
@@ -668,8 +672,9 @@ def twin_of(out_dir: str | Path, log: Any = print, speed_from: str | Path | None
                            paths=[p for p in TWIN_POLICY if any(r["path"] == p for r in res["rows"])],
                            vllm_args=vargs, priority=header_priority(headers, _serve_defaults()["default_priority"]),
                            seed=seed, gateway_overrides=gw_over, log=log,
-                           speed=speed_of(speed_from) if speed_from else None, ingress_latency_s=ingress_latency_s)
-    summary = write_twin(d, rows, res["rows"], match=m)
+                           speed=speed_of(speed_from) if speed_from else None, ingress_latency_s=ingress_latency_s,
+                           hardware=hardware)
+    summary = write_twin(d, rows, res["rows"], match=m, hardware=hardware)
     return {"rows": rows, "match": m, **summary}
 
 

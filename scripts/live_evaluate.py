@@ -29,7 +29,7 @@ def main(cfg: DictConfig) -> None:
 
             try:
                 twin_of(str(cfg.twin_of), speed_from=cfg.get("twin_speed_of"),
-                        ingress_latency_s=float(cfg.twin_ingress_latency_s))
+                        ingress_latency_s=float(cfg.twin_ingress_latency_s), hardware=str(cfg.twin_hardware))
             except (OSError, ValueError) as e:  # a folder without a finished run, or no speed to take
                 raise LiveEvaluationError(str(e)) from None
             print(f"live_evaluate: simulated twin written to {cfg.twin_of}/results.md and twin.json", flush=True)

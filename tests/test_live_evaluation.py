@@ -194,7 +194,8 @@ def test_config_checks() -> None:
     kv = load_config(["live_scenario=kv_tight", "out_dir=/tmp/x"], config_name="live_evaluate")
     assert "--num-gpu-blocks-override" in list(kv.live_scenario.vllm_args)
     for bad, needle in ((["paths=[vllm_direct,aimd]"], "paths"), (["paths=[pid,pid]"], "paths"),
-                        (["rounds=0"], "rounds"), (["twin_ingress_latency_s=-0.01"], "twin_ingress_latency_s")):
+                        (["rounds=0"], "rounds"), (["twin_ingress_latency_s=-0.01"], "twin_ingress_latency_s"),
+                        (["twin_hardware=no_such_cpu"], "twin_hardware")):
         with pytest.raises(LiveEvaluationError, match=needle):
             _check(load_config([*bad, "out_dir=/tmp/x"], config_name="live_evaluate"))
 

@@ -67,6 +67,8 @@ def test_the_twin_charges_the_served_round_trip() -> None:
     engine sees each request that much later (``engine.ingress_latency_s``)."""
     assert "engine.ingress_latency_s=0.0" in twin_overrides(_scenario(), SLO, [])
     assert "engine.ingress_latency_s=0.05" in twin_overrides(_scenario(), SLO, [], ingress_latency_s=0.05)
+    assert "hardware=cpu_tiny_served" in twin_overrides(_scenario(), SLO, [])  # the committed served profile
+    assert "hardware=cpu_tiny_epyc_served" in twin_overrides(_scenario(), SLO, [], hardware="cpu_tiny_epyc_served")
     sc = _scenario("steady", n=12)
     tf = scenario_trace(OmegaConf.create(sc))
     at_once, late = (run_twin(tf, sc, SLO, paths=["vllm_direct"], ingress_latency_s=lat, log=lambda m: None)[0]
