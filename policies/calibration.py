@@ -499,16 +499,22 @@ def fit_served_extra(served: Sequence[tuple[int, float]], st: StepTimeModel, con
     return ServedFit(per_step_ms / 1e3, per_seq_ms / 1e3, pts)
 
 
-def fit_served_profile(profile: str, served: Sequence[tuple[int, float]], settings: Any
-                       ) -> tuple[HardwareSpec, ModelSpec, ServedFit]:
-    """``conf/hardware/<profile>`` (tiny model, the live engine's 2,048-token budget and 256
-    sequences) and the served path's extra over it, for points measured with ``settings``
-    (``ServedDecodeSettings``: decodes of ``prompt_tokens + max_tokens / 2`` context on average)."""
+def tiny_profile(profile: str) -> tuple[HardwareSpec, ModelSpec, StepTimeModel]:
+    """``conf/hardware/<profile>`` with the tiny model, and its step-time model at the live
+    engine's 2,048-token budget and 256 sequences."""
     from batchpilot.config import load_config
 
     prof = load_config(["model=tiny_llama", f"hardware={profile}"])
     hw, model = HardwareSpec.from_cfg(prof.hardware), ModelSpec.from_cfg(prof.model)
-    st = StepTimeModel.build(hw, model, "auto", 2048, 256)
+    return hw, model, StepTimeModel.build(hw, model, "auto", 2048, 256)
+
+
+def fit_served_profile(profile: str, served: Sequence[tuple[int, float]], settings: Any
+                       ) -> tuple[HardwareSpec, ModelSpec, ServedFit]:
+    """``conf/hardware/<profile>`` (``tiny_profile``) and the served path's extra over it, for
+    points measured with ``settings`` (``ServedDecodeSettings``: decodes of ``prompt_tokens +
+    max_tokens / 2`` context on average)."""
+    hw, model, st = tiny_profile(profile)
     return hw, model, fit_served_extra(served, st, served_context(settings))
 
 

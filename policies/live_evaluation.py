@@ -527,6 +527,11 @@ def live_evaluate(cfg: DictConfig, model_dir: Path | None = None) -> dict[str, A
         print(f"live_evaluate: gateway {gw.url}, vLLM {vllm_url}, up after {time.monotonic() - t_start:.0f} s",
               flush=True)
 
+        def run_counters(path: str) -> dict[str, float]:
+            """vLLM's counters, and the gateway's for a run through it (vLLM direct waits in none)."""
+            c = engine_counters(vllm_url)
+            return c if path == BASELINE else c | gateway_counters(gw.url)
+
         def one_run(path: str, records: Sequence[Mapping[str, Any]], name: str) -> tuple[dict[str, Any], dict]:
             nonlocal salt
             salt += 1
@@ -540,7 +545,7 @@ def live_evaluate(cfg: DictConfig, model_dir: Path | None = None) -> dict[str, A
             url = vllm_url if path == BASELINE else gw.url
             args = client_namespace(url, jsonl, sub, model_dir, served, goodput, client_cfg, int(cfg.seed))
             restarts0 = gw.upstream().get("restarts", 0)
-            counters0 = engine_counters(vllm_url) | gateway_counters(gw.url)
+            counters0 = run_counters(path)
             tick0 = gw.status()["control"]["ticks"]
             t0 = time.monotonic()
             with _VllmSampler(vllm_url) as sampler:
@@ -555,10 +560,7 @@ def live_evaluate(cfg: DictConfig, model_dir: Path | None = None) -> dict[str, A
                     extra["mean_batch_cap"] = sum(d["batch_cap"] for d in decisions) / len(decisions)
             wait_until(lambda: engine_idle(vllm_url), cfg.gateway.settle_timeout_s, "vLLM idle after a run",
                        alive=gw.exited)
-            counters = engine_counters(vllm_url) | gateway_counters(gw.url)
-            if path == BASELINE:  # vLLM direct: nothing waits in the gateway
-                counters0 = {k: v for k, v in counters0.items() if k not in GATEWAY_COUNTERS}
-            extra.update(engine_row_fields(counters0, counters))
+            extra.update(engine_row_fields(counters0, run_counters(path)))
             lane, ups = gw.lane(), gw.upstream()
             extra["acting"] = "vllm" if path == BASELINE else gw.status()["control"].get("acting", "")
             extra["kv_dtype"] = lane["knobs_in_force"].get("kv_dtype", "")

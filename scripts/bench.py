@@ -144,18 +144,13 @@ def bench_served_round_trip(cfg: DictConfig) -> dict[str, Any]:
     """The served round trip against the simulator: one-token requests sent one at a time to an
     idle real ``vllm serve``, client wall ms, beside the one iteration the simulator charges
     (hardware=<profile>); the difference is what ``engine.ingress_latency_s`` stands for."""
-    import numpy as np
-
-    from batchpilot.config import load_config
-    from batchpilot.envs.specs import HardwareSpec, ModelSpec
-    from batchpilot.envs.step_time import StepTimeModel
+    from batchpilot.policies.calibration import tiny_profile
     from batchpilot.serving.served_decode import measure_round_trip
 
     b = cfg.served_round_trip
     p = int(b.prompt_tokens)
     walls = np.array(measure_round_trip(p, int(b.requests), int(b.warmup))) * 1e3
-    prof = load_config(["model=tiny_llama", f"hardware={b.profile}"])
-    st = StepTimeModel.build(HardwareSpec.from_cfg(prof.hardware), ModelSpec.from_cfg(prof.model), "auto", 2048, 256)
+    _, _, st = tiny_profile(str(b.profile))
     sim_ms = st.step_time(p, p * (p + 1) / 2.0, p, 0, 0, 1) * 1e3
     med = float(np.median(walls))
     return {"target": "served_round_trip", "profile": str(b.profile), "prompt_tokens": p, "requests": int(walls.size),

@@ -135,17 +135,22 @@ def test_10k_steps_never_break_the_shield(adversarial: bool):
             prev_cap = env.knobs.batch_cap
 
 
-def test_every_request_ends_finished_or_rejected_with_drain():
-    env = make("env.drain_on_truncate=true", "workload=bursty", "workload.duration_s=20")
-    cfg = env.cfg
-    ctl = build_controller(cfg.policy, env.engine.capabilities().max_num_seqs)
-    env.reset(seed=2)
+def _controlled_episode(env, seed: int) -> tuple[int, dict]:
+    """One episode of the config's controller from reset(seed): its steps and the last info."""
+    ctl = build_controller(env.cfg.policy, env.engine.capabilities().max_num_seqs)
+    env.reset(seed=seed)
     ctl.reset(env.knobs)
-    arrived = len(env.stream)
+    steps = 0
     while True:
         _, _, term, trunc, info = env.step_proposal(ctl.decide(env.snapshot, env.knobs))
+        steps += 1
         if term or trunc:
-            break
+            return steps, info
+
+def test_every_request_ends_finished_or_rejected_with_drain():
+    env = make("env.drain_on_truncate=true", "workload=bursty", "workload.duration_s=20")
+    _, info = _controlled_episode(env, seed=2)
+    arrived = len(env.stream)
     m = info["episode_metrics"]
     assert m["completed"] + m["rejected"] == arrived
     assert m["completed"] > 0.5 * arrived
@@ -157,18 +162,13 @@ def test_ttft_splits_into_the_admission_wait_and_the_engines_part():
     admission plus the mean from admission to the first token is the mean TTFT (every admitted
     request finished here), and the engine's iterations and their tokens are counted."""
     env = make("env.drain_on_truncate=true", "workload=bursty", "workload.duration_s=20", "workload.rate_scale=4")
-    ctl = build_controller(env.cfg.policy, env.engine.capabilities().max_num_seqs)
-    env.reset(seed=2)
-    ctl.reset(env.knobs)
-    while True:
-        _, _, term, trunc, info = env.step_proposal(ctl.decide(env.snapshot, env.knobs))
-        if term or trunc:
-            break
+    _, info = _controlled_episode(env, seed=2)
     m = info["episode_metrics"]
     assert m["mean_admission_wait_ms"] > 0 and m["mean_engine_ttft_ms"] > 0  # overloaded: both
     assert m["mean_admission_wait_ms"] + m["mean_engine_ttft_ms"] == pytest.approx(m["mean_ttft_ms"], rel=1e-6)
     budget = env.engine.capabilities().max_num_batched_tokens
     assert m["engine_iterations"] > 0 and 0 < m["mean_iteration_tokens"] <= budget
+
 
 def test_a_controlled_drain_keeps_the_controller_acting_until_the_last_request():
     """Evaluation as the gateway serves: past the window the controller and the shield keep
@@ -178,15 +178,7 @@ def test_a_controlled_drain_keeps_the_controller_acting_until_the_last_request()
     for controlled in (False, True):
         env = make("env.drain_on_truncate=true", f"env.drain_controlled={controlled}", "workload=bursty",
                    "workload.duration_s=20", "workload.rate_scale=4")
-        ctl = build_controller(env.cfg.policy, env.engine.capabilities().max_num_seqs)
-        env.reset(seed=2)
-        ctl.reset(env.knobs)
-        steps = 0
-        while True:
-            _, _, term, trunc, info = env.step_proposal(ctl.decide(env.snapshot, env.knobs))
-            steps += 1
-            if term or trunc:
-                break
+        steps, info = _controlled_episode(env, seed=2)
         m = info["episode_metrics"]
         assert m["completed"] + m["rejected"] == len(env.stream)
         runs[controlled] = (steps, env.max_steps, m, max(f.finish_time for f in env.finished_requests))
@@ -194,6 +186,7 @@ def test_a_controlled_drain_keeps_the_controller_acting_until_the_last_request()
     assert frozen_steps == n < steps  # a backlog was left at the window's end, and controlled
     assert (steps - 1) * env.interval_s < m["duration_s"] <= steps * env.interval_s
     assert m["duration_s"] == pytest.approx(last, abs=1e-9)  # the clock ends at the last answer
+
 
 @pytest.mark.parametrize("memory_admission", [True, False])
 def test_memory_is_checked_per_request_in_the_env_as_in_the_gateway(memory_admission: bool):
