@@ -514,7 +514,7 @@ class ServingEnv(gym.Env):
         tel, adm = self.telemetry, self.admission
         for rid, arrival, first in res.first_tokens:
             tel.on_first_token(rid, first, first - arrival)
-            adm.on_first_token(rid)
+            adm.on_first_token(rid, first)
             t_admit = self._admitted_at.pop(rid, None)
             if t_admit is not None:
                 self._engine_ttft_s += first - t_admit

@@ -636,6 +636,8 @@ class ControlLoop:
                                 "in_flight": ln.admission.num_in_flight,
                                 "prefill_backlog_tokens": ln.admission.prefill_tokens_in_flight,
                                 "prefill_hold_tokens": ln.admission.prefill_hold_tokens,
+                                "first_token_s": ln.admission.first_token_s,
+                                "late_margin_s": ln.admission.late_margin_s,
                                 "stale_telemetry_intervals": self.lane_ctl[ln.index].stale_intervals,
                                 "memory_model": self.lane_ctl[ln.index].shield.memory.source,
                                 "kv_restart_s": self.lane_ctl[ln.index].shield.cfg.dtype_restart_s,

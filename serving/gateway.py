@@ -483,7 +483,7 @@ class _Timer:
             # first token): a growing queue shows before the slow requests finish.
             self.t_first = time.monotonic()
             self.lane.telemetry.on_first_token(self.req.request_id, self.t_first, self.t_first - self.t0)
-            self.lane.on_first_token(self.req.request_id)
+            self.lane.on_first_token(self.req.request_id, self.t_first)
         self.n_chunks += data.count(b"data: ")
         if b'"usage"' in data:
             self.usage_tokens = _completion_tokens(data)

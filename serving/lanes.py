@@ -184,11 +184,11 @@ class Lane:
             self.admission.on_finished(request_id)
             self.pump()
 
-    def on_first_token(self, request_id: str) -> None:
-        """A streamed request's first token arrived: its prompt left the engine's prefill
-        backlog, which may let a held request in."""
+    def on_first_token(self, request_id: str, now: float | None = None) -> None:
+        """A streamed request's first token arrived (at ``now``, ``time.monotonic()``; None:
+        now): its prompt left the engine's prefill backlog, which may let a held request in."""
         if self.admission.is_in_flight(request_id):
-            self.admission.on_first_token(request_id)
+            self.admission.on_first_token(request_id, time.monotonic() if now is None else now)
             self.pump()
 
     def pump(self) -> None:

@@ -629,6 +629,71 @@ def test_on_time_first_needs_a_ttft_objective() -> None:
     assert _drain(adm, 6.0) == ["a", "b"]
 
 
+def _with_margin(rate: float = 1.0, cap_frac: float = 0.5, on: bool = True) -> Admission:
+    adm = Admission(AdmissionConfig(first_token_margin=on, first_token_margin_rate=rate,
+                                    first_token_margin_max=cap_frac), Knobs(batch_cap=1, bucketing="fifo"))
+    adm.use_slo(1000.0)
+    return adm
+
+
+@pytest.mark.parametrize("on", [True, False])
+def test_the_first_token_margin_counts_a_request_late_before_its_objective(on: bool) -> None:
+    """Admitted 0.7 s after arrival with 0.4 s from admission to first token, a request misses
+    a 1 s TTFT: with the margin measured, it counts as late at 0.6 s of waiting, and an on-time
+    request goes before it; without it, it is still on time then."""
+    adm = _with_margin(on=on)
+    _submit(adm, ("probe", 0.0, 100, 0))
+    (r,) = adm.admit(0.0)
+    adm.on_first_token("probe", 0.4)  # 0.4 s from admission to first token
+    adm.on_finished("probe")
+    assert adm.late_margin_s == pytest.approx(0.4 if on else 0.0)
+    _submit(adm, ("waited", 1.0, 100, 0), ("fresh", 1.65, 100, 0))
+    order = _drain(adm, 1.7)  # "waited" has waited 0.7 s: past 1 s - 0.4 s, not past 1 s
+    assert order == (["fresh", "waited"] if on else ["waited", "fresh"])
+    assert adm.num_rejected == 0
+    adm.check_counts()
+
+
+def test_the_margin_is_an_average_bounded_by_its_share_of_the_objective() -> None:
+    adm = _with_margin(rate=0.5, cap_frac=0.25)
+    for i, (t_admit, t_first) in enumerate([(0.0, 0.1), (1.0, 1.3)]):
+        _submit(adm, (f"r{i}", t_admit, 100, 0))
+        adm.admit(t_admit)
+        adm.on_first_token(f"r{i}", t_first)
+        adm.on_first_token(f"r{i}", t_first + 5.0)  # idempotent: one sample per request
+        adm.on_finished(f"r{i}")
+    assert adm.first_token_s == pytest.approx(0.2)  # 0.1, then halfway to 0.3
+    assert adm.late_margin_s == pytest.approx(0.2)
+    _submit(adm, ("slow", 2.0, 100, 0))
+    adm.admit(2.0)
+    adm.on_first_token("slow", 4.0)  # 2 s: the average moves to 1.1 s, the margin stops at 0.25 s
+    assert adm.first_token_s == pytest.approx(1.1)
+    assert adm.late_margin_s == pytest.approx(0.25)
+    adm.on_first_token("never_admitted", 9.0)  # unknown ids: a no-op, no sample
+    assert adm.first_token_s == pytest.approx(1.1)
+
+
+def test_an_untimed_first_token_and_a_missing_objective_add_no_margin() -> None:
+    adm = _with_margin()
+    _submit(adm, ("a", 0.0, 100, 0))
+    adm.admit(0.0)
+    adm.on_first_token("a")  # no time given: it leaves the backlog, no sample
+    assert adm.first_token_s is None and adm.late_margin_s == 0.0
+    adm.on_finished("a")
+    _submit(adm, ("b", 1.0, 100, 0))
+    adm.admit(1.0)
+    adm.on_first_token("b", 1.3)
+    adm.use_slo(None)
+    assert adm.late_margin_s == 0.0
+
+
+@pytest.mark.parametrize("key, value", [("first_token_margin_rate", 0.0), ("first_token_margin_rate", 1.5),
+                                        ("first_token_margin_max", 1.0), ("first_token_margin_max", -0.1)])
+def test_bad_margin_settings_are_named(key: str, value: float) -> None:
+    with pytest.raises(ValueError, match=key):
+        AdmissionConfig.from_cfg({key: value})
+
+
 def _held(budget: int | None = 1000, **cfg) -> Admission:
     adm = make(cap=100, **cfg)
     adm.use_token_budget(budget)

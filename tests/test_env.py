@@ -170,6 +170,21 @@ def test_ttft_splits_into_the_admission_wait_and_the_engines_part():
     assert m["engine_iterations"] > 0 and 0 < m["mean_iteration_tokens"] <= budget
 
 
+def test_the_first_token_margin_is_measured_on_the_engines_clock():
+    """With ``first_token_margin`` the env feeds admission the engine's first-token times: the
+    margin is measured (between 0 and the objective's bound) and, overloaded, it changes which
+    requests count as late and so the episode; off, nothing is measured."""
+    common = ("env.drain_on_truncate=true", "workload=bursty", "workload.duration_s=20", "workload.rate_scale=4")
+    on, off = make(*common, "env.admission.first_token_margin=true"), make(*common)
+    _, info_on = _controlled_episode(on, seed=2)
+    _, info_off = _controlled_episode(off, seed=2)
+    adm, ttft_s = on.admission, on.slo.ttft_ms / 1000.0
+    assert adm.first_token_s is not None and adm.first_token_s > 0
+    assert 0 < adm.late_margin_s <= adm.cfg.first_token_margin_max * ttft_s
+    assert off.admission.first_token_s is None and off.admission.late_margin_s == 0.0
+    assert info_on["episode_metrics"] != info_off["episode_metrics"]
+
+
 def test_a_controlled_drain_keeps_the_controller_acting_until_the_last_request():
     """Evaluation as the gateway serves: past the window the controller and the shield keep
     acting each interval until every request is finished or rejected, and the episode's clock

@@ -617,3 +617,27 @@ async def test_a_streams_first_token_lets_a_held_request_in() -> None:
     await asyncio.wait_for(third, 5)
     assert lane.admission.num_in_flight == 3 and lane.admission.prefill_tokens_in_flight == 1200
     await lane.upstream.aclose()
+
+
+@pytest.mark.anyio
+async def test_a_lane_times_its_first_tokens_for_the_late_margin() -> None:
+    """With ``first_token_margin`` the lane times each streamed request from admission to its
+    first token on the gateway's clock (the env does on the engine's): the margin admission
+    counts requests late by."""
+    from batchpilot.core.admission import AdmissionConfig
+    from batchpilot.core.engine import Request
+    from batchpilot.core.knobs import Knobs
+    from batchpilot.core.telemetry import SLO, Telemetry
+    from batchpilot.serving.lanes import Lane
+    from batchpilot.serving.upstream import Upstream
+
+    lane = Lane.build(0, Upstream("http://127.0.0.1:9"), AdmissionConfig(first_token_margin=True, first_token_margin_rate=1.0),
+                      Knobs(batch_cap=8), Telemetry(SLO(ttft_ms=1000.0)), GatewayMetrics(), retry_after_s=1)
+    lane.upstream.healthy = True
+    arrived = time.monotonic() - 5.0  # it waited before this lane took it
+    await lane.acquire(Request("a", arrived, 600, 4), arrived + 30)
+    t_first = time.monotonic() + 0.25  # the gateway's time of the stream's first chunk
+    lane.on_first_token("a", t_first)
+    assert 0.25 <= lane.admission.first_token_s < 5.25  # from its admission, not its arrival
+    assert lane.admission.late_margin_s == pytest.approx(lane.admission.first_token_s)
+    await lane.upstream.aclose()

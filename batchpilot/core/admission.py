@@ -137,6 +137,15 @@ class AdmissionConfig:
     #: A request whose first token its caller cannot see (``reports_first_token`` False on
     #: the request) counts nothing.
     prefill_backlog_budgets: float | None = 1.0
+    #: With ``on_time_first``, count a waiting request late that much before its TTFT objective
+    #: has passed: the time from admission to first token, measured on this admission's own
+    #: recent requests (an exponential average at ``first_token_margin_rate``, at most
+    #: ``first_token_margin_max`` of the objective). A request admitted just before its
+    #: objective runs out still spends its prefill (and its wait in the engine) after it, so
+    #: on time "at admission" is not on time at its first token.
+    first_token_margin: bool = False
+    first_token_margin_rate: float = 0.1
+    first_token_margin_max: float = 0.5
     #: Share of admissions per bucket in ``weighted`` mode (normalised; one per bucket).
     weights: tuple[float, ...] = (0.5, 0.3, 0.2)
     #: Move the boundaries online by incremental k-means over (log prompt length, priority).
@@ -172,6 +181,10 @@ class AdmissionConfig:
         if self.prefill_backlog_budgets is not None and not (
                 self.prefill_backlog_budgets > 0 and math.isfinite(self.prefill_backlog_budgets)):
             raise ValueError(f"admission.prefill_backlog_budgets must be > 0 or null, got {self.prefill_backlog_budgets}")
+        if not 0 < self.first_token_margin_rate <= 1:
+            raise ValueError(f"admission.first_token_margin_rate must be in (0, 1], got {self.first_token_margin_rate}")
+        if not 0 <= self.first_token_margin_max < 1:
+            raise ValueError(f"admission.first_token_margin_max must be in [0, 1), got {self.first_token_margin_max}")
         if self.adapt_priority_weight < 0:
             raise ValueError(f"admission.adapt_priority_weight must be >= 0, got {self.adapt_priority_weight}")
 
@@ -279,7 +292,10 @@ class Admission:
         #: Prompt tokens in flight whose request has not produced its first token (the engine's
         #: prefill backlog, ``prefill_backlog_budgets``), and per request.
         self.prefill_tokens_in_flight = 0
-        self._awaiting_first: dict[str, int] = {}
+        self._awaiting_first: dict[str, tuple[int, float]] = {}  # request_id -> (prompt tokens, admitted at)
+        #: Mean seconds from admission to first token over recent requests (``first_token_margin``;
+        #: None until one has been measured).
+        self.first_token_s: float | None = None
         #: Hold admissions at this many prefill tokens in flight (``use_token_budget``; None: no hold).
         self.prefill_hold_tokens: int | None = None
         self._expiry: list[tuple[float, int, _Entry]] = []  # (arrival, seq, entry), lazy
@@ -401,7 +417,7 @@ class Admission:
             raise AssertionError(
                 f"admitted {self.num_admitted} != finished {self.num_finished} + in flight {self.num_in_flight}"
             )
-        if self.prefill_tokens_in_flight != sum(self._awaiting_first.values()) or not set(self._awaiting_first) <= set(self._in_flight):
+        if self.prefill_tokens_in_flight != sum(n for n, _ in self._awaiting_first.values()) or not set(self._awaiting_first) <= set(self._in_flight):
             raise AssertionError(f"prefill backlog {self.prefill_tokens_in_flight} tokens does not match the requests in flight")
         if sum(self.queue_depths) != self.num_waiting:
             raise AssertionError(f"queue depths {self.queue_depths} do not sum to {self.num_waiting}")
@@ -485,7 +501,7 @@ class Admission:
             self.kv_blocks_in_flight += blocks
             self.num_long_in_flight += e.is_long
             if getattr(e.request, "reports_first_token", True):
-                self._awaiting_first[e.request.request_id] = e.request.prompt_len
+                self._awaiting_first[e.request.request_id] = (e.request.prompt_len, now)
                 self.prefill_tokens_in_flight += e.request.prompt_len
             self.num_admitted += 1
             out.append(e.request)
@@ -501,10 +517,28 @@ class Admission:
         self.num_long_in_flight -= is_long
         self.num_finished += 1
 
-    def on_first_token(self, request_id: str) -> None:
-        """A request in flight produced its first token: its prompt leaves the prefill backlog
-        (then call ``admit``: a held request may go). Idempotent; unknown ids are a no-op."""
-        self.prefill_tokens_in_flight -= self._awaiting_first.pop(request_id, 0)
+    def on_first_token(self, request_id: str, now: float | None = None) -> None:
+        """A request in flight produced its first token (at ``now``, on the clock ``admit`` was
+        given; None: not timed): its prompt leaves the prefill backlog (then call ``admit``: a
+        held request may go) and, timed, its time from admission feeds ``first_token_s``.
+        Idempotent; unknown ids are a no-op."""
+        entry = self._awaiting_first.pop(request_id, None)
+        if entry is None:
+            return
+        prompt_len, admitted_at = entry
+        self.prefill_tokens_in_flight -= prompt_len
+        if now is not None and self.cfg.first_token_margin:
+            sample = max(0.0, now - admitted_at)
+            prev, rate = self.first_token_s, self.cfg.first_token_margin_rate
+            self.first_token_s = sample if prev is None else prev + rate * (sample - prev)
+
+    @property
+    def late_margin_s(self) -> float:
+        """How much before its TTFT objective a waiting request counts as late
+        (``first_token_margin``; 0 when off, unmeasured or without an objective)."""
+        if not self.cfg.first_token_margin or self.first_token_s is None or self.late_after_s is None:
+            return 0.0
+        return min(self.first_token_s, self.cfg.first_token_margin_max * self.late_after_s)
 
     def cancel(self, request_id: str, now: float) -> Rejection | None:
         """A client went away. A waiting request is dropped (reason "cancelled"); an in-flight
@@ -589,10 +623,11 @@ class Admission:
         del self._waiting[e.request.request_id]
 
     def _mark_late(self, now: float) -> None:
-        """Move the requests that waited their TTFT objective to the late heaps."""
+        """Move the requests that waited their TTFT objective (less ``late_margin_s``) to the
+        late heaps. A request once late stays late, even if the margin shrinks after."""
         if self.late_after_s is None:
             return
-        limit, heap = now - self.late_after_s, self._lateness
+        limit, heap = now - (self.late_after_s - self.late_margin_s), self._lateness
         while heap and (not heap[0][2].alive or heap[0][0] <= limit):
             _, _, e = heapq.heappop(heap)
             if e.alive:
