@@ -37,6 +37,12 @@ class RunningGateway:
     def upstream_pids(self) -> list[int]:
         return [u["pid"] for u in self.status()["upstreams"].values() if u["pid"]]
 
+    def wait_ticks(self, n: int = 2, timeout_s: float = 60.0) -> None:
+        """Until ``n`` more control ticks have started, so at least ``n - 1`` whole ticks ran
+        after the call (counted, not slept: a busy machine delays ticks)."""
+        start = self.status()["control"]["ticks"]
+        wait_until(lambda: self.status()["control"]["ticks"] >= start + n, timeout_s, f"{n} more control ticks")
+
     def metric(self, name: str, **labels: str) -> float:
         """Sum of a gateway metric's samples matching ``labels``."""
         from prometheus_client.parser import text_string_to_metric_families
@@ -48,6 +54,15 @@ class RunningGateway:
                 if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
                     total += s.value
         return total
+
+
+def wait_until(cond: Callable[[], bool], timeout_s: float, what: str, poll_s: float = 0.1) -> None:
+    """Poll ``cond`` until it holds; fail naming ``what`` after ``timeout_s``. A test waits on a
+    condition with a generous deadline, never on how fast this machine is."""
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, f"not reached after {timeout_s:g} s: {what}"
+        time.sleep(poll_s)
 
 
 def wait_ready(url: str, timeout_s: float, proc: subprocess.Popen | None = None) -> None:
@@ -75,8 +90,10 @@ def stop_process(proc: subprocess.Popen) -> None:
 
 
 @contextlib.contextmanager
-def running_gateway(*overrides: str, timeout_s: float = 240.0) -> Iterator[RunningGateway]:
-    """``scripts/serve.py serve.managed=true`` on a free port, plus ``overrides``."""
+def running_gateway(*overrides: str, timeout_s: float = 420.0) -> Iterator[RunningGateway]:
+    """``scripts/serve.py serve.managed=true`` on a free port, plus ``overrides``. ``timeout_s``
+    (for /readyz) is longer than the gateway's own ``serve.startup_timeout_s`` (300 s): on a
+    slow machine the gateway, not the test, decides that vLLM did not start (and exits)."""
     port = free_port()
     log_path = f"/tmp/batchpilot-gateway-{port}.log"
     cmd = [sys.executable, str(REPO_ROOT / "scripts" / "serve.py"), "serve.managed=true", f"serve.port={port}",

@@ -114,8 +114,9 @@ def test_upstream_killed_mid_load(gw: RunningGateway) -> None:
     for o in after:
         assert o.status in (200, 503), o
         assert o.t_end - o.t_start < REQUEST_TIMEOUT_S + 10.0, o
-    # The gateway restarts the upstream; traffic flows again.
-    wait_ready(gw.url, 240)
+    # The gateway restarts the upstream (within its own serve.startup_timeout_s, 300 s); traffic
+    # flows again.
+    wait_ready(gw.url, 420)
     ok = [httpx.post(f"{gw.url}/v1/completions", json={"prompt": "back?", "max_tokens": 3}, timeout=60).status_code
           for _ in range(5)]
     assert ok == [200] * 5
@@ -138,7 +139,7 @@ def test_kv_dtype_switch_restarts_managed_upstream_drained(gw: RunningGateway) -
     afterwards it serves with 8-bit KV."""
     from batchpilot.core.vllm_cpu import cpu_kv8_unavailable_reason
 
-    wait_ready(gw.url, 240)
+    wait_ready(gw.url, 420)
     why = cpu_kv8_unavailable_reason()
     # An operator override: the shield alone would refuse it (an idle engine gains nothing).
     r = httpx.post(f"{gw.url}/admin/kv_dtype", json={"dtype": "fp8", "force": True}, headers=AUTH, timeout=30)
@@ -156,7 +157,7 @@ def test_kv_dtype_switch_restarts_managed_upstream_drained(gw: RunningGateway) -
 
     for o in asyncio.run(during()):
         assert o.status == 200 or (o.status == 503 and o.reason == "timeout" and o.retry_after), o
-    deadline = time.monotonic() + 240
+    deadline = time.monotonic() + 420  # the restart may take the gateway's startup_timeout_s (300 s)
     while time.monotonic() < deadline:
         lane = next(iter(gw.status()["control"]["lanes"].values()))
         if lane["knobs_in_force"]["kv_dtype"] == "fp8" and lane["healthy"] and not lane["restarting"]:

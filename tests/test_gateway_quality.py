@@ -64,7 +64,7 @@ def test_output_diffs_above_threshold_fall_back_to_16bit() -> None:
             r = httpx.post(f"{gw.url}/v1/completions",
                            json={"prompt": f"sampled request number {i}", "max_tokens": 4}, timeout=60)
             assert r.status_code == 200, r.text
-        deadline = time.monotonic() + 300
+        deadline = time.monotonic() + 420  # replays, then a restart (up to startup_timeout_s, 300 s)
         while time.monotonic() < deadline:
             lane = _lane(gw)
             if lane["knobs_in_force"]["kv_dtype"] == "auto" and lane["healthy"] and not lane["restarting"]:

@@ -191,6 +191,8 @@ async def test_bytes_after_the_response_spoil_the_connection() -> None:
     """A server that sends more than one response (a stray duplicate) must not have the extra
     one read as the next request's answer: whether it came in the same read or later."""
 
+    late_sent = asyncio.Event()
+
     async def respond(_r: asyncio.StreamReader, w: asyncio.StreamWriter, body: bytes, i: int) -> bool:
         if i == 0:
             w.write(_ok(b"first") + _ok(b"stray"))
@@ -199,6 +201,8 @@ async def test_bytes_after_the_response_spoil_the_connection() -> None:
             await w.drain()
             await asyncio.sleep(0.02)
             w.write(_ok(b"stray-late"))
+            await w.drain()
+            late_sent.set()
         else:
             w.write(_ok(body))
         await w.drain()
@@ -208,7 +212,11 @@ async def test_bytes_after_the_response_spoil_the_connection() -> None:
     async with up as pool:
         assert await _call(pool, b"a") == (200, b"first")
         assert await _call(pool, b"b") == (200, b"second")
-        await asyncio.sleep(0.1)  # the late stray answer reaches the idle connection
+        # The late stray answer is sent (a condition: on a busy machine the server's timer may
+        # come due only with this test's own), then reaches the idle connection: the loop reads
+        # the socket before it runs the callback of a timer that expired meanwhile.
+        await asyncio.wait_for(late_sent.wait(), 30)
+        await asyncio.sleep(0.1)
         assert await _call(pool, b"c") == (200, b"c")
     assert up.connections == 3
 

@@ -56,8 +56,9 @@ def ray_processes() -> list[psutil.Process]:
     return out
 
 
-def wait_no_ray_processes(timeout_s: float = 60.0) -> None:
-    """Wait until Ray's processes are gone (they exit after shutdown, not at once)."""
+def wait_no_ray_processes(timeout_s: float = 120.0) -> None:
+    """Wait until Ray's processes are gone (they exit after shutdown, not at once; later on a
+    slow, busy machine)."""
     deadline = time.monotonic() + timeout_s
     while (left := ray_processes()) and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -160,7 +161,7 @@ def test_no_cluster_at_the_address_is_one_error(tmp_path: Path) -> None:
         _evaluate(tmp_path, ["launcher=ray", "launcher.address=auto"])
     args = ["-m", "hydra/launcher=ray", "hydra.launcher.address=auto", *TINY, "seed=0,1"]
     cmd = [sys.executable, str(REPO_ROOT / "scripts" / "train.py"), *args]
-    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert proc.stderr.strip().splitlines()[-1].startswith("train: error: could not join the Ray cluster at 'auto'")
     assert "Traceback" not in proc.stderr
@@ -174,7 +175,7 @@ def _script(name: str, args: list[str], cwd: Path) -> subprocess.CompletedProces
         f"sys.argv = [{path!r}, *sys.argv[1:]]; runpy.run_path({path!r}, run_name='__main__')"
     )
     cmd = [sys.executable, "-c", boot, *args]
-    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=120)
+    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=300)
 
 
 def test_scripts_without_ray_fail_in_one_line(tmp_path: Path) -> None:
@@ -194,7 +195,7 @@ def _train_sweep(args: list[str], cwd: Path, logger: str = "none") -> subprocess
     tiny = [o for o in TINY if not o.startswith("logger=")]
     proc = subprocess.run(
         [sys.executable, str(REPO_ROOT / "scripts" / "train.py"), "-m", *tiny, f"logger={logger}", "seed=0,1", *args],
-        cwd=cwd, env=env, capture_output=True, text=True, timeout=300,
+        cwd=cwd, env=env, capture_output=True, text=True, timeout=900,  # bounds a hang only
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return proc
