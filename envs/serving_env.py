@@ -451,7 +451,6 @@ class ServingEnv(gym.Env):
         self._iteration_tokens = 0
         #: Where a request's TTFT goes: waiting in admission, then in the engine (as a live run's
         #: gateway and vLLM report them).
-        self._admitted_at: dict[str, float] = {}
         self._admission_wait_s = 0.0
         self._engine_ttft_s = 0.0
         self._num_engine_ttft = 0
@@ -500,7 +499,6 @@ class ServingEnv(gym.Env):
             for rej in adm.expire(now):
                 self._on_rejected(rej)
         for req in adm.admit(now):
-            self._admitted_at[req.request_id] = now
             self._admission_wait_s += now - req.arrival_time
             try:
                 self.engine.add_request(req)
@@ -514,10 +512,9 @@ class ServingEnv(gym.Env):
         tel, adm = self.telemetry, self.admission
         for rid, arrival, first in res.first_tokens:
             tel.on_first_token(rid, first, first - arrival)
-            adm.on_first_token(rid, first)
-            t_admit = self._admitted_at.pop(rid, None)
-            if t_admit is not None:
-                self._engine_ttft_s += first - t_admit
+            since_admission = adm.on_first_token(rid, first)
+            if since_admission is not None:
+                self._engine_ttft_s += since_admission
                 self._num_engine_ttft += 1
         tel.on_output_tokens(res.num_output_tokens)
         self._iterations += res.num_iterations

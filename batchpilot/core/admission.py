@@ -517,20 +517,23 @@ class Admission:
         self.num_long_in_flight -= is_long
         self.num_finished += 1
 
-    def on_first_token(self, request_id: str, now: float | None = None) -> None:
+    def on_first_token(self, request_id: str, now: float | None = None) -> float | None:
         """A request in flight produced its first token (at ``now``, on the clock ``admit`` was
         given; None: not timed): its prompt leaves the prefill backlog (then call ``admit``: a
-        held request may go) and, timed, its time from admission feeds ``first_token_s``.
-        Idempotent; unknown ids are a no-op."""
+        held request may go) and, timed, its time from admission feeds ``first_token_s`` and is
+        returned. Idempotent; unknown ids are a no-op (None)."""
         entry = self._awaiting_first.pop(request_id, None)
         if entry is None:
-            return
+            return None
         prompt_len, admitted_at = entry
         self.prefill_tokens_in_flight -= prompt_len
-        if now is not None and self.cfg.first_token_margin:
-            sample = max(0.0, now - admitted_at)
+        if now is None:
+            return None
+        sample = max(0.0, now - admitted_at)
+        if self.cfg.first_token_margin:
             prev, rate = self.first_token_s, self.cfg.first_token_margin_rate
             self.first_token_s = sample if prev is None else prev + rate * (sample - prev)
+        return sample
 
     @property
     def late_margin_s(self) -> float:
