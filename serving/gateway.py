@@ -3,7 +3,8 @@
 ``/v1/completions`` and ``/v1/chat/completions`` are passed through byte for byte (streaming
 SSE or not; the upstream's status codes, bodies and usage untouched) after three gateway steps:
 validate the body, count the prompt tokens (bucketing and the length check), and wait in
-admission for an in-flight slot. Everything the gateway refuses itself is a ``GatewayError``
+admission for an in-flight slot. vLLM's read-only endpoints (``/tokenize``, ``/version``, ...)
+are forwarded as they are; any other path is refused. Everything the gateway refuses itself is a ``GatewayError``
 turned into JSON ``{"error": {"message", "type", "code", "reason"}}`` in one place.
 
 The lifespan starts the upstreams (or waits for them), the health loop and the control loop,
@@ -26,6 +27,7 @@ from typing import Any, AsyncIterator, Callable
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from batchpilot.core.engine import Request as EngineRequest
@@ -577,6 +579,41 @@ def _error_response(exc: GatewayError) -> JSONResponse:
     return JSONResponse(body, status_code=exc.status, headers=headers)
 
 
+#: What ``unknown_endpoint`` errors list.
+SERVED_ENDPOINTS = ("/v1/completions and /v1/chat/completions (through admission and the shield), "
+                    "/v1/models, /version, /tokenize and /detokenize (forwarded to vLLM), /health, "
+                    "/healthz, /readyz, /metrics and /admin/*")
+
+
+def _shown(path: str, limit: int = 200) -> str:
+    """A client's path as an error message quotes it: bounded, so a long one is not echoed whole."""
+    return path if len(path) <= limit else path[:limit] + "..."
+
+
+def _ready(gw: Gateway) -> bool:
+    return gw.ready and any(ln.available for ln in gw.lanes)
+
+
+async def _pass_through(request: Request, method: str, path: str) -> Response:
+    """Forward a read-only request to one upstream as it is (the body's size and arrival
+    bounded as for completions) and its answer back as it came."""
+    gw: Gateway = request.app.state.gateway
+    raw = await _read_body(request, gw.cfg) if method == "POST" else None
+    lane = gw.pick_lane()
+    headers = {"content-type": request.headers.get("content-type", "application/json")} if raw is not None else None
+    try:
+        r = await lane.upstream.client.request(method, path, content=raw, headers=headers,
+                                               params=request.url.query or None, timeout=gw.cfg.request_timeout_s)
+    except httpx.TimeoutException:
+        raise Refused("timeout", f"upstream {lane.name} did not answer {path} within "
+                      f"serve.request_timeout_s={gw.cfg.request_timeout_s:g} s", status=503,
+                      retry_after=lane.retry_after_s) from None
+    except httpx.HTTPError as exc:
+        _upstream_failed(lane, exc)
+    return Response(r.content, status_code=r.status_code,
+                    media_type=r.headers.get("content-type", "application/json"))
+
+
 def build_app(settings: AppSettings) -> FastAPI:
     """The gateway app. The lifespan starts upstreams, health and control loops."""
 
@@ -608,6 +645,24 @@ def build_app(settings: AppSettings) -> FastAPI:
         return _error_response(GatewayError("internal_error", f"the gateway failed: {type(exc).__name__}",
                                             status=500))
 
+    @app.exception_handler(StarletteHTTPException)
+    async def _on_no_route(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        """A path or method the gateway has no route for answers in the gateway's error form and
+        says what it serves: vLLM's other endpoints (its other generation APIs, which would
+        bypass admission and the shield, and engine control such as /sleep) are not forwarded."""
+        if exc.status_code == 404:
+            err = GatewayError("unknown_endpoint", f"{_shown(request.url.path)} is not an endpoint of the "
+                               f"batchpilot gateway; it serves {SERVED_ENDPOINTS}", status=404)
+        elif exc.status_code == 405:
+            err = GatewayError("method_not_allowed", f"{request.method} is not allowed on "
+                               f"{_shown(request.url.path)}", status=405)
+        else:
+            err = GatewayError("http_error", str(exc.detail), status=exc.status_code)
+        request.app.state.gateway.metrics.rejected.labels(err.reason).inc()
+        resp = _error_response(err)
+        resp.headers.update(exc.headers or {})  # 405's Allow
+        return resp
+
     @app.exception_handler(ClientGone)
     async def _on_client_gone(request: Request, exc: ClientGone) -> Response:
         if not exc.counted:
@@ -622,15 +677,29 @@ def build_app(settings: AppSettings) -> FastAPI:
     async def chat_completions(request: Request) -> Response:
         return await _proxy(request, "/v1/chat/completions", chat=True)
 
+    # vLLM's read-only endpoints, forwarded as they are: they generate nothing, so admission
+    # and the shield have nothing to decide, and clients written for `vllm serve` use them.
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
-        gw: Gateway = request.app.state.gateway
-        lane = gw.pick_lane()
-        try:
-            r = await lane.upstream.client.get("/v1/models", timeout=5.0)
-        except httpx.HTTPError as exc:
-            _upstream_failed(lane, exc)
-        return Response(r.content, status_code=r.status_code, media_type="application/json")
+        return await _pass_through(request, "GET", "/v1/models")
+
+    @app.get("/version")
+    async def version(request: Request) -> Response:
+        return await _pass_through(request, "GET", "/version")
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        return await _pass_through(request, "POST", "/tokenize")
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        return await _pass_through(request, "POST", "/detokenize")
+
+    @app.get("/health")
+    async def health(request: Request) -> Response:
+        """vLLM's liveness route, answered as `vllm serve` answers it (200, empty body) while
+        the gateway can serve, so probes written for vLLM work unchanged in front of it."""
+        return Response(status_code=200 if _ready(request.app.state.gateway) else 503)
 
     @app.get("/healthz")
     async def healthz() -> dict[str, str]:
@@ -641,7 +710,7 @@ def build_app(settings: AppSettings) -> FastAPI:
         gw: Gateway = request.app.state.gateway
         ups = {ln.name: {"url": ln.upstream.url, "healthy": ln.upstream.healthy,
                          "restarting": ln.upstream.restarting} for ln in gw.lanes}
-        ready = gw.ready and any(ln.available for ln in gw.lanes)
+        ready = _ready(gw)
         return JSONResponse({"ready": ready, "upstreams": ups}, status_code=200 if ready else 503)
 
     @app.get("/metrics")

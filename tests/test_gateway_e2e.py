@@ -30,6 +30,24 @@ def test_ready_and_health(gw: RunningGateway) -> None:
     assert httpx.get(f"{gw.url}/healthz", timeout=30).status_code == 200
     r = httpx.get(f"{gw.url}/readyz", timeout=30)
     assert r.status_code == 200 and r.json()["ready"] is True
+    r = httpx.get(f"{gw.url}/health", timeout=30)  # vLLM's own probe route, as vLLM answers it
+    assert r.status_code == 200 and r.content == b""
+
+
+def test_vllms_read_only_endpoints_answer_through_the_gateway_as_vllm_does(gw: RunningGateway) -> None:
+    """/tokenize, /detokenize and /version reach vLLM and come back unchanged, its errors too;
+    engine control and other generation APIs do not reach it (404 from the gateway)."""
+    vllm = next(iter(gw.status()["upstreams"].values()))["url"]
+    for method, path, body in [("POST", "/tokenize", {"prompt": "hello batchpilot world"}),
+                               ("POST", "/detokenize", {"tokens": [5, 6, 7, 8]}),
+                               ("POST", "/tokenize", {"prompt": 12}),  # vLLM's own 4xx
+                               ("GET", "/version", None)]:
+        direct = httpx.request(method, f"{vllm}{path}", json=body, timeout=60)
+        through = httpx.request(method, f"{gw.url}{path}", json=body, timeout=60)
+        assert through.status_code == direct.status_code and through.json() == direct.json(), (path, through.text)
+    assert httpx.post(f"{gw.url}/tokenize", json={"prompt": "hi"}, timeout=60).json()["count"] >= 1
+    r = httpx.post(f"{gw.url}/reset_prefix_cache", timeout=60)
+    assert r.status_code == 404 and r.json()["error"]["reason"] == "unknown_endpoint"
 
 
 def test_completion_non_streaming(gw: RunningGateway) -> None:

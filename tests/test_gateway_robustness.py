@@ -384,6 +384,52 @@ async def test_without_a_token_every_admin_route_is_off(monkeypatch: pytest.Monk
                     assert r.status_code == 403 and r.json()["error"]["reason"] == "admin_disabled", (method, path)
 
 
+# --- paths the gateway does not serve -----------------------------------------------------------
+#: vLLM endpoints a client written for `vllm serve` might call: other generation APIs (they would
+#: pass admission and the shield by) and engine control (anyone could put the engine to sleep).
+NOT_FORWARDED = [("POST", "/v1/responses"), ("POST", "/v1/messages"), ("POST", "/inference/v1/generate"),
+                 ("POST", "/v1/embeddings"), ("POST", "/sleep"), ("POST", "/pause"),
+                 ("POST", "/reset_prefix_cache"), ("GET", "/server_info"), ("GET", "/nope"),
+                 ("GET", "/admin/nope")]
+
+
+@pytest.mark.anyio
+async def test_paths_it_does_not_serve_are_refused_in_its_own_error_form_and_never_forwarded(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each answers 404 ``unknown_endpoint`` naming what the gateway serves (the upstream, at a
+    port nothing listens on, would have made a forwarded call a 503); a wrong method is 405
+    with ``Allow``; a long path is not echoed whole; each refusal is counted."""
+    with _app(monkeypatch) as (app, gw):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as c:
+            for method, path in NOT_FORWARDED:
+                r = await c.request(method, path, json={"input": "x", "model": "tiny"})
+                assert r.status_code == 404, (method, path, r.text)
+                err = r.json()["error"]
+                assert err["reason"] == "unknown_endpoint" and err["code"] == 404
+                assert path in err["message"] and "/v1/chat/completions" in err["message"]
+            r = await c.get("/v1/completions")
+            assert r.status_code == 405 and r.json()["error"]["reason"] == "method_not_allowed"
+            assert r.headers["allow"] == "POST"
+            r = await c.get("/" + "a" * 5000)
+            assert r.status_code == 404 and len(r.json()["error"]["message"]) < 600
+        assert gw.metrics.rejected.labels("unknown_endpoint")._value.get() == len(NOT_FORWARDED) + 1
+        assert gw.metrics.requests.labels("other", "404")._value.get() == len(NOT_FORWARDED) + 1
+
+
+@pytest.mark.anyio
+async def test_health_answers_as_vllm_does_while_the_gateway_can_serve(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``/health`` is 200 with an empty body (as from `vllm serve`) only once the gateway is up
+    and an upstream admits; 503 before, and while every upstream is down."""
+    with _app(monkeypatch) as (app, gw):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as c:
+            assert (await c.get("/health")).status_code == 503  # the lifespan has not finished
+            gw.ready = True
+            r = await c.get("/health")
+            assert r.status_code == 200 and r.content == b""
+            gw.lanes[0].upstream.healthy = False
+            assert (await c.get("/health")).status_code == 503
+
+
 # --- the managed engine's log ------------------------------------------------------------------------
 def test_the_engine_log_is_opened_without_following_links_and_private(tmp_path: Path) -> None:
     target = tmp_path / "elsewhere"
