@@ -594,7 +594,7 @@ class WarmupConfig:
 
 @dataclass(slots=True)
 class ServeConfig:
-    """The gateway (``serve`` node; its schema, ``ServeNode``, leaves out the two secrets)."""
+    """The gateway (``serve`` node; its schema, ``ServeNode``, leaves out the secrets)."""
 
     host: str = "127.0.0.1"
     port: int = 8000
@@ -658,6 +658,11 @@ class ServeConfig:
     #: File holding the admin API's bearer token (``$BATCHPILOT_ADMIN_TOKEN`` wins). Never the
     #: token itself: config values land in Hydra's config dump and on the command line.
     admin_token_file: str | None = None
+    #: File holding the API key the upstream vLLM servers require (``vllm serve --api-key``;
+    #: ``$VLLM_API_KEY``, vLLM's own variable, wins). The gateway sends it as the bearer token of
+    #: every upstream call (clients' own ``Authorization`` is never forwarded), and managed
+    #: engines are started with it. None and no variable: no key.
+    upstream_api_key_file: str | None = None
     #: Folder for the managed engines' logs; None = a private temporary folder (mode 0700).
     log_dir: str | None = None
     log_level: str = "info"
@@ -668,6 +673,7 @@ class ServeConfig:
     #: Secrets, read in ``__post_init__`` from the environment or the files above; never config.
     admin_token: str | None = field(default=None, repr=False)
     trusted_keys: tuple[str, ...] = field(default=(), repr=False)
+    upstream_api_key: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not self.managed and not self.upstreams:
@@ -713,6 +719,8 @@ class ServeConfig:
         if self.trusted_keys_file:
             keys += (_read_secret(self.trusted_keys_file, "serve.trusted_keys_file") or "").splitlines()
         self.trusted_keys = tuple(k.strip() for k in keys if k.strip())
+        self.upstream_api_key = (os.environ.get("VLLM_API_KEY")
+                                 or _read_secret(self.upstream_api_key_file, "serve.upstream_api_key_file") or None)
 
     def is_trusted(self, key: str | None) -> bool:
         """Whether ``key`` is one of the trusted keys (compared in constant time)."""
@@ -725,17 +733,19 @@ class ServeConfig:
     def from_cfg(cls, node: Any) -> "ServeConfig":
         """From the ``serve`` config node (DictConfig or mapping; unknown keys and wrong types raise)."""
         data = plain(node)
-        if "admin_token" in data or "trusted_keys" in data:
+        if "admin_token" in data or "trusted_keys" in data or "upstream_api_key" in data:
             raise ValueError(
-                "serve.admin_token / serve.trusted_keys are not read from the config: config values land in "
-                "Hydra's config dump and on the command line. Export BATCHPILOT_ADMIN_TOKEN / "
-                "BATCHPILOT_TRUSTED_KEYS, or set serve.admin_token_file / serve.trusted_keys_file")
+                "serve.admin_token / serve.trusted_keys / serve.upstream_api_key are not read from the config: "
+                "config values land in Hydra's config dump and on the command line. Export "
+                "BATCHPILOT_ADMIN_TOKEN / BATCHPILOT_TRUSTED_KEYS / VLLM_API_KEY, or set serve.admin_token_file / "
+                "serve.trusted_keys_file / serve.upstream_api_key_file")
         return from_node(cls, data)
 
 
-#: ``conf/serve/default.yaml``: ``ServeConfig`` without ``admin_token`` / ``trusted_keys``, which
+#: ``conf/serve/default.yaml``: ``ServeConfig`` without its secrets (``admin_token``, ``trusted_keys``,
+#: ``upstream_api_key``), which
 #: are read from the environment or files, never from the config.
-ServeNode = node_schema(ServeConfig, "ServeNode", exclude=("admin_token", "trusted_keys"))
+ServeNode = node_schema(ServeConfig, "ServeNode", exclude=("admin_token", "trusted_keys", "upstream_api_key"))
 
 
 # --- benchmarks (conf/bench.yaml) ------------------------------------------------------------

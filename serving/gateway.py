@@ -110,11 +110,11 @@ class Gateway:
                     max_num_seqs=cfg.max_num_seqs, kv_dtype=cfg.kv_dtype,
                     kv_cache_space_gib=cfg.kv_cache_space_gib, max_num_batched_tokens=cfg.max_num_batched_tokens,
                     extra_args=cfg.extra_vllm_args,
-                    log_path=self.log_dir / f"vllm-{port}.log", cpu_cores=cores[i],
+                    log_path=self.log_dir / f"vllm-{port}.log", cpu_cores=cores[i], api_key=cfg.upstream_api_key,
                 )
-                upstreams.append(Upstream(proc.url, managed=proc, name=f"vllm{i}"))
+                upstreams.append(Upstream(proc.url, managed=proc, name=f"vllm{i}", api_key=cfg.upstream_api_key))
         else:
-            upstreams = [Upstream(u, name=f"vllm{i}") for i, u in enumerate(cfg.upstreams)]
+            upstreams = [Upstream(u, name=f"vllm{i}", api_key=cfg.upstream_api_key) for i, u in enumerate(cfg.upstreams)]
         self.counter = PromptCounter(cfg.tokenizer, self.model_dir)
         knobs = Knobs(batch_cap=min(cfg.control.initial_batch_cap, cfg.max_num_seqs),
                       bucketing=cfg.control.initial_bucketing, kv_dtype=cfg.kv_dtype)
@@ -332,7 +332,7 @@ async def _proxy(request: Request, path: str, chat: bool) -> Response:
     admitted: list[bool] = [False]
     try:
         drop = _DROP_HEADERS | {cfg.trusted_key_header, cfg.priority_header}
-        headers = [(k, v) for k, v in request.headers.items() if k not in drop]
+        headers = [(k, v) for k, v in request.headers.items() if k not in drop] + lane.upstream.auth_headers
         return await _forward(gw, lane, req, bucket, body, raw, headers, path, deadline, admitted)
     except asyncio.CancelledError:
         if guard.gone:

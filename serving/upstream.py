@@ -96,8 +96,12 @@ class ManagedVLLM:
         extra_args: list[str] | None = None,
         log_path: Path | None = None,
         cpu_cores: str | None = None,
+        api_key: str | None = None,
     ) -> None:
         self.model = model
+        #: The key the server requires (``VLLM_API_KEY`` in its environment: never on its
+        #: command line, where any local user could read it).
+        self._api_key = api_key
         #: VLLM_CPU_OMP_THREADS_BIND for a CPU engine (None = vLLM's own choice); a value the
         #: user exported wins.
         self.cpu_cores = cpu_cores
@@ -155,6 +159,8 @@ class ManagedVLLM:
         if self.cpu_cores is not None:
             env.setdefault("VLLM_CPU_OMP_THREADS_BIND", self.cpu_cores)
         small_machine_omp_defaults(env)
+        if self._api_key:
+            env["VLLM_API_KEY"] = self._api_key
         out = _open_log(self.log_path) if self.log_path else subprocess.DEVNULL
         reaper = [sys.executable, "-m", "batchpilot.serving.reaper", str(os.getpid()), "--"]
         try:
@@ -221,8 +227,12 @@ class Upstream:
     """One vLLM server as the gateway reaches it: a pooled async HTTP client, its health, and
     (when managed) its process."""
 
-    def __init__(self, url: str, *, managed: ManagedVLLM | None = None, name: str | None = None) -> None:
+    def __init__(self, url: str, *, managed: ManagedVLLM | None = None, name: str | None = None,
+                 api_key: str | None = None) -> None:
         self.url = url.rstrip("/")
+        #: Sent on every call to this server (``vllm serve --api-key``); the proxy's hot path
+        #: appends it to the forwarded headers, from which clients' own ``authorization`` is dropped.
+        self.auth_headers: list[tuple[str, str]] = [("authorization", f"Bearer {api_key}")] if api_key else []
         self.managed = managed
         self.name = name or self.url
         self.healthy = False
@@ -245,7 +255,8 @@ class Upstream:
 
     def _new_client(self) -> httpx.AsyncClient:
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=512, keepalive_expiry=30.0)
-        return httpx.AsyncClient(base_url=self.url, limits=limits, timeout=httpx.Timeout(None))
+        return httpx.AsyncClient(base_url=self.url, limits=limits, timeout=httpx.Timeout(None),
+                                 headers=dict(self.auth_headers))
 
     async def aclose(self) -> None:
         self.pool.close()

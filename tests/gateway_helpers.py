@@ -90,19 +90,21 @@ def stop_process(proc: subprocess.Popen) -> None:
 
 
 @contextlib.contextmanager
-def running_gateway(*overrides: str, timeout_s: float = 420.0) -> Iterator[RunningGateway]:
-    """``scripts/serve.py serve.managed=true`` on a free port, plus ``overrides``. ``timeout_s``
-    (for /readyz) is longer than the gateway's own ``serve.startup_timeout_s`` (300 s): on a
-    slow machine the gateway, not the test, decides that vLLM did not start (and exits)."""
+def running_gateway(*overrides: str, timeout_s: float = 420.0,
+                    env: dict[str, str] | None = None) -> Iterator[RunningGateway]:
+    """``scripts/serve.py serve.managed=true`` on a free port, plus ``overrides`` (and ``env``
+    added to its environment). ``timeout_s`` (for /readyz) is longer than the gateway's own
+    ``serve.startup_timeout_s`` (300 s): on a slow machine the gateway, not the test, decides
+    that vLLM did not start (and exits)."""
     port = free_port()
     log_path = f"/tmp/batchpilot-gateway-{port}.log"
     cmd = [sys.executable, str(REPO_ROOT / "scripts" / "serve.py"), "serve.managed=true", f"serve.port={port}",
            "serve.kv_cache_space_gib=1", "hydra.run.dir=/tmp/batchpilot-hydra",
            "hydra.output_subdir=null", "hydra/job_logging=none", "hydra/hydra_logging=none", *overrides]
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", BATCHPILOT_ADMIN_TOKEN=TOKEN,
-               BATCHPILOT_TRUSTED_KEYS=TRUSTED_KEY)
+    proc_env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", BATCHPILOT_ADMIN_TOKEN=TOKEN,
+                    BATCHPILOT_TRUSTED_KEYS=TRUSTED_KEY, **(env or {}))
     with open(log_path, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT)
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=proc_env, cwd=REPO_ROOT)
     gw = RunningGateway(f"http://127.0.0.1:{port}", proc, log_path)
     pids: list[int] = []
     body_ok = False

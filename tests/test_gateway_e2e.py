@@ -88,6 +88,29 @@ def test_chat_both_ways(gw: RunningGateway) -> None:
     assert events[-1] == "[DONE]" and json.loads(events[0])["object"] == "chat.completion.chunk"
 
 
+def test_the_openai_sdk_works_through_the_gateway(gw: RunningGateway) -> None:
+    """OpenAI's own Python client (installed with vLLM), as an application would use it:
+    models, completions, a streamed chat, and the gateway's errors raised as the SDK's typed
+    exceptions with the gateway's reason in the body."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"{gw.url}/v1", api_key="any-client-key", max_retries=0, timeout=120)
+    model = client.models.list().data[0].id
+    done = client.completions.create(model=model, prompt="hello world", max_tokens=5)
+    assert done.usage is not None and done.usage.completion_tokens == 5 and done.choices[0].text
+    chunks = list(client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=4, stream=True,
+        stream_options={"include_usage": True}))
+    assert chunks and chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 4
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.completions.create(model=model, prompt="x", max_tokens=10**6)
+    assert bad.value.status_code == 400 and bad.value.body["reason"] == "max_tokens_too_large"
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.responses.create(model=model, input="hi")
+    assert missing.value.body["reason"] == "unknown_endpoint"
+
+
 def test_upstream_errors_pass_through(gw: RunningGateway) -> None:
     # The gateway does not check sampling parameters: vLLM's own 400 comes back unchanged.
     r = httpx.post(f"{gw.url}/v1/completions", json={"prompt": "x", "max_tokens": 2, "temperature": -3}, timeout=60)

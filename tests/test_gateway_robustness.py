@@ -497,6 +497,42 @@ def test_an_admin_token_in_the_config_is_refused() -> None:
         AppSettings.from_cfg(load_config(["serve.managed=true", "+serve.admin_token=secret"], config_name="serve_app"))
 
 
+def test_the_upstream_api_key_comes_from_the_environment_or_a_file_never_the_config(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``$VLLM_API_KEY`` wins over ``serve.upstream_api_key_file``; the key in the config is
+    refused; each upstream's client and the proxy's headers carry it; a managed engine gets it
+    in its environment, not on its command line."""
+    from batchpilot.config import load_config
+
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    with pytest.raises(ValueError, match="VLLM_API_KEY"):
+        AppSettings.from_cfg(load_config(["serve.managed=true", "+serve.upstream_api_key=k"], config_name="serve_app"))
+    assert ServeConfig.from_cfg({"upstreams": ["http://127.0.0.1:9"]}).upstream_api_key is None
+    key_file = tmp_path / "key"
+    key_file.write_text("from-file\n")
+    cfg = {"upstreams": ["http://127.0.0.1:9"], "upstream_api_key_file": str(key_file), "tokenizer": "chars"}
+    assert ServeConfig.from_cfg(cfg).upstream_api_key == "from-file"
+    assert "from-file" not in repr(ServeConfig.from_cfg(cfg))
+    with pytest.raises(ValueError, match="upstream_api_key_file"):
+        ServeConfig.from_cfg({**cfg, "upstream_api_key_file": str(tmp_path / "missing")})
+    monkeypatch.setenv("VLLM_API_KEY", "from-env")
+    gw = Gateway(AppSettings(serve=ServeConfig.from_cfg(cfg)))
+    up = gw.lanes[0].upstream
+    try:
+        assert up.auth_headers == [("authorization", "Bearer from-env")]
+        assert up.client.headers["authorization"] == "Bearer from-env"
+    finally:
+        up.pool.close()
+    managed = Gateway(AppSettings(serve=ServeConfig.from_cfg(
+        {"managed": True, "model": str(tmp_path), "tokenizer": "chars", "log_dir": str(tmp_path / "logs")})))
+    up = managed.lanes[0].upstream
+    try:
+        assert up.auth_headers == [("authorization", "Bearer from-env")]
+        assert not any("from-env" in a for a in up.managed.command())
+    finally:
+        up.pool.close()
+
+
 class _FakeVLLM(BaseHTTPRequestHandler):
     """Just enough of vLLM's API for the gateway to start in front of it."""
 
