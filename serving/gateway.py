@@ -579,9 +579,12 @@ def _error_response(exc: GatewayError) -> JSONResponse:
     return JSONResponse(body, status_code=exc.status, headers=headers)
 
 
+#: vLLM's read-only endpoints, forwarded as they are: they generate nothing, so admission and
+#: the shield have nothing to decide, and clients written for `vllm serve` use them.
+FORWARDED = (("GET", "/v1/models"), ("GET", "/version"), ("POST", "/tokenize"), ("POST", "/detokenize"))
 #: What ``unknown_endpoint`` errors list.
 SERVED_ENDPOINTS = ("/v1/completions and /v1/chat/completions (through admission and the shield), "
-                    "/v1/models, /version, /tokenize and /detokenize (forwarded to vLLM), /health, "
+                    f"{', '.join(p for _, p in FORWARDED)} (forwarded to vLLM), /health, "
                     "/healthz, /readyz, /metrics and /admin/*")
 
 
@@ -677,23 +680,11 @@ def build_app(settings: AppSettings) -> FastAPI:
     async def chat_completions(request: Request) -> Response:
         return await _proxy(request, "/v1/chat/completions", chat=True)
 
-    # vLLM's read-only endpoints, forwarded as they are: they generate nothing, so admission
-    # and the shield have nothing to decide, and clients written for `vllm serve` use them.
-    @app.get("/v1/models")
-    async def models(request: Request) -> Response:
-        return await _pass_through(request, "GET", "/v1/models")
+    async def forwarded(request: Request) -> Response:
+        return await _pass_through(request, request.method, request.url.path)
 
-    @app.get("/version")
-    async def version(request: Request) -> Response:
-        return await _pass_through(request, "GET", "/version")
-
-    @app.post("/tokenize")
-    async def tokenize(request: Request) -> Response:
-        return await _pass_through(request, "POST", "/tokenize")
-
-    @app.post("/detokenize")
-    async def detokenize(request: Request) -> Response:
-        return await _pass_through(request, "POST", "/detokenize")
+    for method, path in FORWARDED:
+        app.add_api_route(path, forwarded, methods=[method], name=path)
 
     @app.get("/health")
     async def health(request: Request) -> Response:
