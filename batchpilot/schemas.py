@@ -1077,6 +1077,9 @@ class CalibrateApp:
     report_rate_scale: float
     #: Workload name -> the Hydra overrides that make it.
     workloads: dict[str, list[str]]
+    #: Workload name -> the share of the profile's simulated capacity its load is sized to
+    #: (``capacity_scale``); a workload not named keeps its own rate.
+    load_vs_capacity: dict[str, float]
     #: The served path (``scripts/calibrate.py served=true``): measured through ``vllm serve``,
     #: its extra over ``profile`` written as ``served.out``.
     served: ServedCalibrationNode

@@ -147,7 +147,7 @@ class Gateway:
         from batchpilot.serving.control_loop import ControlLoop
         from batchpilot.serving.quality_guard import QualityGuard
 
-        self.quality = QualityGuard(self.cfg.quality_guard, self.metrics)
+        self.quality = QualityGuard(self.cfg.quality_guard, self.metrics, api_key=self.cfg.upstream_api_key)
         self.control = ControlLoop(self)
         await self.control.start()
         self.ready = True

@@ -57,14 +57,18 @@ class Sample:
 class QualityGuard:
     """Samples, replays, and keeps the output-diff rate."""
 
-    def __init__(self, cfg: QualityGuardConfig, metrics: GatewayMetrics) -> None:
+    def __init__(self, cfg: QualityGuardConfig, metrics: GatewayMetrics, api_key: str | None = None) -> None:
+        """``api_key``: the upstreams' (``serve.upstream_api_key``); the reference is a vLLM
+        server deployed like them, so it is sent there too."""
         self.cfg = cfg
         self.metrics = metrics
         self._window: deque[bool] = deque(maxlen=cfg.window)
         self.blocks_8bit = False
         self._sem = asyncio.Semaphore(4)
         self._tasks: set[asyncio.Task] = set()
-        self._ref = httpx.AsyncClient(base_url=cfg.reference_url, timeout=30.0) if cfg.reference_url else None
+        headers = {"authorization": f"Bearer {api_key}"} if api_key else None
+        self._ref = (httpx.AsyncClient(base_url=cfg.reference_url, timeout=30.0, headers=headers)
+                     if cfg.reference_url else None)
         self.metrics.output_diff_rate.set(0.0)
 
     @property

@@ -158,6 +158,7 @@ def test_a_short_report_probes_the_live_engine_and_accounts_for_every_run(tiny_m
         [
             f'live_overrides=["engine.model={tiny_model_path}"]', "warmup.seconds=3",
             "warmup.max_batch=16", "runs=2", "state_probe.max_runs=3", "~workloads.azure_conv",
+            "~load_vs_capacity.azure_conv",
             "workloads.burst=" + _hydra_list(
                 "workload=poisson", "workload.rate=4", "workload.duration_s=6",
                 "workload.lengths.prompt_mean=64", "workload.lengths.output_mean=16"),
@@ -305,3 +306,55 @@ def test_the_fast_state_is_anchored_on_a_quantile_of_the_probes() -> None:
     assert tenth.anchor_s == 2.8
     with pytest.raises(ValueError, match="anchor_quantile"):
         StateProbe(**kw, anchor_quantile=1.0)
+
+
+def test_a_missed_target_says_why_and_what_to_change() -> None:
+    """Issue 16: a fit that misses a target says exactly why not and what to change."""
+    from batchpilot.policies.calibration import diagnose
+
+    rows = [
+        MetricComparison("azure_conv", "p99_ttft_ms", 15333.0, (14986.0, 11574.0, 21.5)),  # a coin toss
+        MetricComparison("burst", "median_tpot_ms", 9.5, (20.0, 10.0, 9.0)),                # a noisy host
+        MetricComparison("burst", "output_throughput", 3000.0, (2000.0, 2050.0, 1990.0)),  # sim too fast
+        MetricComparison("burst", "median_tpot_ms", 30.0, (20.0, 20.5, 19.8)),             # sim too slow
+        MetricComparison("burst", "p99_ttft_ms", 100.0, (98.0, 101.0, 103.0)),              # met
+        MetricComparison("burst", "p99_e2el_ms", 900.0, (100.0, 110.0, 90.0)),              # no target
+    ]
+    assert [r.verdict for r in rows] == ["spread", "spread", "NO", "NO", "yes", ""]
+    why = diagnose(rows, "cpu_tiny_x")
+    assert len(why) == 4
+    assert why[0].startswith("azure_conv p99_ttft_ms") and "capacity" in why[0]
+    assert "load_vs_capacity.azure_conv=" in why[0]
+    assert "own spread" in why[1] and "runs=5" in why[1]
+    assert "simulator is faster" in why[2] and "`cpu_tiny_x` does not describe" in why[2]
+    assert "simulator is slower" in why[3]
+
+
+def test_a_load_sized_to_capacity_offers_that_share_of_what_the_profile_serves() -> None:
+    """``load_vs_capacity``: the rate factor puts the workload's mean load at the asked share of
+    the simulated engine's saturated rate at the controller's cap, whatever its own rate was."""
+    from batchpilot.policies.calibration import CalibrationError, capacity_scale
+
+    cal = load_config([], config_name="calibrate")
+    sim = load_config([*cal.sim_overrides, *cal.common_overrides, *cal.workloads["azure_conv"]])
+    sim.env.initial_batch_cap = 64
+    scale, offered, capacity = capacity_scale(sim, 0.65)
+    assert offered > 0 and capacity > 0
+    assert scale * offered == pytest.approx(0.65 * capacity)
+    # Doubling the workload's own rate halves the factor: the sized load stays where it was.
+    sim.workload.rate_scale = 2 * float(sim.workload.rate_scale)
+    scale2, offered2, capacity2 = capacity_scale(sim, 0.65)
+    assert offered2 == pytest.approx(2 * offered, rel=0.02)
+    assert scale2 * offered2 == pytest.approx(scale * offered, rel=0.05)
+    with pytest.raises(CalibrationError, match="must be > 0"):
+        capacity_scale(sim, 0.0)
+
+
+def test_a_load_share_for_a_workload_the_report_does_not_run_is_an_error() -> None:
+    from rich.console import Console
+
+    from batchpilot.policies.calibration import CalibrationError, run_report
+
+    cfg = load_config(["+load_vs_capacity.azure_cnv=0.6"], config_name="calibrate")
+    with pytest.raises(CalibrationError, match=r"\['azure_cnv'\], not among the workloads"):
+        run_report(cfg, Console(quiet=True))

@@ -53,6 +53,32 @@ def test_requests_through_the_gateway_carry_the_key_not_the_clients(gw: RunningG
         assert r.status_code == 200 and r.json()["data"], r.text
 
 
+def test_the_quality_guards_reference_gets_the_key_too(gw: RunningGateway) -> None:
+    """The 16-bit reference is a vLLM server deployed like the upstreams: with the gateway's
+    key its greedy replay is answered (without it, vLLM's 401 would be counted as an error
+    on every sample and the guard would never compare anything)."""
+    import asyncio
+
+    from batchpilot.serving.prom import GatewayMetrics
+    from batchpilot.serving.quality_guard import QualityGuard
+    from batchpilot.serving.settings import QualityGuardConfig
+
+    url = _vllm_url(gw)
+    body = {"model": "tiny-llama", "prompt": "compare me", "max_tokens": 8, "temperature": 0.0, "return_token_ids": True}
+
+    async def agreement(api_key: str | None) -> float:
+        guard = QualityGuard(QualityGuardConfig(reference_url=url), GatewayMetrics(), api_key=api_key)
+        async with httpx.AsyncClient(base_url=url, headers={"authorization": f"Bearer {KEY}"}) as c:
+            try:
+                return await guard.compare(c, guard._ref, "/v1/completions", body)
+            finally:
+                await guard.aclose()
+
+    assert asyncio.run(agreement(KEY)) == 1.0
+    with pytest.raises(httpx.HTTPStatusError, match="401"):
+        asyncio.run(agreement(None))
+
+
 def test_the_key_is_in_no_log_and_no_status(gw: RunningGateway) -> None:
     """Not in the admin status, the gateway's metrics, its log, the managed engine's log, or
     the engine's command line (it gets the key in its environment)."""
