@@ -319,15 +319,21 @@ def test_a_missed_target_says_why_and_what_to_change() -> None:
         MetricComparison("burst", "median_tpot_ms", 30.0, (20.0, 20.5, 19.8)),             # sim too slow
         MetricComparison("burst", "p99_ttft_ms", 100.0, (98.0, 101.0, 103.0)),              # met
         MetricComparison("burst", "p99_e2el_ms", 900.0, (100.0, 110.0, 90.0)),              # no target
+        # One run of six far off (the first, the host slower), the rest within the target.
+        MetricComparison("azure_conv", "p99_ttft_ms", 330.9, (5499.0, 449.6, 478.6, 300.4, 368.1, 345.8)),
     ]
-    assert [r.verdict for r in rows] == ["spread", "spread", "NO", "NO", "yes", ""]
+    assert [r.verdict for r in rows] == ["spread", "spread", "NO", "NO", "yes", "", "spread"]
     why = diagnose(rows, "cpu_tiny_x")
-    assert len(why) == 4
-    assert why[0].startswith("azure_conv p99_ttft_ms") and "capacity" in why[0]
-    assert "load_vs_capacity.azure_conv=" in why[0]
+    assert len(why) == 5
+    assert why[0].startswith("azure_conv p99_ttft_ms") and "runs at this machine's capacity" in why[0]
+    assert "load_vs_capacity.azure_conv=0.7" in why[0]
     assert "own spread" in why[1] and "runs=5" in why[1]
     assert "simulator is faster" in why[2] and "`cpu_tiny_x` does not describe" in why[2]
     assert "simulator is slower" in why[3]
+    assert "one live run is far from the others (run 1: 5499.0" in why[4] and "(-15%)" in why[4]
+    # A workload already sized off capacity is told to move further from where it is.
+    sized = diagnose(rows[:1], "cpu_tiny_x", {"azure_conv": 0.65})
+    assert "sized at 65%" in sized[0] and "load_vs_capacity.azure_conv=0.52" in sized[0]
 
 
 def test_a_load_sized_to_capacity_offers_that_share_of_what_the_profile_serves() -> None:
