@@ -735,7 +735,8 @@ def diagnose(rows: Sequence[MetricComparison], profile: str,
         where = f"{r.workload} {r.metric} ({r.rel_err:+.0%} against a {r.target:.0%} target)"
         lo, hi = min(r.live), max(r.live)
         odd = _without_outlier(r.live)
-        rest_err = (r.sim - float(np.mean(odd[1]))) / float(np.mean(odd[1])) if odd else math.nan
+        rest_mean = float(np.mean(odd[1])) if odd else math.nan
+        rest_err = (r.sim - rest_mean) / rest_mean
         if odd and abs(rest_err) <= r.target:
             k, rest = odd
             out.append(
@@ -1019,7 +1020,8 @@ def run_report(cfg: Any, console: Any) -> dict[str, float]:
     warm_s = float(warm.pop("seconds"))
     common = list(cfg.common_overrides)
     probe = from_node(StateProbe, cfg.state_probe)
-    unknown = sorted(set(cfg.load_vs_capacity or {}) - set(cfg.workloads))
+    shares = {str(k): float(v) for k, v in (cfg.load_vs_capacity or {}).items()}
+    unknown = sorted(set(shares) - set(cfg.workloads))
     if unknown:
         raise CalibrationError(f"load_vs_capacity names {unknown}, not among the workloads "
                                f"{sorted(cfg.workloads)}")
@@ -1030,12 +1032,12 @@ def run_report(cfg: Any, console: Any) -> dict[str, float]:
         for c in (live_cfg, sim_cfg):
             k = initial_knobs(c.policy, int(c.engine.max_num_seqs))
             c.env.initial_batch_cap, c.env.initial_bucketing = k.batch_cap, k.bucketing
-        share = (cfg.load_vs_capacity or {}).get(name)
+        share = shares.get(name)
         if share is not None:
-            scale, offered, capacity = capacity_scale(sim_cfg, float(share))
+            scale, offered, capacity = capacity_scale(sim_cfg, share)
             for c in (live_cfg, sim_cfg):
                 c.workload.rate_scale = float(c.workload.rate_scale) * scale
-            console.print(f"[{name}] load: {float(share):.0%} of what {cfg.profile} finishes at batch cap "
+            console.print(f"[{name}] load: {share:.0%} of what {cfg.profile} finishes at batch cap "
                           f"{sim_cfg.env.initial_batch_cap} ({capacity:.1f} req/s; offered "
                           f"{offered:.1f} -> {offered * scale:.1f} req/s, rate x{scale:.2f})")
         runs.append(sim_to_real(str(name), live_cfg, sim_cfg, runs=int(cfg.runs), seed=int(cfg.seed),
@@ -1067,7 +1069,7 @@ def run_report(cfg: Any, console: Any) -> dict[str, float]:
                           " / ".join(f"{f:.2f}" + ("" if i in w.compared else "*")
                                      for i, f in enumerate(w.live_state)), "", "", "", "")
     console.print(table)
-    why = diagnose(rows, str(cfg.profile), dict(cfg.load_vs_capacity or {}))
+    why = diagnose(rows, str(cfg.profile), shares)
     if why:
         console.print("Targets not met, why, and what to change:")
         for line in why:

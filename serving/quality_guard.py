@@ -27,6 +27,7 @@ from batchpilot.core.engine import KV_DTYPES_8BIT, Request
 from batchpilot.serving.errors import GatewayError
 from batchpilot.serving.prom import GatewayMetrics
 from batchpilot.serving.settings import QualityGuardConfig
+from batchpilot.serving.upstream import auth_headers
 
 if TYPE_CHECKING:
     from batchpilot.serving.lanes import Lane
@@ -66,8 +67,7 @@ class QualityGuard:
         self.blocks_8bit = False
         self._sem = asyncio.Semaphore(4)
         self._tasks: set[asyncio.Task] = set()
-        headers = {"authorization": f"Bearer {api_key}"} if api_key else None
-        self._ref = (httpx.AsyncClient(base_url=cfg.reference_url, timeout=30.0, headers=headers)
+        self._ref = (httpx.AsyncClient(base_url=cfg.reference_url, timeout=30.0, headers=dict(auth_headers(api_key)))
                      if cfg.reference_url else None)
         self.metrics.output_diff_rate.set(0.0)
 

@@ -223,6 +223,11 @@ def _open_log(path: Path) -> int:
     return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
 
 
+def auth_headers(api_key: str | None) -> list[tuple[str, str]]:
+    """What a vLLM server started with ``--api-key`` expects on every call (none without a key)."""
+    return [("authorization", f"Bearer {api_key}")] if api_key else []
+
+
 class Upstream:
     """One vLLM server as the gateway reaches it: a pooled async HTTP client, its health, and
     (when managed) its process."""
@@ -232,7 +237,7 @@ class Upstream:
         self.url = url.rstrip("/")
         #: Sent on every call to this server (``vllm serve --api-key``); the proxy's hot path
         #: appends it to the forwarded headers, from which clients' own ``authorization`` is dropped.
-        self.auth_headers: list[tuple[str, str]] = [("authorization", f"Bearer {api_key}")] if api_key else []
+        self.auth_headers = auth_headers(api_key)
         self.managed = managed
         self.name = name or self.url
         self.healthy = False
