@@ -1054,7 +1054,8 @@ class ServedCalibrationNode(ServedDecodeSettings):
 
 @dataclass(slots=True)
 class CalibrateApp:
-    """``conf/calibrate.yaml`` (``policies/calibration.py``; see the comments there)."""
+    """``conf/calibrate.yaml`` (``policies/calibration.py``: the fit, ``policies/sim_to_real.py``:
+    the report; see the comments there)."""
 
     fit: bool
     report: bool

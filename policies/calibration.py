@@ -21,14 +21,13 @@ attention, ``attn_compute_efficiency`` the prefill attention and ``prefill_step_
 prefills anything. The efficiencies are factors
 of that form against nominal peaks, not measured hardware efficiencies.
 
-Sim-to-real (``sim_to_real``) replays one workload through ``ServingEnv`` on the live engine
-(several runs, after a warm-up) and on the simulator with the fitted profile, under the same
-controller, and compares ``vllm bench serve``-style metrics.
+How far the simulator with the fitted profile is from the live engine on whole workloads is
+``policies/sim_to_real.py``'s job (``scripts/calibrate.py report=true``).
 
 On a shared host the same iteration takes 1x or 1.5-3x its fast time for minutes at a time, so
 both time a fixed reference iteration (``StateMeter``) around every grid point and live run:
-points taken in the slow state are re-taken or left out of the fit (``fit_set``), and the report
-compares the simulator with runs taken in the fast state (``compared_runs``).
+points taken in the slow state are re-taken or left out of the fit (``fit_set``), and the
+sim-to-real report compares the simulator with runs taken in the fast state.
 """
 
 from __future__ import annotations
@@ -40,7 +39,7 @@ import platform
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable, Iterable, Literal, Mapping, Sequence
+from typing import Any, Callable, Iterable, Literal, Sequence
 
 import numpy as np
 
@@ -100,7 +99,7 @@ class IterationSample:
                             self.num_decode, self.sum_decode_ctx, self.num_seqs)
 
 
-def _run_until_idle(engine: Engine, limit_s: float = 600.0) -> None:
+def run_until_idle(engine: Engine, limit_s: float = 600.0) -> None:
     t_end = engine.now + limit_s
     while engine.now < t_end:
         if engine.step().num_iterations == 0:
@@ -179,7 +178,7 @@ def measure_decode(engine: Engine, batch: int, context: int, steps: int, tag: st
             ctx_sums.setdefault(chunk, []).append(float(sum(ctx_of[r] + g for r, g in before.items())))
         if r.num_iterations == 0:
             raise CalibrationError(f"decode point {label}: engine went idle")
-    _run_until_idle(engine)
+    run_until_idle(engine)
     if len(times[0]) < steps:
         raise CalibrationError(f"decode point {label}: only {len(times[0])} pure-decode iterations")
     out = []
@@ -206,7 +205,7 @@ def measure_prefill(engine: Engine, chunk: int, prior: int, num_reqs: int, repea
         hashes = (hash((tag, "prefix", prior)) & 0x7FFFFFFF,)
         engine.add_request(Request(f"cal-seed{tag}-{prior}", engine.now, prior + 1, 1,
                                    prefix_hashes=hashes, prefix_block_tokens=prior))
-        _run_until_idle(engine)
+        run_until_idle(engine)
     times: list[float] = []
     cpu: list[float] = []
     for k in range(repeats):
@@ -221,7 +220,7 @@ def measure_prefill(engine: Engine, chunk: int, prior: int, num_reqs: int, repea
         r = engine.step()
         dt = engine.now - t
         cpu.append(time.process_time() - c)
-        _run_until_idle(engine)
+        run_until_idle(engine)
         hits = engine.stats().prefix_cache_hits - hits0
         if len(r.first_tokens) != num_reqs or r.num_decode_tokens:
             raise CalibrationError(f"prefill point chunk={chunk} prior={prior} n={num_reqs}: the "
@@ -644,295 +643,8 @@ def calibrate(engine: Engine, model: ModelSpec, base: HardwareSpec, grid: Grid, 
     return CalibrationResult(samples, fit, hw, res, warm, ref, header)
 
 
-# ---- sim-to-real ----------------------------------------------------------------------------
-#: Metrics compared, in table order; the first three carry the issue's targets.
-REPORT_METRICS: tuple[str, ...] = (
-    "output_throughput", "median_tpot_ms", "p99_ttft_ms", "median_ttft_ms", "p99_tpot_ms",
-    "request_throughput", "median_e2el_ms", "p99_e2el_ms",
-)
-#: Relative-error targets (met also when the live runs' own spread is larger).
-TARGETS: dict[str, float] = {"output_throughput": 0.10, "median_tpot_ms": 0.15, "p99_ttft_ms": 0.25}
-
-
-@dataclass(frozen=True, slots=True)
-class MetricComparison:
-    """One metric of one workload: the simulator's value against the live runs."""
-
-    workload: str
-    metric: str
-    sim: float
-    live: tuple[float, ...]
-
-    @property
-    def live_mean(self) -> float:
-        return float(np.mean(self.live))
-
-    @property
-    def rel_err(self) -> float:
-        """(sim - live mean) / live mean."""
-        m = self.live_mean
-        return (self.sim - m) / m if m else math.nan
-
-    @property
-    def live_spread(self) -> float:
-        """Half the range of the live runs, relative to their mean."""
-        m = self.live_mean
-        return (max(self.live) - min(self.live)) / 2.0 / m if m else math.nan
-
-    @property
-    def target(self) -> float | None:
-        return TARGETS.get(self.metric)
-
-    @property
-    def ok(self) -> bool | None:
-        """Within the target or within the live spread, whichever is larger (None: no target)."""
-        if self.target is None:
-            return None
-        return abs(self.rel_err) <= max(self.target, self.live_spread)
-
-    @property
-    def verdict(self) -> str:
-        """The report's ``ok`` column: ``yes`` within the target itself, ``spread`` only within
-        the live runs' spread (a noisy host, not a met target), ``NO`` outside both, empty
-        without a target."""
-        if self.target is None:
-            return ""
-        if abs(self.rel_err) <= self.target:
-            return "yes"
-        return "spread" if self.ok else "NO"
-
-
-#: Live runs whose TTFT spans this factor (slowest / fastest) split between a queue that drains
-#: and one that builds: the workload sits at the machine's capacity.
-AT_CAPACITY_RATIO = 5.0
-#: Metrics where more is better (the others are times: less is better).
-_HIGHER_IS_BETTER = frozenset({"output_throughput", "request_throughput"})
-
-
-def _without_outlier(live: Sequence[float]) -> tuple[int, list[float]] | None:
-    """The run farthest from the others' median (on a log scale) and the rest, when there are
-    at least four runs (of three, one apart is as likely a split as an outlier) and the rest
-    agree within ``AT_CAPACITY_RATIO``; else None."""
-    if len(live) < 4 or min(live) <= 0:
-        return None
-    logs = np.log(np.asarray(live, dtype=float))
-    k = int(np.argmax(np.abs(logs - np.median(logs))))
-    rest = [x for i, x in enumerate(live) if i != k]
-    return (k, rest) if max(rest) / min(rest) < AT_CAPACITY_RATIO else None
-
-
-def diagnose(rows: Sequence[MetricComparison], profile: str,
-             shares: Mapping[str, float] | None = None) -> list[str]:
-    """Why each target the report does not call met (``spread`` or ``NO``) is missed, and what
-    to change: one line per row, in table order. Issue 16 asks a fit on a new CPU to meet the
-    targets "or say exactly why not and what to change"; these are the four reasons seen.
-    ``shares``: the workloads' ``load_vs_capacity``, so advice to move a load starts from it."""
-    out: list[str] = []
-    for r in rows:
-        if r.verdict not in ("spread", "NO"):
-            continue
-        assert r.target is not None
-        where = f"{r.workload} {r.metric} ({r.rel_err:+.0%} against a {r.target:.0%} target)"
-        lo, hi = min(r.live), max(r.live)
-        odd = _without_outlier(r.live)
-        rest_mean = float(np.mean(odd[1])) if odd else math.nan
-        rest_err = (r.sim - rest_mean) / rest_mean
-        if odd and abs(rest_err) <= r.target:
-            k, rest = odd
-            out.append(
-                f"{where}: one live run is far from the others (run {k + 1}: {_fmt(r.live[k])} "
-                f"against {_fmt(min(rest))}-{_fmt(max(rest))}); without it the simulator is within the "
-                f"target ({rest_err:+.0%}). The machine changed speed during that run (see its state). "
-                "Change: more runs (`runs=5 state_probe.max_runs=8`), so one run weighs less.")
-        elif "ttft" in r.metric and lo > 0 and hi / lo >= AT_CAPACITY_RATIO:
-            share = (shares or {}).get(r.workload)
-            sized = (f"it is sized at {share:.0%} of the profile's capacity, but this machine ran "
-                     "slower than the profile during the report" if share is not None else
-                     "the workload runs at this machine's capacity")
-            below, above = (0.7, 1.5) if share is None else (round(0.8 * share, 2), round(max(1.5, 1.5 * share), 2))
-            out.append(
-                f"{where}: the live runs range from {_fmt(lo)} to {_fmt(hi)} ms ({hi / lo:.0f}x): "
-                f"{sized}, where a few per cent of speed decide whether a queue builds, so no model is "
-                f"within the target of their mean. Change: size it further off capacity, "
-                f"`load_vs_capacity.{r.workload}={below}` (below) or `{above}` (above).")
-        elif r.verdict == "spread":
-            out.append(
-                f"{where}: within the live runs' own spread (±{r.live_spread:.0%}) only: the runs "
-                "disagree by more than the target, the machine was not quiet. Change: more runs "
-                "(`runs=5 state_probe.max_runs=8`) on a quieter machine, or a shorter warm-up gap.")
-        else:
-            fast = (r.sim > r.live_mean) == (r.metric in _HIGHER_IS_BETTER)
-            out.append(
-                f"{where}: the live runs agree (±{r.live_spread:.0%}) and the simulator is "
-                f"{'faster' if fast else 'slower'} than this machine: `{profile}` does not describe "
-                f"it. Change: fit this machine (`scripts/calibrate.py profile=NAME`) and report "
-                "with that profile; if a fresh fit misses too, its residuals table shows which "
-                "iterations the step-time model gets wrong.")
-    return out
-
-
-def capacity_scale(sim_cfg: Any, share: float, completions: int = 300) -> tuple[float, float, float]:
-    """The ``workload.rate_scale`` factor that puts ``sim_cfg``'s workload at ``share`` of what
-    the simulated engine (the profile) finishes of its requests at the episode's initial batch
-    cap; with the offered and the saturated rate (requests/s). A load sized so stays off the
-    capacity edge on any machine the profile describes within its throughput target."""
-    from batchpilot.envs.capacity import saturated_rate
-    from batchpilot.envs.engines import build_engine
-    from batchpilot.envs.workloads import build_workload
-
-    if not share > 0:
-        raise CalibrationError(f"load_vs_capacity must be > 0, got {share}")
-    engine = build_engine(sim_cfg)
-    try:
-        caps = engine.capabilities()
-        stream = build_workload(sim_cfg.workload, np.random.default_rng(0), caps.max_model_len)
-        requests = stream.pop_until(math.inf)
-        if not requests:
-            raise CalibrationError("load_vs_capacity: the workload has no requests to size")
-        cap = min(int(sim_cfg.env.initial_batch_cap), caps.max_num_seqs)
-        capacity = saturated_rate(engine, requests, cap, completions)
-    finally:
-        engine.close()
-    offered = len(requests) / max(float(stream.duration_s), 1e-9)
-    return share * capacity / offered, offered, capacity
-
-
-def compare(workload: str, sim: dict[str, float], live: Sequence[dict[str, float]],
-            metrics: Sequence[str] = REPORT_METRICS) -> list[MetricComparison]:
-    return [MetricComparison(workload, m, float(sim[m]), tuple(float(r[m]) for r in live))
-            for m in metrics]
-
-
-def summary_json(rows: Sequence[MetricComparison], preemptions_sim: float,
-                 preemptions_live: float) -> dict[str, float]:
-    """The report's last line: relative error per metric (mean over workloads when there
-    are several, also per workload as ``<workload>/<metric>``), its live spread, preemptions."""
-    out: dict[str, float] = {}
-    by_metric: dict[str, list[MetricComparison]] = {}
-    for r in rows:
-        by_metric.setdefault(r.metric, []).append(r)
-    for m, rs in by_metric.items():
-        out[m] = round(float(np.mean([abs(r.rel_err) for r in rs])), 4)
-        out[f"{m}_live_spread"] = round(float(np.mean([r.live_spread for r in rs])), 4)
-    for r in rows:
-        out[f"{r.workload}/{r.metric}"] = round(r.rel_err, 4)
-        out[f"{r.workload}/{r.metric}_live_spread"] = round(r.live_spread, 4)
-    verdicts = [r.verdict for r in rows if r.verdict]
-    out["targets_met"] = float(verdicts.count("yes"))
-    out["targets_within_spread_only"] = float(verdicts.count("spread"))
-    out["targets_missed"] = float(verdicts.count("NO"))
-    out["preemptions_sim"] = float(preemptions_sim)
-    out["preemptions_live"] = float(preemptions_live)
-    return out
-
-
-@dataclass(slots=True)
-class WorkloadRun:
-    """What ``sim_to_real`` produced for one workload."""
-
-    name: str
-    sim: dict[str, float]
-    #: Every live run, and the machine's state during each (``StateMeter.factor`` of the slower
-    #: of its probes; nan: not probed); ``rows`` compare the simulator with the runs ``compared``.
-    live: list[dict[str, float]]
-    #: Per live run: share of one CPU the process got (process CPU time / wall time).
-    live_cpu_share: list[float]
-    warmup: dict[str, float]
-    rows: list[MetricComparison]
-    live_state: list[float] = field(default_factory=list)
-    compared: list[int] = field(default_factory=list)
-
-
-def _episode(env: Any, controller: Any, seed: int) -> dict[str, float]:
-    from batchpilot.policies.evaluation import run_episode
-
-    ep = run_episode(env, controller, seed)
-    if ep.error:
-        raise CalibrationError(f"episode failed: {ep.error}")
-    return ep.metrics
-
-
-def compared_runs(states: Sequence[float], tolerance: float, runs: int) -> list[int]:
-    """The live runs the simulator is compared with: those in the fast state, the state the
-    profile describes (nan: not probed, counts as fast), when at least ``min(2, runs)`` are;
-    otherwise all of them (the machine stayed busy)."""
-    fast = [i for i, f in enumerate(states) if not (f > 1.0 + tolerance)]
-    return fast[:runs] if len(fast) >= min(2, runs) else list(range(len(states)))
-
-
-def sim_to_real(workload: str, live_cfg: Any, sim_cfg: Any, *, runs: int, seed: int,
-                warmup_s: float, warmup_kwargs: dict[str, Any] | None = None,
-                log: Callable[[str], None] = print, probe: StateProbe | None = None,
-                context_spread: float = 0.0) -> WorkloadRun:
-    """Replay one workload ``runs`` times on the live engine (after a warm-up) and once on the
-    simulator, both through ``ServingEnv`` under the controller ``cfg.policy`` names. With an
-    enabled ``probe`` each live run is bracketed by reference probes, and runs go on (up to
-    ``probe.max_runs``) until ``runs`` of them were in the fast state, which the simulator's
-    own prediction of the probe anchors."""
-    from batchpilot.envs.serving_env import ServingEnv
-    from batchpilot.envs.vllm_engine import warm_up
-    from batchpilot.policies.controllers import build_controller
-
-    def controller(cfg: Any, env: Any) -> Any:
-        slo = {k: cfg.slo.get(f"{k}_ms") for k in ("ttft", "tpot", "e2el")}
-        return build_controller(cfg.policy, env.engine.capabilities().max_num_seqs, slo_ms=slo)
-
-    sim_env = ServingEnv(cfg=sim_cfg)
-    try:
-        sim = _episode(sim_env, controller(sim_cfg, sim_env), seed)
-    finally:
-        sim_env.close()
-    log(f"[{workload}] sim: {sim['completed']:.0f} requests, "
-        f"{sim['output_throughput']:.0f} tok/s, duration {sim['duration_s']:.1f} s")
-    env = ServingEnv(cfg=live_cfg)
-    try:
-        warm = warm_up(env.engine, warmup_s, **(warmup_kwargs or {})) if warmup_s > 0 else {}
-        log(f"[{workload}] live warm-up: {warm.get('seconds', 0):.0f} s, "
-            f"{warm.get('requests', 0):.0f} requests, {warm.get('output_tokens', 0):.0f} tokens")
-        ctl = controller(live_cfg, env)
-        meter = StateMeter(env.engine, probe, context_spread) if probe and probe.enabled else None
-        before = math.nan
-        if meter:
-            before = meter()
-            sim_st = StepTimeModel.build(
-                HardwareSpec.from_cfg(sim_cfg.hardware), ModelSpec.from_cfg(sim_cfg.model), "auto",
-                int(sim_cfg.engine.max_num_batched_tokens), int(sim_cfg.engine.max_num_seqs))
-            predicted = meter.last.predict(sim_st) if meter.last else math.inf
-            meter.floor_s = predicted
-            log(f"[{workload}] state probe: {before * 1e3:.2f} ms live, {predicted * 1e3:.2f} ms "
-                "predicted by the profile")
-        live, shares, probes = [], [], []
-        max_runs = max(runs, probe.max_runs) if meter and probe else runs
-        while len(live) < max_runs:
-            c0, w0 = time.process_time(), time.monotonic()
-            m = _episode(env, ctl, seed)
-            shares.append((time.process_time() - c0) / max(time.monotonic() - w0, 1e-9))
-            live.append(m)
-            state = ""
-            if meter:
-                _run_until_idle(env.engine)
-                after = meter()
-                probes.append(max(before, after))
-                before = after
-                state = f", state {meter.factor(probes[-1]):.2f}"
-            log(f"[{workload}] live run {len(live)}: {m['completed']:.0f} requests, "
-                f"{m['output_throughput']:.0f} tok/s, p99 TTFT {m['p99_ttft_ms']:.0f} ms, "
-                f"duration {m['duration_s']:.1f} s, CPU share {shares[-1]:.2f}{state}")
-            if meter and sum(not meter.slow(x) for x in probes) >= runs:
-                break
-    finally:
-        env.close()
-    states = [meter.factor(x) for x in probes] if meter else [math.nan] * len(live)
-    tol = probe.tolerance if probe else 0.0
-    idx = compared_runs(states, tol, runs)
-    if meter and len(idx) == len(live) and any(f > 1.0 + tol for f in states):
-        log(f"[{workload}] the machine stayed in its slow state: compared with all {len(live)} runs")
-    return WorkloadRun(workload, sim, live, shares, warm,
-                       compare(workload, sim, [live[i] for i in idx]), states, idx)
-
-
 # ---- the entry point (scripts/calibrate.py) -------------------------------------------------
-def _fmt(x: float) -> str:
+def fmt_number(x: float) -> str:
     if not math.isfinite(x):
         return "nan"
     return f"{x:.1f}" if abs(x) >= 10 else f"{x:.3g}"
@@ -984,7 +696,7 @@ def run_fit(cfg: Any, console: Any) -> CalibrationResult:
     for col in ("point", "measured ms", "predicted ms", "rel err", "state"):
         table.add_column(col, justify="left" if col == "point" else "right")
     for s, r in zip(res.samples, res.residuals):
-        table.add_row(s.label, _fmt(s.seconds * 1e3), _fmt(s.predict(st) * 1e3), f"{r:+.1%}",
+        table.add_row(s.label, fmt_number(s.seconds * 1e3), fmt_number(s.predict(st) * 1e3), f"{r:+.1%}",
                       "" if math.isnan(s.state) else f"{s.state:.2f}")
     console.print(table)
     if "probe_fastest_s" in res.reference:
@@ -1005,86 +717,6 @@ def run_fit(cfg: Any, console: Any) -> CalibrationResult:
     out.write_text(profile_yaml(res.hardware, header))
     console.print(f"wrote {out}")
     return res
-
-
-def run_report(cfg: Any, console: Any) -> dict[str, float]:
-    """Sim-to-real on ``cfg.workloads``; returns the JSON summary."""
-    from omegaconf import OmegaConf
-    from rich.table import Table
-
-    from batchpilot.config import from_node, load_config
-    from batchpilot.policies.controllers import initial_knobs
-
-    check_app(CalibrateApp, cfg)
-    warm = dict(OmegaConf.to_container(cfg.warmup, resolve=True))
-    warm_s = float(warm.pop("seconds"))
-    common = list(cfg.common_overrides)
-    probe = from_node(StateProbe, cfg.state_probe)
-    shares = {str(k): float(v) for k, v in (cfg.load_vs_capacity or {}).items()}
-    unknown = sorted(set(shares) - set(cfg.workloads))
-    if unknown:
-        raise CalibrationError(f"load_vs_capacity names {unknown}, not among the workloads "
-                               f"{sorted(cfg.workloads)}")
-    runs: list[WorkloadRun] = []
-    for name, wl in cfg.workloads.items():
-        live_cfg = load_config([*cfg.live_report_overrides, *common, *wl, *cfg.live_overrides])
-        sim_cfg = load_config([*cfg.sim_overrides, *common, *wl])
-        for c in (live_cfg, sim_cfg):
-            k = initial_knobs(c.policy, int(c.engine.max_num_seqs))
-            c.env.initial_batch_cap, c.env.initial_bucketing = k.batch_cap, k.bucketing
-        share = shares.get(name)
-        if share is not None:
-            scale, offered, capacity = capacity_scale(sim_cfg, share)
-            for c in (live_cfg, sim_cfg):
-                c.workload.rate_scale = float(c.workload.rate_scale) * scale
-            console.print(f"[{name}] load: {share:.0%} of what {cfg.profile} finishes at batch cap "
-                          f"{sim_cfg.env.initial_batch_cap} ({capacity:.1f} req/s; offered "
-                          f"{offered:.1f} -> {offered * scale:.1f} req/s, rate x{scale:.2f})")
-        runs.append(sim_to_real(str(name), live_cfg, sim_cfg, runs=int(cfg.runs), seed=int(cfg.seed),
-                                warmup_s=warm_s, warmup_kwargs=warm,
-                                log=lambda m: console.print(m), probe=probe,
-                                context_spread=float(cfg.grid.context_spread)))
-    table = Table(title=f"sim-to-real: simulator (hardware={cfg.profile}) vs live vLLM, "
-                        f"{cfg.runs} live runs")
-    for col in ("workload", "metric", "sim", "live mean", "live runs", "rel err", "live spread",
-                "target", "ok"):
-        table.add_column(col, justify="left" if col in ("workload", "metric") else "right")
-    rows = [r for w in runs for r in w.rows]
-    for r in rows:
-        table.add_row(r.workload, r.metric, _fmt(r.sim), _fmt(r.live_mean),
-                      " / ".join(_fmt(x) for x in r.live), f"{r.rel_err:+.1%}",
-                      f"±{r.live_spread:.1%}", f"{r.target:.0%}" if r.target else "", r.verdict)
-    for w in runs:
-        used = [w.live[i] for i in w.compared]
-        table.add_row(w.name, "preemptions", _fmt(w.sim["preemptions"]),
-                      _fmt(float(np.mean([m["preemptions"] for m in used]))),
-                      " / ".join(_fmt(m["preemptions"]) for m in used), "", "", "", "")
-        table.add_row(w.name, "completed", _fmt(w.sim["completed"]),
-                      _fmt(float(np.mean([m["completed"] for m in used]))),
-                      " / ".join(_fmt(m["completed"]) for m in used), "", "", "", "")
-        table.add_row(w.name, "live CPU share", "", _fmt(float(np.mean(w.live_cpu_share))),
-                      " / ".join(f"{x:.2f}" for x in w.live_cpu_share), "", "", "", "")
-        if not all(math.isnan(f) for f in w.live_state):
-            table.add_row(w.name, "state (all runs)", "", "",
-                          " / ".join(f"{f:.2f}" + ("" if i in w.compared else "*")
-                                     for i, f in enumerate(w.live_state)), "", "", "", "")
-    console.print(table)
-    why = diagnose(rows, str(cfg.profile), shares)
-    if why:
-        console.print("Targets not met, why, and what to change:")
-        for line in why:
-            console.print(f"- {line}")
-    if any(len(w.compared) < len(w.live) for w in runs):
-        console.print(f"* a run in the machine's slow state (probe > {1 + probe.tolerance:.2f}x the "
-                      "fastest), not compared: the profile describes the fast state")
-    pre_sim = sum(w.sim["preemptions"] for w in runs)
-    pre_live = sum(float(np.mean([w.live[i]["preemptions"] for i in w.compared])) for w in runs)
-    out = summary_json(rows, pre_sim, pre_live)
-    for w in runs:
-        out[f"{w.name}/live_runs"] = float(len(w.live))
-        out[f"{w.name}/slow_runs"] = float(sum(f > 1.0 + probe.tolerance for f in w.live_state))
-        out[f"{w.name}/compared_runs"] = float(len(w.compared))
-    return out
 
 
 def write_served_profile(cfg: Any, served: Sequence[tuple[int, float]], console: Any) -> HardwareSpec:
@@ -1135,6 +767,8 @@ def main(cfg: Any) -> dict[str, float] | None:
         run_fit(cfg, console)
     if not cfg.report:
         return None
+    from batchpilot.policies.sim_to_real import run_report
+
     summary = run_report(cfg, console)
     print(json.dumps(summary), flush=True)
     return summary

@@ -5,8 +5,8 @@ and writes the fitted hardware profile (``conf/hardware/cpu_tiny.yaml``);
 ``report=true`` then replays the same workloads live (several runs) and on the simulator and
 prints a table of relative errors, ending with ONE JSON line (``fit=false`` skips the fit and
 uses the committed profile); ``served.enabled=true`` measures the served path through
-``vllm serve`` and writes ``conf/hardware/cpu_tiny_served.yaml``. See conf/calibrate.yaml and
-policies/calibration.py.
+``vllm serve`` and writes ``conf/hardware/cpu_tiny_served.yaml``. See conf/calibrate.yaml,
+policies/calibration.py (the fit) and policies/sim_to_real.py (the report).
 """
 
 from __future__ import annotations

@@ -183,9 +183,10 @@ def test_a_top_level_key_added_with_plus_is_named_when_the_app_reads_its_config(
     schema again when they read it."""
     from rich.console import Console
 
-    from batchpilot.policies.calibration import run_fit, run_report
+    from batchpilot.policies.calibration import run_fit
     from batchpilot.policies.evaluation import EvalConfig, EvaluationError, compose_eval
     from batchpilot.policies.live_evaluation import LiveEvaluationError, _check
+    from batchpilot.policies.sim_to_real import run_report
 
     cfg, _ = compose_eval(["+seedz=[1]"])
     with pytest.raises(EvaluationError, match=r"(?s)Key 'seedz' not in 'EvaluateApp'.*full_key: seedz\n"):

@@ -18,12 +18,11 @@ from batchpilot.envs.specs import HardwareSpec, ModelSpec
 from batchpilot.policies.calibration import (
     Fit,
     IterationSample,
-    MetricComparison,
     fit_samples,
     fit_to_hardware,
     residuals,
-    summary_json,
 )
+from batchpilot.policies.sim_to_real import MetricComparison, summary_json
 
 TINY = ModelSpec.from_cfg(load_config(["model=tiny_llama"]).model)
 BASE = HardwareSpec(name="test_cpu", peak_tflops=0.5, hbm_tb_s=0.05, memory_gb=2.0)
@@ -152,7 +151,7 @@ def test_a_short_report_probes_the_live_engine_and_accounts_for_every_run(tiny_m
     pytest.importorskip("vllm")
     from rich.console import Console
 
-    from batchpilot.policies.calibration import run_report
+    from batchpilot.policies.sim_to_real import run_report
 
     cfg = load_config(
         [
@@ -278,7 +277,7 @@ def test_the_state_probe_retakes_or_sets_aside_points_measured_on_a_busy_host(st
 
 
 def test_compared_runs_keep_the_fast_state_unless_too_few() -> None:
-    from batchpilot.policies.calibration import compared_runs
+    from batchpilot.policies.sim_to_real import compared_runs
 
     assert compared_runs([1.0, 1.9, 1.05, 1.1], 0.2, runs=3) == [0, 2, 3]
     assert compared_runs([1.0, 1.9, 1.05, 1.1], 0.2, runs=2) == [0, 2]
@@ -310,7 +309,7 @@ def test_the_fast_state_is_anchored_on_a_quantile_of_the_probes() -> None:
 
 def test_a_missed_target_says_why_and_what_to_change() -> None:
     """Issue 16: a fit that misses a target says exactly why not and what to change."""
-    from batchpilot.policies.calibration import diagnose
+    from batchpilot.policies.sim_to_real import diagnose
 
     rows = [
         MetricComparison("azure_conv", "p99_ttft_ms", 15333.0, (14986.0, 11574.0, 21.5)),  # a coin toss
@@ -339,7 +338,8 @@ def test_a_missed_target_says_why_and_what_to_change() -> None:
 def test_a_load_sized_to_capacity_offers_that_share_of_what_the_profile_serves() -> None:
     """``load_vs_capacity``: the rate factor puts the workload's mean load at the asked share of
     the simulated engine's saturated rate at the controller's cap, whatever its own rate was."""
-    from batchpilot.policies.calibration import CalibrationError, capacity_scale
+    from batchpilot.policies.calibration import CalibrationError
+    from batchpilot.policies.sim_to_real import capacity_scale
 
     cal = load_config([], config_name="calibrate")
     sim = load_config([*cal.sim_overrides, *cal.common_overrides, *cal.workloads["azure_conv"]])
@@ -359,7 +359,8 @@ def test_a_load_sized_to_capacity_offers_that_share_of_what_the_profile_serves()
 def test_a_load_share_for_a_workload_the_report_does_not_run_is_an_error() -> None:
     from rich.console import Console
 
-    from batchpilot.policies.calibration import CalibrationError, run_report
+    from batchpilot.policies.calibration import CalibrationError
+    from batchpilot.policies.sim_to_real import run_report
 
     cfg = load_config(["+load_vs_capacity.azure_cnv=0.6"], config_name="calibrate")
     with pytest.raises(CalibrationError, match=r"\['azure_cnv'\], not among the workloads"):
