@@ -933,7 +933,7 @@ class LoadConfig:
 @dataclass(slots=True)
 class EvaluateApp:
     """``conf/evaluate.yaml`` (and ``evaluate_matrix.yaml``, built on it): see the comments
-    there for each key; ``policies/evaluation.py EvalConfig.from_cfg`` reads them."""
+    there for each key; ``policies/eval_plan.py EvalConfig.from_cfg`` reads them."""
 
     # Groups (their own schemas).
     hardware: Any

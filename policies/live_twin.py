@@ -172,7 +172,7 @@ def twin_gateway_overrides(gateway_overrides: Sequence[str]) -> list[str]:
 def _merge_overrides(base: Sequence[str], extra: Sequence[str]) -> list[str]:
     """``base`` then ``extra``; an ``extra`` key=value replaces ``base``'s of the same key
     (Hydra refuses the same key twice)."""
-    from batchpilot.policies.evaluation import override_key
+    from batchpilot.policies.eval_plan import override_key
 
     keys = {override_key(e) for e in extra}
     return [*(b for b in base if override_key(b) not in keys), *extra]
@@ -219,14 +219,11 @@ def _twin_runner(tf: TimedTraceFile, scenario: Mapping[str, Any], slo: Mapping[s
                  ingress_latency_s: float = 0.0, hardware: str = TWIN_HARDWARE) -> Callable[[str, float, Any], dict[str, Any]]:
     """Compose the twin's config once (Hydra's compose is most of a short twin's time); the
     returned ``run(path, slowdown, log)`` plays one path's episode and gives its row."""
+    from batchpilot.policies.eval_plan import EvalConfig, compose_eval, engine_capabilities, plan_from_caps
     from batchpilot.policies.evaluation import (
         AS_SHIPPED_KEY,
-        EvalConfig,
-        compose_eval,
-        engine_capabilities,
         episode_config,
         make_controller,
-        plan_from_caps,
         policy_config,
         run_episode,
         start_knobs,

@@ -252,7 +252,7 @@ def test_every_shipped_workload_composes_and_builds() -> None:
 def test_the_workload_overrides_used_in_the_code_base_compose_and_build(config, overrides) -> None:
     node = load_config(overrides, config_name=config).workload
     if node.kind == "trace":
-        node.start_s = 10.0  # policies/evaluation.py sets a trace window's start
+        node.start_s = 10.0  # policies/eval_plan.py sets a trace window's start
     node.rate_scale = float(node.rate_scale) * 2  # and scales the load (load.mode, per-deployment)
     assert len(build_workload(node, np.random.default_rng(0), 2048)) > 0
 

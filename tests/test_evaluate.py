@@ -15,14 +15,8 @@ from hydra.errors import ConfigCompositionException
 
 from batchpilot.config import REPO_ROOT
 from batchpilot.policies import eval_report as rep
-from batchpilot.policies.evaluation import (
-    EvaluationError,
-    GridPoint,
-    compose_eval,
-    evaluate,
-    pick_best,
-    workload_overrides,
-)
+from batchpilot.policies.eval_plan import EvaluationError, compose_eval, workload_overrides
+from batchpilot.policies.evaluation import GridPoint, evaluate, pick_best
 
 #: A short, loaded Poisson window: 2 controllers × 3 seeds finish in seconds.
 SMALL = [
@@ -246,7 +240,7 @@ def test_script_reports_config_errors_in_one_line(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_workloads_carry_their_model_and_hardware() -> None:
-    from batchpilot.policies.evaluation import EvalConfig, plan_workload
+    from batchpilot.policies.eval_plan import EvalConfig, plan_workload
 
     user = ["workloads=[poisson,mooncake]", "seeds=[0]", "logger=none", "best_static.tune_seeds=[3]"]
     ecfg = EvalConfig.from_cfg(compose_eval(user)[0])
@@ -263,7 +257,7 @@ def test_workloads_carry_their_model_and_hardware() -> None:
 
 
 def test_live_engine_runs_its_own_model_not_the_workloads() -> None:
-    from batchpilot.policies.evaluation import EvalConfig, extra_overrides
+    from batchpilot.policies.eval_plan import EvalConfig, extra_overrides
 
     user = ["engine=vllm", "workload=mooncake"]
     cfg, _ = compose_eval(user)
@@ -290,7 +284,7 @@ def test_trace_seeds_replay_distinct_windows(tmp_path: Path) -> None:
 
 
 def test_tune_seeds_must_not_overlap_scored_seeds(tmp_path: Path) -> None:
-    from batchpilot.policies.evaluation import EvalConfig
+    from batchpilot.policies.eval_plan import EvalConfig
 
     cfg, _ = compose_eval([*SMALL, "policies=[best_static]", "best_static.tune_seeds=[2,5]"])
     with pytest.raises(EvaluationError, match=r"tune_seeds \[2, 5\] overlap seeds \[0, 1, 2\] at \[2\]"):
@@ -373,7 +367,8 @@ def test_a_residual_policy_starts_where_the_pid_it_corrects_starts() -> None:
     """Factor 1 is PID, so the evaluation starts a residual policy at its PID's start cap, as it
     starts PID: started at the environment's default instead, it tracked PID's trajectory at
     half the cap (Mooncake @ Llama-3-70B/TP8: 2.10 vs 2.39 req/s, the same 2.39 from one start)."""
-    from batchpilot.policies.evaluation import EvalConfig, make_controller, plan_workload, policy_config, start_knobs
+    from batchpilot.policies.eval_plan import EvalConfig, plan_workload
+    from batchpilot.policies.evaluation import make_controller, policy_config, start_knobs
 
     user = ["seeds=[0]", "logger=none"]
     ecfg = EvalConfig.from_cfg(compose_eval(user)[0])

@@ -231,7 +231,8 @@ def test_the_docs_list_the_kv_features_in_order():
 
 
 def _eval_rows(tmp: Path, extra: list[str]) -> dict[tuple[str, int], dict]:
-    from batchpilot.policies.evaluation import compose_eval, evaluate
+    from batchpilot.policies.eval_plan import compose_eval
+    from batchpilot.policies.evaluation import evaluate
 
     overrides = ["policies=[ppo,ppo_no_kv]", "workload=long_context", "seeds=[0,1]", "logger=none",
                  "plots=false", f"out_dir={tmp}", *extra]
