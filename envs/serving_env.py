@@ -532,11 +532,13 @@ class ServingEnv(gym.Env):
         self.telemetry.on_rejected()
 
     def _drain_engine(self) -> None:
-        """Between episodes on a persistent (live) engine: let leftovers finish unrecorded."""
+        """Between episodes on a persistent (live) engine: let leftovers finish unrecorded,
+        then start from a cold prefix cache, as the simulator's fresh engine does."""
         eng = self.engine
         for _ in range(1_000_000):
             st = eng.stats()
             if st.num_running + st.num_waiting == 0:
+                eng.reset_prefix_cache()
                 return
             eng.step()
         raise EngineError("engine did not drain between episodes")

@@ -41,6 +41,7 @@ from batchpilot.core.engine import (
     DtypeUnavailable,
     Engine,
     EngineCapabilities,
+    EngineError,
     EngineStats,
     FinishedRequest,
     MemoryModel,
@@ -311,6 +312,14 @@ class SimEngine(Engine):
         inbound, now = self._inbound, self._now
         while inbound and inbound[0][0] <= now:
             self._waiting.append(inbound.popleft()[1])
+
+    def reset_prefix_cache(self) -> None:
+        if self._running or self.num_waiting:
+            raise EngineError("reset_prefix_cache with requests in flight")
+        for h in self._evictable:
+            del self._cache[h]
+            self._free += self._bph
+        self._evictable.clear()
 
     def _available(self) -> int:
         return self._free + len(self._evictable) * self._bph

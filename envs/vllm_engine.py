@@ -446,6 +446,12 @@ class VLLMEngine(Engine):
         self._max_active = n
         return True
 
+    def reset_prefix_cache(self) -> None:
+        if self._inflight:
+            raise EngineError(f"reset_prefix_cache with {len(self._inflight)} requests in flight")
+        if not self._llm.reset_prefix_cache():
+            raise EngineError("vLLM refused to reset its prefix cache (blocks still referenced)")
+
     @property
     def num_in_flight(self) -> int:
         """Requests handed to the engine and not yet finished (running or waiting)."""

@@ -132,6 +132,20 @@ def test_random_action_episode(env: ServingEnv) -> None:
     _check_episode_metrics(env, info["episode_metrics"])
 
 
+def test_a_replayed_episode_starts_from_a_cold_prefix_cache(env: ServingEnv) -> None:
+    """The same seed replays the same prompts (tokens follow the request ids); the second
+    episode must prefill them again, as the simulator's fresh engine does, or a live episode's
+    latencies depend on what ran before it."""
+    hits = []
+    for _ in range(2):
+        env.reset(seed=8)
+        before = env.engine.stats().prefix_cache_hits
+        while not env.step(env.action_space.sample())[3]:
+            pass
+        hits.append(env.engine.stats().prefix_cache_hits - before)
+    assert hits == [0, 0]  # the poisson workload shares no prefix blocks
+
+
 def test_fp8_is_available_on_this_cpu_and_unmasked(env: ServingEnv) -> None:
     caps = env.engine.capabilities()
     # vLLM's CPU attention runs fp8 KV with AVX-512 (this machine has it); int8 it never does.

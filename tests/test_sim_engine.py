@@ -9,7 +9,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from batchpilot.config import CONF_DIR, load_config
-from batchpilot.core.engine import DtypeUnavailable, Request, RequestRejected, StepResult, merge_into
+from batchpilot.core.engine import DtypeUnavailable, EngineError, Request, RequestRejected, StepResult, merge_into
 from batchpilot.envs.sim_engine import SimEngine, SimEngineConfig
 from batchpilot.envs.specs import HardwareSpec, ModelSpec
 
@@ -150,6 +150,21 @@ def test_prefix_cache_hits_shared_hash_ids() -> None:
     assert e.stats().prefix_cache_hits == 3 * 512
     run_all(e)
     assert e.stats().num_kv_blocks_used == 0
+
+
+def test_reset_prefix_cache_forgets_blocks_and_frees_them() -> None:
+    e = create_engine()
+    shared = (11, 12, 13)
+    e.add_request(Request("a", 0.0, 1600, 2, prefix_hashes=shared + (14,)))
+    run_all(e)
+    e.reset_prefix_cache()
+    assert e.stats().num_kv_blocks_used == 0
+    e.add_request(Request("b", e.now, 1600, 2, prefix_hashes=shared + (99,)))
+    assert e.step().num_prefill_tokens == 1600  # nothing reused
+    assert e.stats().prefix_cache_hits == 0
+    with pytest.raises(EngineError, match="in flight"):
+        e.reset_prefix_cache()
+    run_all(e)
 
 
 def test_fp8_doubles_kv_blocks_and_memory_model() -> None:

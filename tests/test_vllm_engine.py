@@ -12,7 +12,7 @@ if importlib.util.find_spec("vllm") is None:  # checked without importing it (se
     pytest.skip("vllm is not installed", allow_module_level=True)
 
 from batchpilot.config import load_config  # noqa: E402
-from batchpilot.core.engine import DtypeUnavailable, Request, RequestRejected  # noqa: E402
+from batchpilot.core.engine import DtypeUnavailable, EngineError, Request, RequestRejected  # noqa: E402
 from batchpilot.core.vllm_cpu import cpu_simd_flags  # noqa: E402
 from batchpilot.envs.vllm_engine import VLLMEngine, warm_up  # noqa: E402
 
@@ -127,6 +127,31 @@ def test_shared_prefix_blocks_hit_the_prefix_cache(engine: VLLMEngine) -> None:
     # b shares 128 prefix tokens with a: four full 32-token blocks come from the cache.
     assert after.prefix_cache_hits - before.prefix_cache_hits >= 128
     assert after.prefix_cache_queries - before.prefix_cache_queries == 380
+
+
+def test_reset_prefix_cache_makes_a_replayed_request_prefill_again(engine: VLLMEngine) -> None:
+    """Prompts are a function of the request id: a replay of ``r0`` hits the blocks the first
+    ``r0`` left, unless the cache was reset in between (what ServingEnv does between episodes)."""
+
+    def hits_of_replay(reset: bool) -> int:
+        engine.add_request(_req("replayed", engine.now, 200, 2))
+        _run(engine)
+        if reset:
+            engine.reset_prefix_cache()
+        before = engine.stats().prefix_cache_hits
+        engine.add_request(_req("replayed", engine.now, 200, 2))
+        _run(engine)
+        return engine.stats().prefix_cache_hits - before
+
+    assert hits_of_replay(reset=False) >= 192  # six full 32-token blocks of the 200
+    assert hits_of_replay(reset=True) == 0
+
+
+def test_reset_prefix_cache_refuses_while_requests_are_in_flight(engine: VLLMEngine) -> None:
+    engine.add_request(_req("in-flight", engine.now, 40, 4))
+    with pytest.raises(EngineError, match="in flight"):
+        engine.reset_prefix_cache()
+    _run(engine)
 
 
 def test_too_long_prompt_is_rejected_and_output_is_clipped_to_fit(engine: VLLMEngine) -> None:

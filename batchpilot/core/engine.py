@@ -319,6 +319,12 @@ class Engine(abc.ABC):
         (admission gating still applies)."""
         return False
 
+    def reset_prefix_cache(self) -> None:  # noqa: B027 (engines without a prefix cache keep it)
+        """Forget every cached prompt block; call it with nothing in flight. Between episodes on
+        one engine: prompts are deterministic per request id, so without it an episode's
+        request ``i`` hits the blocks an earlier episode's request ``i`` left, a prefill the
+        simulator (a fresh engine per episode) does not skip."""
+
     @abc.abstractmethod
     def restart(self, kv_dtype: str | None = None) -> float:
         """Rebuild the engine (e.g. with a new KV dtype); returns the restart time in seconds.
