@@ -101,11 +101,14 @@ def _without_outlier(live: Sequence[float]) -> tuple[int, list[float]] | None:
 
 
 def diagnose(rows: Sequence[MetricComparison], profile: str,
-             shares: Mapping[str, float] | None = None) -> list[str]:
+             shares: Mapping[str, float] | None = None,
+             slow_states: Mapping[str, Sequence[float]] | None = None) -> list[str]:
     """Why each target the report does not call met (``spread`` or ``NO``) is missed, and what
     to change: one line per row, in table order. Issue 16 asks a fit on a new CPU to meet the
-    targets "or say exactly why not and what to change"; these are the four reasons seen.
-    ``shares``: the workloads' ``load_vs_capacity``, so advice to move a load starts from it."""
+    targets "or say exactly why not and what to change"; these are the five reasons seen.
+    ``shares``: the workloads' ``load_vs_capacity``, so advice to move a load starts from it.
+    ``slow_states``: workload -> the state factors of its compared runs when every one of them
+    was in the machine's slow state (the profile describes the fast one)."""
     out: list[str] = []
     for r in rows:
         if r.verdict not in ("spread", "NO"):
@@ -141,12 +144,22 @@ def diagnose(rows: Sequence[MetricComparison], profile: str,
                 "(`runs=5 state_probe.max_runs=8`) on a quieter machine, or a shorter warm-up gap.")
         else:
             fast = (r.sim > r.live_mean) == (r.metric in _HIGHER_IS_BETTER)
-            out.append(
-                f"{where}: the live runs agree (±{r.live_spread:.0%}) and the simulator is "
-                f"{'faster' if fast else 'slower'} than this machine: `{profile}` does not describe "
-                f"it. Change: fit this machine (`scripts/calibrate.py profile=NAME`) and report "
-                "with that profile; if a fresh fit misses too, its residuals table shows which "
-                "iterations the step-time model gets wrong.")
+            states = (slow_states or {}).get(r.workload)
+            if fast and states:
+                out.append(
+                    f"{where}: the live runs agree (±{r.live_spread:.0%}) and the simulator is faster, "
+                    f"but every run was in this machine's slow state (reference iteration "
+                    f"{min(states):.2f}-{max(states):.2f}x the fast state's) and `{profile}` describes "
+                    "the fast state. Change: report again when the host is quiet (more chances: "
+                    "`state_probe.max_runs=10`), or fit now (`scripts/calibrate.py profile=NAME`) for a "
+                    "profile of the state the machine is in.")
+            else:
+                out.append(
+                    f"{where}: the live runs agree (±{r.live_spread:.0%}) and the simulator is "
+                    f"{'faster' if fast else 'slower'} than this machine: `{profile}` does not describe "
+                    f"it. Change: fit this machine (`scripts/calibrate.py profile=NAME`) and report "
+                    "with that profile; if a fresh fit misses too, its residuals table shows which "
+                    "iterations the step-time model gets wrong.")
     return out
 
 
@@ -373,7 +386,10 @@ def run_report(cfg: Any, console: Any) -> dict[str, float]:
                           " / ".join(f"{f:.2f}" + ("" if i in w.compared else "*")
                                      for i, f in enumerate(w.live_state)), "", "", "", "")
     console.print(table)
-    why = diagnose(rows, str(cfg.profile), shares)
+    tol = 1.0 + probe.tolerance
+    slow = {w.name: [w.live_state[i] for i in w.compared] for w in runs
+            if w.compared and all(w.live_state[i] > tol for i in w.compared)}
+    why = diagnose(rows, str(cfg.profile), shares, slow)
     if why:
         console.print("Targets not met, why, and what to change:")
         for line in why:

@@ -333,6 +333,10 @@ def test_a_missed_target_says_why_and_what_to_change() -> None:
     # A workload already sized off capacity is told to move further from where it is.
     sized = diagnose(rows[:1], "cpu_tiny_x", {"azure_conv": 0.65})
     assert "sized at 65%" in sized[0] and "load_vs_capacity.azure_conv=0.52" in sized[0]
+    # Every compared run in the slow state and the simulator faster: the state, not the profile.
+    slow = diagnose(rows[2:4], "cpu_tiny_x", slow_states={"burst": [1.53, 1.78]})
+    assert "every run was in this machine's slow state" in slow[0] and "1.53-1.78x" in slow[0]
+    assert "simulator is slower" in slow[1]  # slower than a slow machine: still the profile
 
 
 def test_a_load_sized_to_capacity_offers_that_share_of_what_the_profile_serves() -> None:
