@@ -291,7 +291,9 @@ def _grid_points(engine: Engine, grid: Grid, block_size: int
         for b in grid.batch_sizes:
             if b * ctx > grid.max_decode_tokens or b > cap.max_num_seqs:
                 continue
-            mixed = grid.mixed_chunks if b in grid.mixed_batches else ()
+            # A mixed iteration must fit the token budget (b decodes + the chunk), as prefill points do.
+            mixed = tuple(c for c in grid.mixed_chunks if b + c <= cap.max_num_batched_tokens
+                          and c + 1 < cap.max_model_len) if b in grid.mixed_batches else ()
             jobs.append(lambda tag, b=b, ctx=ctx, mixed=mixed: measure_decode(
                 engine, b, ctx, grid.decode_steps, tag=tag, mixed_chunks=mixed,
                 mixed_repeats=grid.mixed_repeats, context_spread=grid.context_spread))

@@ -236,6 +236,19 @@ def _cpu_tiny(**busy) -> SimEngine:
     return _BusyHost(hw, TINY, cfg, **busy) if busy else SimEngine(hw, TINY, cfg)
 
 
+def test_mixed_points_that_do_not_fit_the_token_budget_are_skipped_not_an_error() -> None:
+    """``b`` decodes plus a ``c``-token prefill over the 2,048-token budget cannot be one
+    iteration: the grid leaves that pair out (as it does prefill points), and measures the rest."""
+    import dataclasses
+
+    from batchpilot.policies.calibration import measure_grid
+
+    grid = dataclasses.replace(_probe_grid(), batch_sizes=(8, 64), contexts=(16,), mixed_batches=(8, 64),
+                               mixed_chunks=(256, 2000), chunks=(64,), prefill_reqs=(1,))
+    mixed = sorted(s.label for s in measure_grid(_cpu_tiny(), grid, 32) if s.kind == "mixed")
+    assert len(mixed) == 3 and not any(m.startswith("mixed b=64") and m.endswith("2000") for m in mixed)
+
+
 @pytest.mark.parametrize(("start", "until"), [(60, 400), (350, 10**9)])
 def test_the_state_probe_retakes_or_sets_aside_points_measured_on_a_busy_host(start: int, until: int) -> None:
     """A stretch of 2.5x slower iterations from the grid's ``start``-th iteration on: with the state
