@@ -386,22 +386,22 @@ def run_report(cfg: Any, console: Any) -> dict[str, float]:
                           " / ".join(f"{f:.2f}" + ("" if i in w.compared else "*")
                                      for i, f in enumerate(w.live_state)), "", "", "", "")
     console.print(table)
-    tol = 1.0 + probe.tolerance
+    slow_above = 1.0 + probe.tolerance  # a run's state factor past this: the slow state
     slow = {w.name: [w.live_state[i] for i in w.compared] for w in runs
-            if w.compared and all(w.live_state[i] > tol for i in w.compared)}
+            if w.compared and all(w.live_state[i] > slow_above for i in w.compared)}
     why = diagnose(rows, str(cfg.profile), shares, slow)
     if why:
         console.print("Targets not met, why, and what to change:")
         for line in why:
             console.print(f"- {line}")
     if any(len(w.compared) < len(w.live) for w in runs):
-        console.print(f"* a run in the machine's slow state (probe > {1 + probe.tolerance:.2f}x the "
+        console.print(f"* a run in the machine's slow state (probe > {slow_above:.2f}x the "
                       "fastest), not compared: the profile describes the fast state")
     pre_sim = sum(w.sim["preemptions"] for w in runs)
     pre_live = sum(float(np.mean([w.live[i]["preemptions"] for i in w.compared])) for w in runs)
     out = summary_json(rows, pre_sim, pre_live)
     for w in runs:
         out[f"{w.name}/live_runs"] = float(len(w.live))
-        out[f"{w.name}/slow_runs"] = float(sum(f > 1.0 + probe.tolerance for f in w.live_state))
+        out[f"{w.name}/slow_runs"] = float(sum(f > slow_above for f in w.live_state))
         out[f"{w.name}/compared_runs"] = float(len(w.compared))
     return out
