@@ -22,6 +22,7 @@ from typing import Sequence
 
 import numpy as np
 
+from batchpilot.core.engine import IterationShape
 from batchpilot.envs.specs import HardwareSpec, ModelSpec, is_8bit
 
 _GEMM_OPS = ("attn_pre_proj", "attn_post_proj", "mlp_up_proj", "mlp_down_proj")
@@ -148,6 +149,11 @@ class StepTimeModel:
         if num_prefill_tokens:
             t += max(self.prefill_pair_s * prefill_pairs, self.prefill_ctx_s * prefill_ctx) + self.prefill_step_s
         return t
+
+    def iteration_time(self, it: IterationShape) -> float:
+        """Seconds this model gives an iteration the live engine ran (its measured time aside)."""
+        return self.step_time(it.num_prefill_tokens, it.prefill_pairs, it.prefill_ctx,
+                              it.num_decode, it.sum_decode_ctx, it.num_seqs)
 
     def decode_coeffs(self, n: int) -> tuple[float, float]:
         """``(a, b)`` with pure-decode iteration time ``a + b * sum_decode_ctx`` for ``n`` sequences."""

@@ -47,6 +47,7 @@ from batchpilot.core.engine import (
     EngineError,
     EngineStats,
     FinishedRequest,
+    IterationShape,
     MemoryModel,
     ModelMemory,
     Request,
@@ -99,6 +100,7 @@ class VLLMEngine(Engine):
         self._prefix_queries = 0
         self._prefix_hits = 0
         self._max_active: int | None = None
+        self._iteration_log: list[IterationShape] | None = None  # record_iterations
         self._llm: Any = None
         #: Seconds the last build took (engine start-up); the first one is set here.
         self.last_build_seconds = 0.0
@@ -346,19 +348,43 @@ class VLLMEngine(Engine):
         outputs = self._llm.step()
         t1 = self.now
         result = StepResult(start_time=t0, duration=t1 - t0, num_iterations=1)
-        self._observe_scheduler(result)
+        shape = self._observe_scheduler(result)
         self._account_outputs(outputs, t1, result)
+        if self._iteration_log is not None:  # timed as the calibration times its iterations
+            self._iteration_log.append(IterationShape(*shape, seconds=self.now - t0))
         if carry is not None:
             merge_into(carry, result)
             carry.duration = t1 - carry.start_time
             return carry
         return result
 
-    def _observe_scheduler(self, result: StepResult) -> None:
-        """Preemptions and prefill progress, by diffing vLLM's request objects."""
+    def record_iterations(self, log: list[IterationShape] | None) -> None:
+        """Append every iteration's ``IterationShape`` to ``log`` from now on (None: stop)."""
+        self._iteration_log = log
+
+    def _observe_scheduler(self, result: StepResult) -> tuple[int, float, float, int, float, int]:
+        """Preemptions and prefill progress, by diffing vLLM's request objects; returns the
+        iteration's shape (``IterationShape``'s aggregates): a request whose computed tokens
+        grew past its prompt decoded at its old context, one still within it prefilled the
+        difference after what it had (tokens found in the prefix cache count as computed)."""
         live = self._scheduler.requests
+        tokens = decodes = seqs = 0
+        pairs = pctx = dctx = 0.0
         for rid, st in self._inflight.items():
             req = live.get(st.internal_id)
+            now = st.engine_prompt_len if req is None else req.num_computed_tokens
+            if now > st.computed:
+                seqs += 1
+                if st.computed >= st.engine_prompt_len:
+                    decodes += 1
+                    dctx += st.computed
+                else:
+                    c = min(now, st.engine_prompt_len) - st.computed
+                    tokens += c
+                    pairs += c * st.computed + c * (c + 1) / 2.0
+                    pctx += st.computed + c
+            elif req is None:  # finished in this step with no tokens left to compute: a decode
+                seqs, decodes, dctx = seqs + 1, decodes + 1, dctx + st.computed
             if req is None:  # finished in this step; it was prefilling at most to the end
                 result.num_prefill_tokens += max(0, st.engine_prompt_len - st.computed)
                 st.computed = st.engine_prompt_len
@@ -374,6 +400,7 @@ class VLLMEngine(Engine):
             if now_prompt > before:
                 result.num_prefill_tokens += now_prompt - before
             st.computed = req.num_computed_tokens
+        return tokens, pairs, pctx, decodes, dctx, seqs
 
     def _account_outputs(self, outputs: list[Any], t: float, result: StepResult) -> None:
         for out in outputs:

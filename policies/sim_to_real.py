@@ -12,6 +12,7 @@ fitted by ``policies/calibration.py``.
 
 from __future__ import annotations
 
+import copy
 import math
 import time
 from dataclasses import dataclass, field
@@ -19,6 +20,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
+from batchpilot.core.engine import IterationShape
 from batchpilot.envs.specs import HardwareSpec, ModelSpec
 from batchpilot.envs.step_time import StepTimeModel
 from batchpilot.policies.calibration import CalibrationError, StateMeter, fmt_number, run_until_idle
@@ -41,6 +43,9 @@ class MetricComparison:
     metric: str
     sim: float
     live: tuple[float, ...]
+    #: The simulator again with every iteration at the live engine's measured speed
+    #: (``EngineSpeed.factor``; nan: not run).
+    sim_at_speed: float = math.nan
 
     @property
     def live_mean(self) -> float:
@@ -51,6 +56,11 @@ class MetricComparison:
         """(sim - live mean) / live mean."""
         m = self.live_mean
         return (self.sim - m) / m if m else math.nan
+
+    @property
+    def rel_err_at_speed(self) -> float:
+        m = self.live_mean
+        return (self.sim_at_speed - m) / m if m else math.nan
 
     @property
     def live_spread(self) -> float:
@@ -81,6 +91,34 @@ class MetricComparison:
         return "spread" if self.ok else "NO"
 
 
+@dataclass(frozen=True, slots=True)
+class EngineSpeed:
+    """A live run's own iterations (vLLM's schedule, ``IterationShape``) priced by the profile:
+    measured over predicted seconds, in all and by kind. 1 = the engine ran as fast as the
+    profile says; unlike the state probe it covers the whole run and every kind of iteration."""
+
+    factor: float
+    decode_only: float
+    with_prefill: float
+    iterations: int
+
+    @classmethod
+    def of(cls, log: Sequence[IterationShape], st: StepTimeModel) -> "EngineSpeed":
+        if not log:
+            raise CalibrationError("the live run recorded no iterations to price")
+        meas = np.array([it.seconds for it in log])
+        pred = np.array([st.iteration_time(it) for it in log])
+        pre = np.array([it.num_prefill_tokens > 0 for it in log])
+
+        def ratio(mask: np.ndarray) -> float:
+            return float(meas[mask].sum() / pred[mask].sum()) if mask.any() else math.nan
+
+        return cls(ratio(np.ones_like(pre)), ratio(~pre), ratio(pre), len(log))
+
+
+#: A run whose own iterations took within this share of the profile's time ran at its speed.
+SPEED_TOLERANCE = 0.10
+
 #: Live runs whose TTFT spans this factor (slowest / fastest) split between a queue that drains
 #: and one that builds: the workload sits at the machine's capacity.
 AT_CAPACITY_RATIO = 5.0
@@ -102,13 +140,16 @@ def _without_outlier(live: Sequence[float]) -> tuple[int, list[float]] | None:
 
 def diagnose(rows: Sequence[MetricComparison], profile: str,
              shares: Mapping[str, float] | None = None,
-             slow_states: Mapping[str, Sequence[float]] | None = None) -> list[str]:
+             slow_states: Mapping[str, Sequence[float]] | None = None,
+             speeds: Mapping[str, EngineSpeed] | None = None) -> list[str]:
     """Why each target the report does not call met (``spread`` or ``NO``) is missed, and what
     to change: one line per row, in table order. Issue 16 asks a fit on a new CPU to meet the
-    targets "or say exactly why not and what to change"; these are the five reasons seen.
+    targets "or say exactly why not and what to change"; these are the reasons seen.
     ``shares``: the workloads' ``load_vs_capacity``, so advice to move a load starts from it.
     ``slow_states``: workload -> the state factors of its compared runs when every one of them
-    was in the machine's slow state (the profile describes the fast one)."""
+    was in the machine's slow state (the profile describes the fast one). ``speeds``: workload
+    -> the compared runs' own iterations priced by the profile (median ``EngineSpeed``), which
+    splits a miss into the engine's speed and the simulator's scheduling (``sim_at_speed``)."""
     out: list[str] = []
     for r in rows:
         if r.verdict not in ("spread", "NO"):
@@ -145,7 +186,11 @@ def diagnose(rows: Sequence[MetricComparison], profile: str,
         else:
             fast = (r.sim > r.live_mean) == (r.metric in _HIGHER_IS_BETTER)
             states = (slow_states or {}).get(r.workload)
-            if fast and states:
+            speed = (speeds or {}).get(r.workload)
+            if speed is not None and not math.isnan(r.sim_at_speed):
+                out.append(f"{where}: the live runs agree (±{r.live_spread:.0%}) and the simulator is "
+                           f"{'faster' if fast else 'slower'}. " + _speed_reason(r, speed, profile, states))
+            elif fast and states:
                 out.append(
                     f"{where}: the live runs agree (±{r.live_spread:.0%}) and the simulator is faster, "
                     f"but every run was in this machine's slow state (reference iteration "
@@ -161,6 +206,35 @@ def diagnose(rows: Sequence[MetricComparison], profile: str,
                     "with that profile; if a fresh fit misses too, its residuals table shows which "
                     "iterations the step-time model gets wrong.")
     return out
+
+
+def _speed_reason(r: MetricComparison, speed: EngineSpeed, profile: str,
+                  states: Sequence[float] | None) -> str:
+    """The second half of a miss's line when the live runs' own iterations were priced: the
+    engine's speed against the profile, and the simulator at that speed."""
+    assert r.target is not None
+    ran = (f"On their own iterations the live runs took {speed.factor:.2f}x the time `{profile}` "
+           f"gives them (decode-only {speed.decode_only:.2f}x, with a prefill {speed.with_prefill:.2f}x)")
+    at = f"{r.rel_err_at_speed:+.0%}"
+    if abs(speed.factor - 1.0) <= SPEED_TOLERANCE:
+        return (f"{ran}: the engine ran at the profile's speed, so the gap is in what the simulator "
+                f"schedules (batches, queue, preemption), not in the step time; at that speed it is "
+                f"{at}. Change: compare the iterations (count, tokens per iteration) of a live and a "
+                "simulated episode of this workload; the scheduler model, not the profile, needs work.")
+    state = (f"; the state probe read every compared run slow ({min(states):.2f}-{max(states):.2f}x "
+             "the fast state), so the host's state is part of it" if states else
+             "; the state probe found compared runs in the fast state, so the host's state does not "
+             "explain it: it is the profile")
+    change = ("report again when the host is quiet, or fit now for the state it is in "
+              "(`scripts/calibrate.py profile=NAME`)" if states else
+              f"fit this machine again (`scripts/calibrate.py profile=NAME`): `{profile}` is "
+              f"{'too fast' if speed.factor > 1 else 'too slow'} for the iterations this workload runs")
+    if abs(r.rel_err_at_speed) <= r.target:
+        return (f"{ran}{state}. At that speed the simulator is within the target ({at}): the "
+                f"engine's speed is the whole gap, the simulator's scheduling is right. Change: {change}.")
+    return (f"{ran}{state}. Even at that speed the simulator is {at}: speed is not the whole gap, "
+            f"the simulator also schedules differently. Change: {change}; then compare a live and a "
+            "simulated episode's iterations.")
 
 
 def capacity_scale(sim_cfg: Any, share: float, completions: int = 300) -> tuple[float, float, float]:
@@ -190,8 +264,10 @@ def capacity_scale(sim_cfg: Any, share: float, completions: int = 300) -> tuple[
 
 
 def compare(workload: str, sim: dict[str, float], live: Sequence[dict[str, float]],
-            metrics: Sequence[str] = REPORT_METRICS) -> list[MetricComparison]:
-    return [MetricComparison(workload, m, float(sim[m]), tuple(float(r[m]) for r in live))
+            metrics: Sequence[str] = REPORT_METRICS,
+            sim_at_speed: dict[str, float] | None = None) -> list[MetricComparison]:
+    return [MetricComparison(workload, m, float(sim[m]), tuple(float(r[m]) for r in live),
+                             float(sim_at_speed[m]) if sim_at_speed else math.nan)
             for m in metrics]
 
 
@@ -233,6 +309,21 @@ class WorkloadRun:
     rows: list[MetricComparison]
     live_state: list[float] = field(default_factory=list)
     compared: list[int] = field(default_factory=list)
+    #: Per live run: its own iterations priced by the profile.
+    live_speed: list[EngineSpeed] = field(default_factory=list)
+    #: The median speed of the compared runs, which ``sim_at_speed`` ran at (None: not priced).
+    speed: EngineSpeed | None = None
+    sim_at_speed: dict[str, float] = field(default_factory=dict)
+
+
+def median_speed(speeds: Sequence[EngineSpeed]) -> EngineSpeed:
+    """Field by field median (nan where no run had that kind of iteration)."""
+    def med(xs: Sequence[float]) -> float:
+        xs = [x for x in xs if not math.isnan(x)]
+        return float(np.median(xs)) if xs else math.nan
+
+    return EngineSpeed(med([x.factor for x in speeds]), med([x.decode_only for x in speeds]),
+                       med([x.with_prefill for x in speeds]), int(np.median([x.iterations for x in speeds])))
 
 
 def _episode(env: Any, controller: Any, seed: int) -> dict[str, float]:
@@ -269,13 +360,19 @@ def sim_to_real(workload: str, live_cfg: Any, sim_cfg: Any, *, runs: int, seed: 
         slo = {k: cfg.slo.get(f"{k}_ms") for k in ("ttft", "tpot", "e2el")}
         return build_controller(cfg.policy, env.engine.capabilities().max_num_seqs, slo_ms=slo)
 
-    sim_env = ServingEnv(cfg=sim_cfg)
-    try:
-        sim = _episode(sim_env, controller(sim_cfg, sim_env), seed)
-    finally:
-        sim_env.close()
+    def simulate(cfg: Any) -> dict[str, float]:
+        sim_env = ServingEnv(cfg=cfg)
+        try:
+            return _episode(sim_env, controller(cfg, sim_env), seed)
+        finally:
+            sim_env.close()
+
+    sim = simulate(sim_cfg)
     log(f"[{workload}] sim: {sim['completed']:.0f} requests, "
         f"{sim['output_throughput']:.0f} tok/s, duration {sim['duration_s']:.1f} s")
+    sim_st = StepTimeModel.build(
+        HardwareSpec.from_cfg(sim_cfg.hardware), ModelSpec.from_cfg(sim_cfg.model), "auto",
+        int(sim_cfg.engine.max_num_batched_tokens), int(sim_cfg.engine.max_num_seqs))
     env = ServingEnv(cfg=live_cfg)
     try:
         warm = warm_up(env.engine, warmup_s, **(warmup_kwargs or {})) if warmup_s > 0 else {}
@@ -286,20 +383,23 @@ def sim_to_real(workload: str, live_cfg: Any, sim_cfg: Any, *, runs: int, seed: 
         before = math.nan
         if meter:
             before = meter()
-            sim_st = StepTimeModel.build(
-                HardwareSpec.from_cfg(sim_cfg.hardware), ModelSpec.from_cfg(sim_cfg.model), "auto",
-                int(sim_cfg.engine.max_num_batched_tokens), int(sim_cfg.engine.max_num_seqs))
             predicted = meter.last.predict(sim_st) if meter.last else math.inf
             meter.floor_s = predicted
             log(f"[{workload}] state probe: {before * 1e3:.2f} ms live, {predicted * 1e3:.2f} ms "
                 "predicted by the profile")
-        live, shares, probes = [], [], []
+        live, shares, probes, speeds = [], [], [], []
         max_runs = max(runs, probe.max_runs) if meter and probe else runs
         while len(live) < max_runs:
             c0, w0 = time.process_time(), time.monotonic()
-            m = _episode(env, ctl, seed)
+            iterations: list[IterationShape] = []
+            env.engine.record_iterations(iterations)
+            try:
+                m = _episode(env, ctl, seed)
+            finally:
+                env.engine.record_iterations(None)
             shares.append((time.process_time() - c0) / max(time.monotonic() - w0, 1e-9))
             live.append(m)
+            speeds.append(EngineSpeed.of(iterations, sim_st))
             state = ""
             if meter:
                 run_until_idle(env.engine)
@@ -309,7 +409,8 @@ def sim_to_real(workload: str, live_cfg: Any, sim_cfg: Any, *, runs: int, seed: 
                 state = f", state {meter.factor(probes[-1]):.2f}"
             log(f"[{workload}] live run {len(live)}: {m['completed']:.0f} requests, "
                 f"{m['output_throughput']:.0f} tok/s, p99 TTFT {m['p99_ttft_ms']:.0f} ms, "
-                f"duration {m['duration_s']:.1f} s, CPU share {shares[-1]:.2f}{state}")
+                f"duration {m['duration_s']:.1f} s, CPU share {shares[-1]:.2f}{state}, "
+                f"engine {speeds[-1].factor:.2f}x the profile on its {speeds[-1].iterations} iterations")
             if meter and sum(not meter.slow(x) for x in probes) >= runs:
                 break
     finally:
@@ -319,8 +420,16 @@ def sim_to_real(workload: str, live_cfg: Any, sim_cfg: Any, *, runs: int, seed: 
     idx = compared_runs(states, tol, runs)
     if meter and len(idx) == len(live) and any(f > 1.0 + tol for f in states):
         log(f"[{workload}] the machine stayed in its slow state: compared with all {len(live)} runs")
+    # The simulator again at the compared runs' measured speed: what is left is its scheduling.
+    speed = median_speed([speeds[i] for i in idx])
+    at_cfg = copy.deepcopy(sim_cfg)
+    at_cfg.hardware.slowdown = float(at_cfg.hardware.slowdown) * speed.factor
+    sim_at = simulate(at_cfg)
+    log(f"[{workload}] sim at the live engine's speed ({speed.factor:.2f}x): "
+        f"{sim_at['output_throughput']:.0f} tok/s, p99 TTFT {sim_at['p99_ttft_ms']:.0f} ms")
     return WorkloadRun(workload, sim, live, shares, warm,
-                       compare(workload, sim, [live[i] for i in idx]), states, idx)
+                       compare(workload, sim, [live[i] for i in idx], sim_at_speed=sim_at),
+                       states, idx, speeds, speed, sim_at)
 
 
 # ---- the entry point (scripts/calibrate.py report=true) ------------------------------------
@@ -364,15 +473,18 @@ def run_report(cfg: Any, console: Any) -> dict[str, float]:
     table = Table(title=f"sim-to-real: simulator (hardware={cfg.profile}) vs live vLLM, "
                         f"{cfg.runs} live runs")
     for col in ("workload", "metric", "sim", "live mean", "live runs", "rel err", "live spread",
-                "target", "ok"):
+                "target", "ok", "sim @ live speed"):
         table.add_column(col, justify="left" if col in ("workload", "metric") else "right")
     rows = [r for w in runs for r in w.rows]
     for r in rows:
         table.add_row(r.workload, r.metric, fmt_number(r.sim), fmt_number(r.live_mean),
                       " / ".join(fmt_number(x) for x in r.live), f"{r.rel_err:+.1%}",
-                      f"±{r.live_spread:.1%}", f"{r.target:.0%}" if r.target else "", r.verdict)
+                      f"±{r.live_spread:.1%}", f"{r.target:.0%}" if r.target else "", r.verdict,
+                      f"{fmt_number(r.sim_at_speed)} ({r.rel_err_at_speed:+.1%})")
     for w in runs:
         used = [w.live[i] for i in w.compared]
+        table.add_row(w.name, "engine / profile", "", fmt_number(w.speed.factor) if w.speed else "",
+                      " / ".join(f"{x.factor:.2f}" for x in w.live_speed))
         table.add_row(w.name, "preemptions", fmt_number(w.sim["preemptions"]),
                       fmt_number(float(np.mean([m["preemptions"] for m in used]))),
                       " / ".join(fmt_number(m["preemptions"]) for m in used), "", "", "", "")
@@ -389,7 +501,8 @@ def run_report(cfg: Any, console: Any) -> dict[str, float]:
     slow_above = 1.0 + probe.tolerance  # a run's state factor past this: the slow state
     slow = {w.name: [w.live_state[i] for i in w.compared] for w in runs
             if w.compared and all(w.live_state[i] > slow_above for i in w.compared)}
-    why = diagnose(rows, str(cfg.profile), shares, slow)
+    why = diagnose(rows, str(cfg.profile), shares, slow,
+                   {w.name: w.speed for w in runs if w.speed is not None})
     if why:
         console.print("Targets not met, why, and what to change:")
         for line in why:
@@ -404,4 +517,9 @@ def run_report(cfg: Any, console: Any) -> dict[str, float]:
         out[f"{w.name}/live_runs"] = float(len(w.live))
         out[f"{w.name}/slow_runs"] = float(sum(f > slow_above for f in w.live_state))
         out[f"{w.name}/compared_runs"] = float(len(w.compared))
+        if w.speed is not None:
+            out[f"{w.name}/engine_vs_profile"] = round(w.speed.factor, 4)
+    for r in rows:
+        if r.target is not None:
+            out[f"{r.workload}/{r.metric}_at_speed"] = round(r.rel_err_at_speed, 4)
     return out

@@ -4,7 +4,7 @@ iteration times match the measured ones it was fitted to."""
 
 from __future__ import annotations
 
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +16,7 @@ from batchpilot.core.engine import Request
 from batchpilot.envs.sim_engine import SimEngine, SimEngineConfig
 from batchpilot.envs.specs import HardwareSpec, ModelSpec
 from batchpilot.policies.calibration import (
+    CalibrationError,
     Fit,
     IterationSample,
     fit_samples,
@@ -176,6 +177,9 @@ def test_a_short_report_probes_the_live_engine_and_accounts_for_every_run(tiny_m
     assert compared == (runs - slow if runs - slow >= 2 else runs)
     for m in ("output_throughput", "median_tpot_ms", "p99_ttft_ms"):
         assert np.isfinite(out[f"burst/{m}"]) and out[f"burst/{m}_live_spread"] >= 0
+        assert np.isfinite(out[f"burst/{m}_at_speed"])
+    # Every run's own iterations were priced: a real engine takes a positive share of the profile.
+    assert 0.1 < out["burst/engine_vs_profile"] < 20
 
 
 def test_the_served_fit_recovers_what_the_served_path_adds():
@@ -350,6 +354,57 @@ def test_a_missed_target_says_why_and_what_to_change() -> None:
     slow = diagnose(rows[2:4], "cpu_tiny_x", slow_states={"burst": [1.53, 1.78]})
     assert "every run was in this machine's slow state" in slow[0] and "1.53-1.78x" in slow[0]
     assert "simulator is slower" in slow[1]  # slower than a slow machine: still the profile
+
+
+def test_a_miss_is_split_into_the_engines_speed_and_the_simulators_scheduling() -> None:
+    """The live runs' own iterations priced by the profile (``EngineSpeed``) say whether the
+    engine ran slower than the profile, and the simulator at that speed whether speed is the
+    whole gap: three different reasons, three different changes."""
+    from batchpilot.policies.sim_to_real import EngineSpeed, diagnose
+
+    live = (2000.0, 2050.0, 1990.0)
+    slow_engine = EngineSpeed(1.24, 1.26, 1.20, 5741)
+    on_speed = EngineSpeed(1.03, 1.02, 1.05, 5741)
+    # Slower engine, and at its speed the simulator is within the target: speed is the gap.
+    why = diagnose([MetricComparison("burst", "output_throughput", 2600.0, live, 2033.0)], "p",
+                   speeds={"burst": slow_engine})
+    assert "took 1.24x the time `p` gives them (decode-only 1.26x, with a prefill 1.20x)" in why[0]
+    assert "within the target (+1%)" in why[0] and "the engine's speed is the whole gap" in why[0]
+    assert "found compared runs in the fast state" in why[0] and "`p` is too fast" in why[0]
+    # ... and the probe saw the slow state: the host is named, not the profile.
+    why = diagnose([MetricComparison("burst", "output_throughput", 2600.0, live, 2033.0)], "p",
+                   slow_states={"burst": [1.4, 1.5]}, speeds={"burst": slow_engine})
+    assert "1.40-1.50x the fast state" in why[0] and "report again when the host is quiet" in why[0]
+    # Slower engine, but even at its speed the simulator misses: scheduling too.
+    why = diagnose([MetricComparison("burst", "output_throughput", 2600.0, live, 2400.0)], "p",
+                   speeds={"burst": slow_engine})
+    assert "Even at that speed the simulator is +19%" in why[0]
+    # The engine at the profile's speed: the scheduler model, not the profile.
+    why = diagnose([MetricComparison("burst", "output_throughput", 2600.0, live, 2590.0)], "p",
+                   speeds={"burst": on_speed})
+    assert "ran at the profile's speed" in why[0] and "the scheduler model, not the profile" in why[0]
+
+
+def test_engine_speed_prices_each_iteration_with_the_profile() -> None:
+    from batchpilot.core.engine import IterationShape
+    from batchpilot.envs.step_time import StepTimeModel
+    from batchpilot.policies.sim_to_real import EngineSpeed
+
+    hw = HardwareSpec.from_cfg(load_config(["hardware=cpu_tiny"]).hardware)
+    st = StepTimeModel.build(hw, ModelSpec.from_cfg(load_config(["model=tiny_llama"]).model), "auto", 2048, 256)
+    decode = IterationShape(0, 0.0, 0.0, 32, 32 * 300.0, 32, 0.0)
+    mixed = IterationShape(256, 256 * 257 / 2, 256.0, 16, 16 * 300.0, 17, 0.0)
+    # The decode iterations ran 1.5x the profile's time, the mixed ones exactly at it.
+    log = [replace(decode, seconds=1.5 * st.iteration_time(decode))] * 3 + \
+          [replace(mixed, seconds=st.iteration_time(mixed))]
+    speed = EngineSpeed.of(log, st)
+    assert speed.decode_only == pytest.approx(1.5) and speed.with_prefill == pytest.approx(1.0)
+    total = 3 * st.iteration_time(decode) + st.iteration_time(mixed)
+    assert speed.factor == pytest.approx((4.5 * st.iteration_time(decode) + st.iteration_time(mixed)) / total)
+    assert speed.iterations == 4
+    assert np.isnan(EngineSpeed.of(log[:1], st).with_prefill)
+    with pytest.raises(CalibrationError, match="no iterations"):
+        EngineSpeed.of([], st)
 
 
 def test_a_load_sized_to_capacity_offers_that_share_of_what_the_profile_serves() -> None:

@@ -12,7 +12,13 @@ if importlib.util.find_spec("vllm") is None:  # checked without importing it (se
     pytest.skip("vllm is not installed", allow_module_level=True)
 
 from batchpilot.config import load_config  # noqa: E402
-from batchpilot.core.engine import DtypeUnavailable, EngineError, Request, RequestRejected  # noqa: E402
+from batchpilot.core.engine import (  # noqa: E402
+    DtypeUnavailable,
+    EngineError,
+    IterationShape,
+    Request,
+    RequestRejected,
+)
 from batchpilot.core.vllm_cpu import cpu_simd_flags  # noqa: E402
 from batchpilot.envs.vllm_engine import VLLMEngine, warm_up  # noqa: E402
 
@@ -152,6 +158,31 @@ def test_reset_prefix_cache_refuses_while_requests_are_in_flight(engine: VLLMEng
     with pytest.raises(EngineError, match="in flight"):
         engine.reset_prefix_cache()
     _run(engine)
+
+
+def test_recorded_iterations_say_what_each_iteration_computed(engine: VLLMEngine) -> None:
+    """``record_iterations``: vLLM's own schedule as the step-time model's aggregates (what the
+    sim-to-real report prices against the profile). A 100-token prompt prefills alone; a
+    50-token one then prefills beside the first one's decode at context 100 and finishes with
+    its first token; the first decodes on (context 101, 102) and finishes at its fourth token."""
+    engine.reset_prefix_cache()
+    log: list[IterationShape] = []
+    engine.record_iterations(log)
+    try:
+        engine.add_request(_req("long", engine.now, 100, 4))
+        engine.step()
+        engine.add_request(_req("short", engine.now, 50, 1))
+        _run(engine)
+    finally:
+        engine.record_iterations(None)
+    shapes = [(it.num_prefill_tokens, it.prefill_pairs, it.prefill_ctx, it.num_decode,
+               it.sum_decode_ctx, it.num_seqs) for it in log]
+    assert shapes == [(100, 5050.0, 100.0, 0, 0.0, 1), (50, 1275.0, 50.0, 1, 100.0, 2),
+                      (0, 0.0, 0.0, 1, 101.0, 1), (0, 0.0, 0.0, 1, 102.0, 1)]
+    assert all(it.seconds > 0 for it in log)
+    engine.add_request(_req("unrecorded", engine.now, 20, 2))
+    _run(engine)
+    assert len(log) == 4
 
 
 def test_too_long_prompt_is_rejected_and_output_is_clipped_to_fit(engine: VLLMEngine) -> None:

@@ -113,6 +113,25 @@ class StepResult:
     preempted: list[str] = field(default_factory=list)
 
 
+@dataclass(frozen=True, slots=True)
+class IterationShape:
+    """What one engine iteration computed, in the step-time model's aggregates, and how long
+    it took: the live engine's own iterations priced by a profile
+    (``StepTimeModel.iteration_time``) say how fast the engine ran against that profile during
+    a run, whatever the workload, where a probe before and after only samples the host."""
+
+    num_prefill_tokens: int
+    #: Sum over prefill chunks of query-key pairs, ``c * prior + c (c + 1) / 2``.
+    prefill_pairs: float
+    #: Sum over prefill chunks of their ``prior + c`` context tokens.
+    prefill_ctx: float
+    num_decode: int
+    #: Sum of the decoding sequences' context lengths.
+    sum_decode_ctx: float
+    num_seqs: int
+    seconds: float
+
+
 @dataclass(slots=True)
 class EngineStats:
     """A cheap snapshot of the engine's state, as vLLM's scheduler / ``/metrics`` report it."""
