@@ -169,9 +169,13 @@ def diagnose(rows: Sequence[MetricComparison], profile: str,
                 "Change: more runs (`runs=5 state_probe.max_runs=8`), so one run weighs less.")
         elif "ttft" in r.metric and lo > 0 and hi / lo >= AT_CAPACITY_RATIO:
             share = (shares or {}).get(r.workload)
+            speed = (speeds or {}).get(r.workload)
             sized = (f"it is sized at {share:.0%} of the profile's capacity, but this machine ran "
                      "slower than the profile during the report" if share is not None else
                      "the workload runs at this machine's capacity")
+            if share is not None and speed is not None:
+                sized += (f" ({speed.factor:.2f}x its time on the runs' own iterations: about "
+                          f"{share * speed.factor:.0%} of the engine's own capacity)")
             below, above = (0.7, 1.5) if share is None else (round(0.8 * share, 2), round(max(1.5, 1.5 * share), 2))
             out.append(
                 f"{where}: the live runs range from {fmt_number(lo)} to {fmt_number(hi)} ms ({hi / lo:.0f}x): "

@@ -375,6 +375,10 @@ def test_a_miss_is_split_into_the_engines_speed_and_the_simulators_scheduling() 
     why = diagnose([MetricComparison("burst", "output_throughput", 2600.0, live, 2033.0)], "p",
                    slow_states={"burst": [1.4, 1.5]}, speeds={"burst": slow_engine})
     assert "1.40-1.50x the fast state" in why[0] and "report again when the host is quiet" in why[0]
+    # At capacity, the measured speed says how close to the engine's own capacity the load was.
+    coin = MetricComparison("burst", "p99_ttft_ms", 107.0, (535.0, 11291.0, 2677.0), 2523.0)
+    why = diagnose([coin], "p", {"burst": 0.65}, speeds={"burst": slow_engine})
+    assert "1.24x its time on the runs' own iterations: about 81% of the engine's own capacity" in why[0]
     # Slower engine, but even at its speed the simulator misses: scheduling too.
     why = diagnose([MetricComparison("burst", "output_throughput", 2600.0, live, 2400.0)], "p",
                    speeds={"burst": slow_engine})
