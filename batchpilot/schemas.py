@@ -1070,6 +1070,9 @@ class CalibrateApp:
     out: str
     base: CalibrationBase  # type: ignore[valid-type]
     grid: Grid
+    #: Seconds of varied traffic after the grid whose recorded iterations set the profile's
+    #: level (``slowdown``): the grid fixes the shape, episodes' iterations the speed. 0 = off.
+    level_seconds: float
     state_probe: StateProbe
     runs: int
     common_overrides: list[str]

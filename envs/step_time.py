@@ -152,6 +152,10 @@ class StepTimeModel:
 
     def iteration_time(self, it: IterationShape) -> float:
         """Seconds this model gives an iteration the live engine ran (its measured time aside)."""
+        if it.num_prefill_tokens + it.num_decode >= len(self.fixed) or it.num_seqs >= len(self.seq_cost):
+            raise ValueError(f"an iteration of {it.num_prefill_tokens + it.num_decode} tokens and "
+                             f"{it.num_seqs} sequences is past this model's budget "
+                             f"({len(self.fixed) - 1} tokens, {len(self.seq_cost) - 1} sequences)")
         return self.step_time(it.num_prefill_tokens, it.prefill_pairs, it.prefill_ctx,
                               it.num_decode, it.sum_decode_ctx, it.num_seqs)
 

@@ -348,7 +348,7 @@ class VLLMEngine(Engine):
         outputs = self._llm.step()
         t1 = self.now
         result = StepResult(start_time=t0, duration=t1 - t0, num_iterations=1)
-        shape = self._observe_scheduler(result)
+        shape = self._observe_scheduler(result, outputs)
         self._account_outputs(outputs, t1, result)
         if self._iteration_log is not None:  # timed as the calibration times its iterations
             self._iteration_log.append(IterationShape(*shape, seconds=self.now - t0))
@@ -359,14 +359,15 @@ class VLLMEngine(Engine):
         return result
 
     def record_iterations(self, log: list[IterationShape] | None) -> None:
-        """Append every iteration's ``IterationShape`` to ``log`` from now on (None: stop)."""
         self._iteration_log = log
 
-    def _observe_scheduler(self, result: StepResult) -> tuple[int, float, float, int, float, int]:
+    def _observe_scheduler(self, result: StepResult, outputs: list[Any]
+                           ) -> tuple[int, float, float, int, float, int]:
         """Preemptions and prefill progress, by diffing vLLM's request objects; returns the
         iteration's shape (``IterationShape``'s aggregates): a request whose computed tokens
         grew past its prompt decoded at its old context, one still within it prefilled the
-        difference after what it had (tokens found in the prefix cache count as computed)."""
+        difference after what it had; at its first schedule, what it found in the prefix cache
+        (vLLM's ``prefill_stats``, or its first output's count) is prior context, not computed."""
         live = self._scheduler.requests
         tokens = decodes = seqs = 0
         pairs = pctx = dctx = 0.0
@@ -379,10 +380,11 @@ class VLLMEngine(Engine):
                     decodes += 1
                     dctx += st.computed
                 else:
-                    c = min(now, st.engine_prompt_len) - st.computed
+                    prior = st.computed or min(self._cached_at_first_schedule(rid, req, outputs), now - 1)
+                    c = min(now, st.engine_prompt_len) - prior
                     tokens += c
-                    pairs += c * st.computed + c * (c + 1) / 2.0
-                    pctx += st.computed + c
+                    pairs += c * prior + c * (c + 1) / 2.0
+                    pctx += prior + c
             elif req is None:  # finished in this step with no tokens left to compute: a decode
                 seqs, decodes, dctx = seqs + 1, decodes + 1, dctx + st.computed
             if req is None:  # finished in this step; it was prefilling at most to the end
@@ -401,6 +403,13 @@ class VLLMEngine(Engine):
                 result.num_prefill_tokens += now_prompt - before
             st.computed = req.num_computed_tokens
         return tokens, pairs, pctx, decodes, dctx, seqs
+
+    @staticmethod
+    def _cached_at_first_schedule(rid: str, req: Any, outputs: list[Any]) -> int:
+        stats = getattr(req, "prefill_stats", None)  # None once vLLM has handed them out
+        if stats is not None:
+            return int(stats.num_cached_tokens)
+        return next((int(o.num_cached_tokens or 0) for o in outputs if o.request_id == rid), 0)
 
     def _account_outputs(self, outputs: list[Any], t: float, result: StepResult) -> None:
         for out in outputs:

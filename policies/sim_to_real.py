@@ -215,27 +215,31 @@ def diagnose(rows: Sequence[MetricComparison], profile: str,
 def _speed_reason(r: MetricComparison, speed: EngineSpeed, profile: str,
                   states: Sequence[float] | None) -> str:
     """The second half of a miss's line when the live runs' own iterations were priced: the
-    engine's speed against the profile, and the simulator at that speed."""
+    engine's speed against the profile, and the simulator at that speed. Near capacity a few
+    per cent of speed move TPOT and TTFT by much more, so the simulator at the measured speed,
+    not the size of the factor, decides whether speed is the gap."""
     assert r.target is not None
     ran = (f"On their own iterations the live runs took {speed.factor:.2f}x the time `{profile}` "
            f"gives them (decode-only {speed.decode_only:.2f}x, with a prefill {speed.with_prefill:.2f}x)")
     at = f"{r.rel_err_at_speed:+.0%}"
-    if abs(speed.factor - 1.0) <= SPEED_TOLERANCE:
-        return (f"{ran}: the engine ran at the profile's speed, so the gap is in what the simulator "
-                f"schedules (batches, queue, preemption), not in the step time; at that speed it is "
-                f"{at}. Change: compare the iterations (count, tokens per iteration) of a live and a "
-                "simulated episode of this workload; the scheduler model, not the profile, needs work.")
     state = (f"; the state probe read every compared run slow ({min(states):.2f}-{max(states):.2f}x "
              "the fast state), so the host's state is part of it" if states else
              "; the state probe found compared runs in the fast state, so the host's state does not "
              "explain it: it is the profile")
     change = ("report again when the host is quiet, or fit now for the state it is in "
               "(`scripts/calibrate.py profile=NAME`)" if states else
-              f"fit this machine again (`scripts/calibrate.py profile=NAME`): `{profile}` is "
-              f"{'too fast' if speed.factor > 1 else 'too slow'} for the iterations this workload runs")
+              f"fit this machine again (`scripts/calibrate.py profile=NAME`, with its `level_seconds` "
+              f"on): `{profile}` is {'too fast' if speed.factor > 1 else 'too slow'} for the "
+              "iterations this workload runs")
     if abs(r.rel_err_at_speed) <= r.target:
         return (f"{ran}{state}. At that speed the simulator is within the target ({at}): the "
                 f"engine's speed is the whole gap, the simulator's scheduling is right. Change: {change}.")
+    if abs(speed.factor - 1.0) <= SPEED_TOLERANCE:
+        return (f"{ran}: the engine ran at the profile's speed, and at exactly that speed the "
+                f"simulator is still {at}, so the gap is in what the simulator schedules (batches, "
+                "queue, preemption), not in the step time. Change: compare the iterations (count, "
+                "tokens per iteration) of a live and a simulated episode of this workload; the "
+                "scheduler model, not the profile, needs work.")
     return (f"{ran}{state}. Even at that speed the simulator is {at}: speed is not the whole gap, "
             f"the simulator also schedules differently. Change: {change}; then compare a live and a "
             "simulated episode's iterations.")

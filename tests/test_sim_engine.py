@@ -167,6 +167,13 @@ def test_reset_prefix_cache_forgets_blocks_and_frees_them() -> None:
     run_all(e)
 
 
+def test_the_simulator_says_it_does_not_record_iterations() -> None:
+    """Only the live engine's iterations are priced against a profile; asking the simulator is
+    an error that names it, not an empty log that would read as "no iterations ran"."""
+    with pytest.raises(NotImplementedError, match="SimEngine does not record its iterations"):
+        create_engine().record_iterations([])
+
+
 def test_fp8_doubles_kv_blocks_and_memory_model() -> None:
     auto = create_engine()
     fp8 = create_engine(kv_dtype="fp8")

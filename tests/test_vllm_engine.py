@@ -164,7 +164,8 @@ def test_recorded_iterations_say_what_each_iteration_computed(engine: VLLMEngine
     """``record_iterations``: vLLM's own schedule as the step-time model's aggregates (what the
     sim-to-real report prices against the profile). A 100-token prompt prefills alone; a
     50-token one then prefills beside the first one's decode at context 100 and finishes with
-    its first token; the first decodes on (context 101, 102) and finishes at its fourth token."""
+    its first token; the first decodes on (context 101, 102) and finishes at its fourth token.
+    A replay then counts what the prefix cache held as prior context."""
     engine.reset_prefix_cache()
     log: list[IterationShape] = []
     engine.record_iterations(log)
@@ -183,6 +184,16 @@ def test_recorded_iterations_say_what_each_iteration_computed(engine: VLLMEngine
     engine.add_request(_req("unrecorded", engine.now, 20, 2))
     _run(engine)
     assert len(log) == 4
+    # A replay of "long" finds its three full blocks in the prefix cache: 96 tokens of prior
+    # context, 4 computed (not 100 computed, which would overprice the iteration).
+    replay: list[IterationShape] = []
+    engine.record_iterations(replay)
+    try:
+        engine.add_request(_req("long", engine.now, 100, 1))
+        _run(engine)
+    finally:
+        engine.record_iterations(None)
+    assert [(it.num_prefill_tokens, it.prefill_pairs, it.prefill_ctx) for it in replay] == [(4, 394.0, 100.0)]
 
 
 def test_too_long_prompt_is_rejected_and_output_is_clipped_to_fit(engine: VLLMEngine) -> None:

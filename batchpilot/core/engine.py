@@ -344,6 +344,12 @@ class Engine(abc.ABC):
         request ``i`` hits the blocks an earlier episode's request ``i`` left, a prefill the
         simulator (a fresh engine per episode) does not skip."""
 
+    def record_iterations(self, log: list[IterationShape] | None) -> None:
+        """Append every iteration's ``IterationShape`` to ``log`` from now on (None: stop).
+        For pricing a live engine's own iterations against a profile; the simulator's are the
+        profile's by construction, so only the live engine records them."""
+        raise NotImplementedError(f"{type(self).__name__} does not record its iterations")
+
     @abc.abstractmethod
     def restart(self, kv_dtype: str | None = None) -> float:
         """Rebuild the engine (e.g. with a new KV dtype); returns the restart time in seconds.
