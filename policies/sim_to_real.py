@@ -5,8 +5,10 @@ after a warm-up) and on the simulator with the profile, under the same controlle
 ``vllm bench serve``-style metrics against the report's targets (``TARGETS``). On a shared host
 each live run is bracketed by the calibration's state probe (``StateMeter``) and the simulator
 is compared with the runs taken in the fast state, the state the profile describes
-(``compared_runs``); every target the report does not call met gets a reason and a change to
-try (``diagnose``). ``run_report`` is ``scripts/calibrate.py report=true``; the profile itself is
+(``compared_runs``). Every live run's own iterations are also priced by the profile
+(``EngineSpeed``: how fast the engine really ran against it) and the simulator is run again at
+that speed, so every target the report does not call met gets a reason — the engine's speed, the
+simulator's scheduling, a load at capacity, a noisy host — and a change to try (``diagnose``). ``run_report`` is ``scripts/calibrate.py report=true``; the profile itself is
 fitted by ``policies/calibration.py``.
 """
 
