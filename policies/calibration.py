@@ -674,26 +674,36 @@ def calibrate(engine: Engine, model: ModelSpec, base: HardwareSpec, grid: Grid, 
     header = provenance(used, res_used, warm, grid, fit) + ([note] if note else [])
     level: dict[str, float] = {}
     if level_s > 0:
-        # Like a grid point: taken again (up to ``retries`` times) while the probes around it
-        # say the slow state, and the try in the fastest state kept.
-        tries = 1 + (probe.retries if meter and probe else 0)
-        slow_above = 1.0 + probe.tolerance if meter and probe else math.inf
-        for attempt in range(tries):
-            before = meter() if meter else math.nan
-            got = level_factor(engine, hw, model, level_s, warmup_kwargs, seed=1 + attempt)
-            got["state"] = max(meter.factor(before), meter.factor(meter())) if meter else math.nan
-            if not level or got["state"] < level["state"]:
-                level = got
-            if not level["state"] > slow_above:
-                break
+        level, line = measure_level(engine, hw, model, level_s, warmup_kwargs, meter)
         hw = replace(hw, slowdown=level["factor"])
-        header.append(
-            f"Level: {level_s:.0f} s of varied traffic after the grid ({level['iterations']:.0f} iterations) "
-            f"took {level['measured_s']:.2f} s, the grid's fit predicts {level['predicted_s']:.2f} s: "
-            f"slowdown {level['factor']:.3f} (state probe around it {level['state']:.2f}x the fast state"
-            + ("; the machine stayed slow: this level is likely too slow"
-               if level["state"] > slow_above else "") + ").")
+        header.append(line)
     return CalibrationResult(samples, fit, hw, res, warm, ref, header, level)
+
+
+def measure_level(engine: Engine, hw: HardwareSpec, model: ModelSpec, seconds: float,
+                  traffic: dict[str, Any] | None, meter: StateMeter | None
+                  ) -> tuple[dict[str, float], str]:
+    """``level_factor`` treated like a grid point: with a ``meter``, taken again (up to the
+    probe's ``retries`` times, each with its own traffic seed) while the probes around it read
+    the slow state, and the try in the fastest state kept. Returns it with its provenance line."""
+    tries = 1 + (meter.probe.retries if meter else 0)
+    slow_above = 1.0 + meter.probe.tolerance if meter else math.inf
+    level: dict[str, float] = {}
+    for attempt in range(tries):
+        before = meter() if meter else math.nan
+        got = level_factor(engine, hw, model, seconds, traffic, seed=1 + attempt)
+        got["state"] = max(meter.factor(before), meter.factor(meter())) if meter else math.nan
+        if not level or got["state"] < level["state"]:
+            level = got
+        if not level["state"] > slow_above:
+            break
+    state = "not probed" if math.isnan(level["state"]) else f"{level['state']:.2f}x the fast state"
+    return level, (
+        f"Level: {seconds:.0f} s of varied traffic after the grid ({level['iterations']:.0f} iterations) "
+        f"took {level['measured_s']:.2f} s, the grid's fit predicts {level['predicted_s']:.2f} s: "
+        f"slowdown {level['factor']:.3f} (state probe around it: {state}"
+        + ("; the machine stayed slow: this level is likely too slow"
+           if level["state"] > slow_above else "") + ").")
 
 
 # ---- the entry point (scripts/calibrate.py) -------------------------------------------------
