@@ -66,17 +66,12 @@ class CalibrationError(RuntimeError):
 # ---- measurements ---------------------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
 class IterationSample:
-    """One grid point: the aggregates of its iteration(s) and the measured seconds (median)."""
+    """One grid point: its iteration's shape with the measured seconds (the median of the
+    repeats), and how the repeats went."""
 
     kind: Literal["decode", "prefill", "mixed"]
     label: str
-    num_prefill_tokens: int
-    prefill_pairs: float
-    prefill_ctx: float
-    num_decode: int
-    sum_decode_ctx: float
-    num_seqs: int
-    seconds: float
+    shape: IterationShape
     #: Spread of the repeats: (p90 - p10) / median.
     spread: float = 0.0
     repeats: int = 1
@@ -88,15 +83,19 @@ class IterationSample:
     state: float = math.nan
 
     @property
+    def seconds(self) -> float:
+        return self.shape.seconds
+
+    @property
     def features(self) -> np.ndarray:
+        it = self.shape
         return np.array(
-            [1.0, self.num_prefill_tokens + self.num_decode, self.num_seqs,
-             self.sum_decode_ctx, self.prefill_pairs, float(self.num_prefill_tokens > 0)]
+            [1.0, it.num_prefill_tokens + it.num_decode, it.num_seqs,
+             it.sum_decode_ctx, it.prefill_pairs, float(it.num_prefill_tokens > 0)]
         )
 
     def predict(self, st: StepTimeModel) -> float:
-        return st.step_time(self.num_prefill_tokens, self.prefill_pairs, self.prefill_ctx,
-                            self.num_decode, self.sum_decode_ctx, self.num_seqs)
+        return st.iteration_time(self.shape)
 
 
 def run_until_idle(engine: Engine, limit_s: float = 600.0) -> None:
@@ -185,10 +184,11 @@ def measure_decode(engine: Engine, batch: int, context: int, steps: int, tag: st
     for chunk in times:
         med, spread = _robust(times[chunk])
         pairs = chunk * (chunk + 1) / 2.0
+        shape = IterationShape(chunk, pairs, float(chunk), batch, float(np.mean(ctx_sums[chunk])),
+                               batch + (1 if chunk else 0), med)
         out.append(IterationSample(
             "mixed" if chunk else "decode", f"{'mixed' if chunk else 'decode'} {label}"
-            + (f" +prefill {chunk}" if chunk else ""), chunk, pairs, float(chunk), batch,
-            float(np.mean(ctx_sums[chunk])), batch + (1 if chunk else 0), med, spread,
+            + (f" +prefill {chunk}" if chunk else ""), shape, spread,
             len(times[chunk]), float(np.median(cpu[chunk]))))
     return out
 
@@ -231,9 +231,10 @@ def measure_prefill(engine: Engine, chunk: int, prior: int, num_reqs: int, repea
         times.append(dt)
     med, spread = _robust(times)
     pairs = num_reqs * (chunk * prior + chunk * (chunk + 1) / 2.0)
-    return IterationSample("prefill", f"prefill c={chunk} prior={prior} n={num_reqs}",
-                           num_reqs * chunk, pairs, float(num_reqs * (prior + chunk)), 0, 0.0,
-                           num_reqs, med, spread, repeats, float(np.median(cpu)))
+    shape = IterationShape(num_reqs * chunk, pairs, float(num_reqs * (prior + chunk)), 0, 0.0,
+                           num_reqs, med)
+    return IterationSample("prefill", f"prefill c={chunk} prior={prior} n={num_reqs}", shape,
+                           spread, repeats, float(np.median(cpu)))
 
 
 class StateMeter:

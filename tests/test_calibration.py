@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from batchpilot.config import load_config
-from batchpilot.core.engine import Request
+from batchpilot.core.engine import IterationShape, Request
 from batchpilot.envs.sim_engine import SimEngine, SimEngineConfig
 from batchpilot.envs.specs import HardwareSpec, ModelSpec
 from batchpilot.policies.calibration import (
@@ -35,14 +35,14 @@ def _synthetic(truth: Fit) -> list[IterationSample]:
     for b in (1, 4, 16, 64, 256):
         for ctx in (16, 512):
             f = np.array([1.0, b, b, b * ctx, 0.0, 0.0])
-            out.append(IterationSample("decode", f"d{b}/{ctx}", 0, 0.0, 0.0, b, b * ctx, b,
-                                       float(f @ truth.as_array())))
+            out.append(IterationSample("decode", f"d{b}/{ctx}", IterationShape(
+                0, 0.0, 0.0, b, b * ctx, b, float(f @ truth.as_array()))))
     for c in (32, 256, 1024, 2000):
         for prior in (0, 512):
             pairs = c * prior + c * (c + 1) / 2
             f = np.array([1.0, c, 1, 0.0, pairs, 1.0])
-            out.append(IterationSample("prefill", f"p{c}/{prior}", c, pairs, c + prior, 0, 0.0, 1,
-                                       float(f @ truth.as_array())))
+            out.append(IterationSample("prefill", f"p{c}/{prior}", IterationShape(
+                c, pairs, c + prior, 0, 0.0, 1, float(f @ truth.as_array()))))
     return out
 
 
@@ -62,8 +62,8 @@ def test_fit_recovers_a_known_law_and_the_profile_reproduces_it() -> None:
 def test_fit_is_robust_to_a_few_outliers() -> None:
     truth = Fit(1.0e-3, 1.1e-5, 4.0e-5, 6e-8, 6e-9, 1.5e-3)
     samples = _synthetic(truth)
-    bad = [s.__class__(**{**{k: getattr(s, k) for k in s.__slots__}, "seconds": s.seconds * 5})
-           if i in (0, 7) else s for i, s in enumerate(samples)]
+    bad = [replace(s, shape=replace(s.shape, seconds=s.seconds * 5)) if i in (0, 7) else s
+           for i, s in enumerate(samples)]
     fit = fit_samples(bad)
     np.testing.assert_allclose(fit.as_array()[:3], truth.as_array()[:3], rtol=0.15)
 
@@ -399,7 +399,6 @@ def test_a_miss_is_split_into_the_engines_speed_and_the_simulators_scheduling() 
 
 
 def test_engine_speed_prices_each_iteration_with_the_profile() -> None:
-    from batchpilot.core.engine import IterationShape
     from batchpilot.envs.step_time import StepTimeModel
     from batchpilot.policies.sim_to_real import EngineSpeed
 
