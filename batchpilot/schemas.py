@@ -953,6 +953,7 @@ class EvaluateApp:
     load: LoadConfig
     trace_windows: bool
     trace_window_stride_s: float | None
+    max_episode_s: float
     workload_overrides: dict[str, list[str]]
     policy_overrides: dict[str, dict[str, Any]]
     best_static: BestStaticConfig

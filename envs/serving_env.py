@@ -427,6 +427,10 @@ class ServingEnv(gym.Env):
         self.admission.use_token_budget(self._caps.max_num_batched_tokens)
         self.shield = Shield(self.shield_cfg, self.engine.memory_model(), self._caps, slo=self.slo, now=self.engine.now)
         if self.cfg.env.get("memory_admission", True):  # per request: in flight + it within the ceiling
+            why = self.shield.no_room_reason()
+            if why is not None:
+                model, hardware = self._nodes() if self.deployment is not None else (self.cfg.model, self.cfg.hardware)
+                raise ValueError(f"{model.get('name', '?')} on {hardware.get('name', '?')}: {why}")
             self.admission.memory = self.shield
         self.telemetry = Telemetry(
             slo=self.slo,

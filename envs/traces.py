@@ -11,20 +11,25 @@ Three formats are read into one shape (``TraceArrays``: a struct of numpy arrays
   Log Type`` with timestamps in seconds. Rows with 0 response tokens are failed requests in
   BurstGPT; they are skipped and counted in the report under ``failed (0 response tokens)``.
 
-Malformed input raises ``TraceFormatError`` naming the file, the line and the problem; nothing
-is dropped without being counted in the report.
+Files may be gzip-compressed and may start with a byte-order mark. Malformed input raises
+``TraceFormatError`` naming the file, the line and the problem; nothing is dropped without
+being counted in the report, and what looks wrong without being malformed (a Mooncake trace
+whose timestamps read as thousands of requests a second) is a warning in it.
 """
 
 from __future__ import annotations
 
 import csv
+import gzip
 import json
 import math
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Literal
+from typing import Literal, TextIO
 
 import numpy as np
 
@@ -38,6 +43,10 @@ SKIP_FAILED = "failed (0 response tokens)"
 SKIP_OTHER_MODEL = "other model"
 SKIP_TOO_LONG = "longer than max_model_len"
 SKIP_OUTSIDE_WINDOW = "outside time window"
+#: A trace arriving faster than this (requests per trace second, over at least
+#: ``MIN_ROWS_FOR_RATE_CHECK`` rows) most likely has its timestamps in the wrong unit.
+MAX_PLAUSIBLE_RATE = 1000.0
+MIN_ROWS_FOR_RATE_CHECK = 20
 
 
 class TraceFormatError(ValueError):
@@ -106,13 +115,20 @@ class TraceReport:
     skipped: dict[str, int] = field(default_factory=dict)
     #: Span of the kept arrivals on the replay clock (after ``time_scale``), seconds.
     span_s: float = 0.0
+    #: The longest wait between two kept arrivals (replay clock), and when it ends: a stray
+    #: timestamp shows here as one gap that is nearly the whole span.
+    max_gap_s: float = 0.0
+    max_gap_until_s: float = 0.0
+    #: What looks wrong without being malformed (e.g. timestamps in the wrong unit).
+    warnings: list[str] = field(default_factory=list)
 
     def summary(self) -> str:
         """One line for logs."""
         skips = ", ".join(f"{k}: {v}" for k, v in sorted(self.skipped.items())) or "none"
+        warn = "".join(f"; WARNING: {w}" for w in self.warnings)
         return (
             f"{self.path} ({self.format}): {self.rows_read} rows read, {self.rows_kept} kept, "
-            f"{self.clipped} clipped, {self.raised_to_one} raised to 1 token, skipped: {skips}"
+            f"{self.clipped} clipped, {self.raised_to_one} raised to 1 token, skipped: {skips}{warn}"
         )
 
 
@@ -195,9 +211,41 @@ def _wallclock(path: Path, line: int, text: str) -> float:
 
 
 # --- format readers --------------------------------------------------------------------------
+@contextmanager
+def _open_text(path: Path, newline: str | None = None) -> Iterator[TextIO]:
+    """A trace file as UTF-8 text: gzip-compressed or not (told by its first bytes, whatever
+    its name), a byte-order mark (spreadsheet exports) dropped. Bytes that are not UTF-8 raise
+    ``TraceFormatError`` naming the line."""
+    with path.open("rb") as probe:
+        gz = probe.read(2) == b"\x1f\x8b"
+    f = (gzip.open(path, "rt", encoding="utf-8-sig", newline=newline) if gz
+         else path.open(encoding="utf-8-sig", newline=newline))
+    try:
+        with f:
+            yield f  # type: ignore[misc]
+    except UnicodeDecodeError as e:
+        line, byte = _first_undecodable(path, gz)
+        raise TraceFormatError(path, line, f"not UTF-8 text ({e.reason}: byte {byte!r}); traces are "
+                               "UTF-8 CSV or JSONL, optionally gzip-compressed") from None
+    except (OSError, EOFError) as e:  # a damaged gzip stream
+        raise TraceFormatError(path, 1, f"cannot be read as {'gzip' if gz else 'a file'}: {e}") from None
+
+
+def _first_undecodable(path: Path, gz: bool) -> tuple[int, bytes]:
+    """The first line (1-based) holding bytes that are not UTF-8, and the first such byte
+    (text is decoded in blocks, so the decoder's own position says nothing about lines)."""
+    with (gzip.open(path, "rb") if gz else path.open("rb")) as f:
+        for n, raw in enumerate(f, start=1):
+            try:
+                raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                return n, raw[e.start:e.start + 1]
+    return 1, b""
+
+
 def _csv_rows(path: Path, required: tuple[str, ...]):
     """Yield (line number, {column: text}) for each data row; checks the header and widths."""
-    with path.open(newline="", encoding="utf-8") as f:
+    with _open_text(path, newline="") as f:
         reader = csv.reader(f)
         try:
             header = next(reader)
@@ -264,7 +312,7 @@ def _read_burstgpt(path: Path, opts: TraceOptions) -> _Raw:
 
 def _read_mooncake(path: Path, opts: TraceOptions) -> _Raw:
     raw = _Raw(hashes=[])
-    with path.open(encoding="utf-8") as f:
+    with _open_text(path) as f:
         for line, text in enumerate(f, start=1):
             raw.rows_read += 1
             if not text.strip():
@@ -398,6 +446,16 @@ def read_trace(
     report.rows_kept = int(t.size)
     report.skipped = dict(skipped)
     report.span_s = float(t[-1] - t[0]) if t.size else 0.0
+    if t.size > 1:
+        gaps = np.diff(t)
+        i = int(np.argmax(gaps))
+        report.max_gap_s, report.max_gap_until_s = float(gaps[i]), float(t[i + 1])
+    rate = t.size / report.span_s * opts.time_scale if report.span_s > 0 else math.inf
+    if format == "mooncake" and t.size >= MIN_ROWS_FOR_RATE_CHECK and rate > MAX_PLAUSIBLE_RATE:
+        report.warnings.append(
+            f"{t.size} requests within {report.span_s * opts.time_scale:.3g} trace seconds "
+            f"({rate:,.0f} req/s): Mooncake timestamps are milliseconds; if this file's are "
+            f"seconds, set workload.time_scale=0.001")
     if opts.duration_s is not None:
         duration = opts.duration_s / opts.time_scale
     else:

@@ -20,7 +20,9 @@ from typing import Any
 import numpy as np
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
+from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf.errors import OmegaConfBaseException
 
 from batchpilot.config import CONF_DIR, from_node
 from batchpilot.core.engine import EngineCapabilities
@@ -93,6 +95,9 @@ class EvalConfig:
     trace_window_stride_s: float | None
     plots: bool
     launcher: LauncherConfig
+    #: Longest episode (simulated seconds) a workload may ask for: a trace with one stray
+    #: timestamp a year on would otherwise run for hours.
+    max_episode_s: float = 86_400.0
     #: The config each workload is recomposed from (``--config-name`` of the run).
     config_name: str = "evaluate"
 
@@ -143,6 +148,8 @@ class EvalConfig:
         stride = cfg.trace_window_stride_s
         if stride is not None and not float(stride) > 0:
             raise EvaluationError(f"trace_window_stride_s must be > 0 or null, got {stride}")
+        if not float(cfg.max_episode_s) > 0:
+            raise EvaluationError(f"max_episode_s must be > 0, got {cfg.max_episode_s}")
         wo = OmegaConf.to_container(cfg.workload_overrides, resolve=True)
         po = OmegaConf.to_container(cfg.policy_overrides, resolve=True)
         return cls(
@@ -159,6 +166,7 @@ class EvalConfig:
             trace_window_stride_s=None if stride is None else float(stride),
             plots=bool(cfg.plots),
             launcher=_launcher(cfg.launcher),
+            max_episode_s=float(cfg.max_episode_s),
         )
 
 
@@ -191,7 +199,10 @@ def compose_eval(overrides: Sequence[str], config_name: str = "evaluate") -> tup
     if gh.is_initialized():
         gh.clear()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose(config_name=config_name, overrides=list(overrides), return_hydra_config=True)
+        try:
+            cfg = compose(config_name=config_name, overrides=list(overrides), return_hydra_config=True)
+        except (HydraException, OmegaConfBaseException) as e:
+            raise EvaluationError(f"config: {e}") from e
     choices = {str(k): str(v) for k, v in cfg.hydra.runtime.choices.items() if v is not None}
     with open_dict(cfg):
         del cfg["hydra"]
@@ -217,6 +228,10 @@ class WorkloadPlan:
     rate_multiplier: float = 1.0
     #: Seed -> trace window start (trace seconds); empty = every seed replays the same requests.
     windows: dict[int, float] = field(default_factory=dict)
+    #: What the run's log should say about this workload (the trace reader's report, warnings).
+    notes: list[str] = field(default_factory=list)
+    #: Why the shield's memory ceiling admits no request on this deployment (None: it does).
+    no_room: str | None = None
 
     @property
     def model(self) -> str:
@@ -279,10 +294,11 @@ def trace_windows(
     for s in seeds:
         start = base + s * stride
         if s < 0 or start + dur > span + 0.01 * dur:
+            fits = (f"it has room for {room} windows of {dur:g} s from {base:g} s (seeds 0..{room - 1})" if room
+                    else f"not even one window of {dur:g} s fits from {base:g} s")
             raise EvaluationError(
                 f"workload {label!r}: seed {s} would replay trace seconds [{start:g}, {start + dur:g}), past "
-                f"the trace's end ({span:.0f} s): it has room for {room} windows of {dur:g} s from "
-                f"{base:g} s (seeds 0..{room - 1}); use other seeds/tune_seeds, a shorter "
+                f"the trace's end ({span:.0f} s): {fits}; use other seeds/tune_seeds, a shorter "
                 f"workload.duration_s, or trace_windows=false (every seed the same requests)"
             )
         out[int(s)] = start
@@ -291,9 +307,19 @@ def trace_windows(
 
 def engine_capabilities(cfg: DictConfig) -> EngineCapabilities:
     """What the configured engine can do (built once to ask, then closed)."""
+    return engine_facts(cfg)[0]
+
+
+def engine_facts(cfg: DictConfig) -> tuple[EngineCapabilities, str | None]:
+    """What the configured engine can do, and why the shield's memory ceiling would admit
+    no request on it (None: it admits some). Built once to ask, then closed."""
+    from batchpilot.core.shield import Shield, ShieldConfig
+
     engine = build_engine(cfg)
     try:
-        return engine.capabilities()
+        caps = engine.capabilities()
+        shield = Shield(ShieldConfig.from_cfg(cfg.shield), engine.memory_model(), caps)
+        return caps, shield.no_room_reason()
     finally:
         engine.close()
 
@@ -323,7 +349,11 @@ def _plan_from_cfg(
     if multiplier != 1.0:
         with open_dict(cfg):
             cfg.workload.rate_scale = float(cfg.workload.get("rate_scale", 1.0)) * multiplier
-    caps = engine_capabilities(cfg)
+    where = label if deployment is None else f"{label} @ {deployment.label}"
+    try:
+        caps, no_room = engine_facts(cfg)
+    except (ValueError, OmegaConfBaseException) as e:  # a model/hardware/engine value, checked there
+        raise EvaluationError(f"workload {where!r}: {e}") from e
     windows: dict[int, float] = {}
     try:
         if cfg.workload.get("kind") == "trace" and ecfg.trace_windows:
@@ -334,11 +364,34 @@ def _plan_from_cfg(
             with open_dict(wl):
                 wl.start_s = windows[ecfg.seeds[0]]
         stream = build_workload(wl, np.random.default_rng(0), caps.max_model_len)
-    except (OSError, ValueError) as e:
+    except EvaluationError:
+        raise
+    except (OSError, ValueError, OmegaConfBaseException) as e:
         raise EvaluationError(f"workload {label!r}: {e}") from e
+    report = stream.info.get("report")
+    notes = [] if report is None else [f"trace {report.summary()}"]
+    if not len(stream):
+        raise EvaluationError(
+            f"workload {where!r}: no requests to replay"
+            + (f" ({report.summary()}); check workload.start_s / duration_s / model against the trace"
+               if report is not None else "")
+        )
+    if stream.duration_s > ecfg.max_episode_s:
+        gap = (f"; its longest gap between two requests is {report.max_gap_s:,.0f} s, ending at "
+               f"{report.max_gap_until_s:,.0f} s (a stray timestamp?)" if report is not None else "")
+        raise EvaluationError(
+            f"workload {where!r}: {len(stream)} requests over {stream.duration_s:,.0f} s, past max_episode_s="
+            f"{ecfg.max_episode_s:g}{gap}; pick a window (workload.start_s, workload.duration_s) or raise "
+            f"max_episode_s"
+        )
+    if report is not None and not windows and len(ecfg.all_seeds) > 1:
+        notes.append("every seed replays the same requests (no workload.duration_s): the interval over "
+                     "seeds only reflects the priorities each seed draws; set workload.duration_s for "
+                     "distinct windows")
     return plan_from_caps(
         label, cfg, caps, duration_s=stream.duration_s, num_requests=len(stream),
         deployment=None if deployment is None else deployment.label, rate_multiplier=multiplier, windows=windows,
+        notes=notes, no_room=no_room,
     )
 
 
@@ -360,6 +413,9 @@ def plan_workload(
     cfg, choices = compose_eval(overrides, ecfg.config_name)
     label = name or choices.get("workload", "workload")
     if cfg.workload.get("kind") == "trace" and label == "trace":
+        if OmegaConf.is_missing(cfg.workload, "path"):
+            raise EvaluationError("workload=trace needs workload.path=FILE (and workload.format: azure, "
+                                  "mooncake or burstgpt)")
         label = f"trace:{Path(str(cfg.workload.path)).stem}"
     return _plan_from_cfg(cfg, label, ecfg, deployment, multiplier)
 

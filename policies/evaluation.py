@@ -55,6 +55,7 @@ from batchpilot.policies.eval_plan import (
     EvalConfig,
     EvaluationError,
     WorkloadPlan,
+    override_key,
     plan_matrix,
 )
 from batchpilot.policies.eval_report import ROW_KEYS, Timeline
@@ -468,11 +469,18 @@ def run_on_ray(
 
 # --- the whole run ----------------------------------------------------------------------------
 def _user_overrides(overrides: Sequence[str] | None) -> list[str]:
+    """The run's overrides each workload is recomposed with: the task's, and a
+    ``hydra.searchpath`` given on the command line (a user's own model/hardware/workload files
+    outside ``conf/``), which Hydra files with its own overrides."""
     if overrides is not None:
         return list(overrides)
     from hydra.core.hydra_config import HydraConfig
 
-    return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
+    if not HydraConfig.initialized():
+        return []
+    hc = HydraConfig.get()
+    search = [o for o in hc.overrides.hydra if override_key(o) == "hydra.searchpath"]
+    return [*hc.overrides.task, *search]
 
 
 @dataclass(slots=True)
@@ -648,11 +656,18 @@ def evaluate(
     console = Console(stderr=True)
     t_start = time.perf_counter()
     plans = plan_matrix(user, ecfg, console.log)
-    # Fail before any episode runs: every controller must build on every workload.
+    # Fail before any episode runs: every controller must build on every workload, and find room.
     for plan in plans:
         for name in ecfg.policies:
-            if name != BEST_STATIC:
-                make_controller(policy_config(name, ecfg, plan), plan, name)
+            if name == BEST_STATIC:
+                policy: dict[str, Any] = {}
+            else:
+                policy = policy_config(name, ecfg, plan)
+                make_controller(policy, plan, name)
+            if plan.no_room and not policy.get(AS_SHIPPED_KEY, False):
+                raise EvaluationError(
+                    f"workload {plan.key!r}, policy {name!r}: {plan.no_room} (only a policy run as shipped, "
+                    f"without the shield, e.g. vllm_default, could run there)")
     matrix = _Matrix(plans, ecfg)
     cells = matrix.first_cells()
     for plan in plans:
@@ -665,6 +680,8 @@ def evaluate(
             f"model {plan.model} on {plan.hardware}, engine {plan.cfg.engine.kind}, "
             f"load x{plan.rate_multiplier:.3g}{win}"
         )
+        for note in plan.notes:
+            console.log(f"workload {plan.key}: {note}")
 
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console, transient=False) as progress:

@@ -322,6 +322,9 @@ class ControlLoop:
         ln.admission.use_token_budget(ctl.shield.capabilities.max_num_batched_tokens)
         self.gw.metrics.memory_model_known.labels(ln.name).set(
             1.0 if mem.known and mem.source != "kv_pool" else 0.5 if mem.known else 0.0)
+        why = ctl.shield.no_room_reason() if mem.known else None
+        if why is not None:
+            self._note(f"{ln.name}: {why}; until then every request is refused as too large for memory")
         if not mem.known:
             self._note(f"memory budget of {ln.name} unknown ({mem.source.removeprefix('unknown: ')}): holding its "
                        f"cap at or below the safe cap {self.cfg.control.safe_batch_cap}, per-request memory "

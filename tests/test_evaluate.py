@@ -238,6 +238,52 @@ def test_script_reports_config_errors_in_one_line(tmp_path: Path) -> None:
     assert "Traceback" not in proc.stderr
 
 
+def test_a_deployment_the_shield_admits_nothing_on_is_named_before_any_episode(tmp_path: Path) -> None:
+    # Llama-3-8B on a 24 GB card: weights and activations are 82 % of vLLM's 90 % share, above
+    # the 80 % ceiling, so admission would refuse every request while the engine could serve.
+    small_gpu = ["workload.duration_s=5", "hardware.memory_gb=24"]
+    with pytest.raises(EvaluationError, match=r"policy 'pid': shield.memory_ceiling=0.8 leaves no room .*82%"):
+        _run(tmp_path, small_gpu)
+    assert not (tmp_path / "results.json").exists()
+    rows = _run(tmp_path, [*small_gpu, "policies=[vllm_default]", "seeds=[0]"])  # no shield: it runs
+    assert rows and rows[0]["completed"] > 0
+
+
+def test_traces_users_bring_fail_before_any_episode_with_the_reason(tmp_path: Path) -> None:
+    rows = "".join(f"2023-11-16 18:15:{i:02d}.0000000,100,10\n" for i in range(20))
+    header = "TIMESTAMP,ContextTokens,GeneratedTokens\n"
+    stray = tmp_path / "stray.csv"
+    stray.write_text(header + rows + "2024-11-16 18:15:00.0000000,100,10\n")
+    with pytest.raises(EvaluationError, match=r"21 requests over 31,6\d\d,\d{3} s, past max_episode_s=86400; "
+                                              r"its longest gap .* \(a stray timestamp\?\)"):
+        _run(tmp_path, ["workload.format=azure", f"workload.path={stray}"], base=TRACE)
+    empty = tmp_path / "header_only.csv"
+    empty.write_text(header)
+    with pytest.raises(EvaluationError, match=r"'trace:header_only': no requests to replay .*0 rows read"):
+        _run(tmp_path, ["workload.format=azure", f"workload.path={empty}"], base=TRACE)
+    with pytest.raises(EvaluationError, match=r"workload=trace needs workload.path"):
+        _run(tmp_path, [], base=TRACE)
+    with pytest.raises(EvaluationError, match=r"workload 'poisson': model.num_layers=-4 is invalid"):
+        _run(tmp_path, ["model.num_layers=-4"])
+    assert not (tmp_path / "results.json").exists()
+
+
+def test_model_and_hardware_files_from_a_search_path(tmp_path: Path) -> None:
+    """A user's own deployment files outside conf/ (``hydra.searchpath``) reach every workload,
+    which the evaluation composes again from the run's overrides."""
+    conf = tmp_path / "conf"
+    (conf / "hardware").mkdir(parents=True)
+    h100 = (REPO_ROOT / "conf" / "hardware" / "h100.yaml").read_text()
+    (conf / "hardware" / "my_gpu.yaml").write_text(h100.replace("name: h100", "name: my_gpu"))
+    out = tmp_path / "out"
+    cmd = [sys.executable, str(REPO_ROOT / "scripts" / "evaluate.py"), "policies=[pid]", "seeds=[0]",
+           "logger=none", "plots=false", "workload=poisson", "workload.duration_s=5",
+           f"hydra.searchpath=[file://{conf}]", "hardware=my_gpu", f"out_dir={out}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO_ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "| poisson | llama3_8b/my_gpu | pid | 1 |" in proc.stdout
+
+
 @pytest.mark.slow
 def test_workloads_carry_their_model_and_hardware() -> None:
     from batchpilot.policies.eval_plan import EvalConfig, plan_workload
@@ -293,8 +339,9 @@ def test_tune_seeds_must_not_overlap_scored_seeds(tmp_path: Path) -> None:
     cfg, _ = compose_eval([*SMALL, "policies=[best_static]", "+best_static.tune_seed=0"])
     with pytest.raises(EvaluationError, match=r"(?s)Key 'tune_seed' not in 'BestStaticConfig'.*full_key: best_static\.tune_seed"):
         EvalConfig.from_cfg(cfg)
-    with pytest.raises(ConfigCompositionException, match=r"best_static\.tune_seed"):
+    with pytest.raises(EvaluationError, match=r"config: Could not override 'best_static\.tune_seed'") as e:
         compose_eval([*SMALL, "policies=[best_static]", "best_static.tune_seed=0"])
+    assert isinstance(e.value.__cause__, ConfigCompositionException)
     # Disjoint: fine, and the tuning seed's episodes are not among the rows.
     cfg, _ = compose_eval([*SMALL, "policies=[best_static]", "best_static.tune_seeds=[7]"])
     assert EvalConfig.from_cfg(cfg).all_seeds == (0, 1, 2, 7)

@@ -84,6 +84,14 @@ def test_memory_ceiling_exact():
     assert d.predicted_memory_fraction == pytest.approx(0.8)
 
 
+def test_a_ceiling_below_the_weights_is_named_not_silently_refusing():
+    assert shield().no_room_reason() is None
+    # Weights + activations are 48 % of the budget: a 45 % ceiling admits no request at all.
+    why = shield(memory_ceiling=0.45).no_room_reason()
+    assert why is not None and "memory_ceiling=0.45 leaves no room" in why and "48%" in why
+    assert shield(memory_ceiling=0.45).max_feasible_batch("auto") == 0
+
+
 def test_over_ceiling_moves_down_never_up():
     s = shield()
     d = s.apply(Proposal(batch_cap=120), Knobs(100), CALM, 1.0)

@@ -324,6 +324,20 @@ class Shield:
             )
         self.max_batch = max(self.cfg.min_batch, min(self.cfg.max_batch, capabilities.max_num_seqs))
 
+    def no_room_reason(self) -> str | None:
+        """Why the memory ceiling admits no request at all on this engine (None: it admits
+        some). Per-request memory admission would then refuse every request
+        (``too_large_for_memory``) while the engine itself could run them."""
+        m = self.memory
+        floor = min(self.blocks_fraction(1, 1, d) for d in m.kv_block_bytes)
+        if floor <= self.cfg.memory_ceiling:
+            return None
+        return (f"shield.memory_ceiling={self.cfg.memory_ceiling:g} leaves no room for a single request: "
+                f"weights {m.weights_bytes / 1e9:.1f} GB + activations {m.activation_bytes / 1e9:.1f} GB "
+                f"(+ one sequence's overhead) already take {floor:.0%} of the engine's memory budget "
+                f"({m.budget_bytes / 1e9:.1f} GB = gpu_memory_utilization x memory); use a GPU with more "
+                f"memory, raise model.tensor_parallel, or raise shield.memory_ceiling")
+
     def update_memory_model(self, memory: MemoryModel) -> None:
         """After an engine restart (e.g. a new KV dtype) the block layout may differ."""
         self.set_engine(memory, self.capabilities)
