@@ -75,7 +75,7 @@ class TraceOptions:
     #: Spread the requests of each ``[k*q, (k+1)*q)`` bucket evenly inside it (for traces
     #: whose timestamps are quantised, e.g. ~3 s for Mooncake). ``None`` = keep as is.
     spread_quantum_s: float | None = None
-    #: BurstGPT only: keep only rows of this model (``ChatGPT``, ``GPT-4``); ``None`` = all.
+    #: BurstGPT only: keep only rows of this model (``ChatGPT``, ``GPT-4``; any case); ``None`` = all.
     model: str | None = None
 
     def __post_init__(self) -> None:
@@ -298,7 +298,7 @@ def _read_burstgpt(path: Path, opts: TraceOptions) -> _Raw:
         raw.saw(t)
         prompt = _tokens(path, line, "Request tokens", row["Request tokens"])
         output = _tokens(path, line, "Response tokens", row["Response tokens"])
-        if opts.model is not None and row["Model"].strip() != opts.model:
+        if opts.model is not None and row["Model"].strip().casefold() != opts.model.strip().casefold():
             raw.skipped[SKIP_OTHER_MODEL] += 1
             continue
         if output == 0:

@@ -187,6 +187,8 @@ def test_burstgpt_failures_counted_not_silently_dropped(tmp_path: Path):
     assert len(gpt4) == 1 and gpt4.report.skipped == {SKIP_OTHER_MODEL: 4}
     # The time origin is the trace's first row, not the first row a filter kept.
     assert list(gpt4.arrival_s) == [113.0]
+    # Model names as users type them: case aside, the same rows.
+    assert list(read_trace(p, "burstgpt", TraceOptions(model="gpt-4 ")).arrival_s) == [113.0]
 
 
 # --- malformed input -----------------------------------------------------------------------------
