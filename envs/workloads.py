@@ -306,6 +306,8 @@ class EmpiricalLengths:
     @classmethod
     def from_trace(cls, path: str | Path, format: str) -> "EmpiricalLengths":
         tr = read_trace(path, format)
+        if not len(tr):
+            raise ValueError(f"empirical lengths: no requests in {tr.report.summary()}")
         return cls(tr.prompt_len, tr.output_len)
 
     def sample(self, rng: np.random.Generator, n: int) -> tuple[np.ndarray, np.ndarray]:

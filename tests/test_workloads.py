@@ -148,6 +148,13 @@ def test_empirical_from_vendored_trace():
     assert p.mean() == pytest.approx(1155, rel=0.03)
 
 
+def test_empirical_lengths_from_a_trace_without_rows_name_the_file(tmp_path) -> None:
+    empty = tmp_path / "header_only.csv"
+    empty.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n")
+    with pytest.raises(ValueError, match=r"empirical lengths: no requests in .*header_only\.csv \(azure\): 0 rows read"):
+        EmpiricalLengths.from_trace(empty, "azure")
+
+
 def test_priority_shares():
     pr = sample_priorities(rng(10), [0.7, 0.2, 0.1], 50_000)
     shares = np.bincount(pr, minlength=3) / pr.size
