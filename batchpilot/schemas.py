@@ -635,6 +635,8 @@ class ServeConfig:
     #: probes in a row spanning at least ``health_grace_s`` (a dead process: at once).
     health_failures: int = 3
     health_grace_s: float = 15.0
+    #: Queueing plus the upstream until its answer (a stream: its first chunk) must fit in this;
+    #: a stream then ends only after this long without a chunk.
     request_timeout_s: float = 60.0
     retry_after_s: int = 1
     #: Request bodies above this are refused with 413 (before they are read when declared).

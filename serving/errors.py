@@ -14,10 +14,13 @@ class GatewayError(Exception):
 
     status = 500
 
-    def __init__(self, reason: str, message: str, *, status: int | None = None, retry_after: int | None = None) -> None:
+    def __init__(self, reason: str, message: str, *, status: int | None = None, retry_after: int | None = None,
+                 param: str | None = None) -> None:
         super().__init__(message)
         self.reason = reason
         self.message = message
+        #: The body field at fault, as vLLM's (and OpenAI's) errors name it.
+        self.param = param
         if status is not None:
             self.status = status
         self.retry_after = retry_after

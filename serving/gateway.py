@@ -317,13 +317,15 @@ async def _proxy(request: Request, path: str, chat: bool) -> Response:
         raise Refused("upstream_down", str(exc), status=503, retry_after=cfg.retry_after_s) from None
     except ValueError as exc:  # the upstream's /tokenize refused it
         raise BadRequest("invalid_prompt", f"could not tokenize the prompt: {exc}") from None
-    max_tokens = body.get("max_tokens") or body.get("max_completion_tokens")
+    # vLLM (and OpenAI) read max_completion_tokens first, max_tokens when it is not set.
+    limit_key = next((k for k in ("max_completion_tokens", "max_tokens") if body.get(k) is not None), None)
+    max_tokens = None if limit_key is None else body[limit_key]
     if prompt_len > max_len:
         raise BadRequest("prompt_too_long",
                          f"the prompt has {prompt_len} tokens, more than the model's max_model_len={max_len}")
     if max_tokens is not None and max_tokens > max_len:
         raise BadRequest("max_tokens_too_large",
-                         f"max_tokens={max_tokens} exceeds the model's max_model_len={max_len}")
+                         f"{limit_key}={max_tokens} exceeds the model's max_model_len={max_len}", param=limit_key)
     rid = f"gw-{uuid.uuid4().hex}"
     req = EngineRequest(rid, t_arrival, prompt_len, expected_output_len(max_tokens, chat, prompt_len, max_len),
                         priority, num_seqs=parsed.seqs, reports_first_token=bool(body.get("stream")))
@@ -388,7 +390,8 @@ async def _forward(gw: Gateway, lane: Lane, req: EngineRequest, bucket: int, bod
         timer.finish(ok=False)  # a no-op when the stream ended normally (finished already)
         resp.aclose()
 
-    return SlotStream(_relay(resp, timer, lane, deadline), on_close, status_code=200, headers=resp_headers)
+    return SlotStream(_relay(resp, timer, lane, deadline, cfg.request_timeout_s), on_close, status_code=200,
+                      headers=resp_headers)
 
 
 class SlotStream(StreamingResponse):
@@ -432,9 +435,12 @@ def _upstream_failed(lane: Lane, exc: Exception) -> None:
                        status=502, retry_after=lane.retry_after_s) from None
 
 
-async def _relay(resp: Http1Response, timer: "_Timer", lane: Lane, deadline: float) -> AsyncIterator[bytes]:
-    """Relay SSE chunks as they come, until the request's deadline; the slot is freed however
-    the stream ends (and an unfinished upstream stream is closed, so vLLM aborts it)."""
+async def _relay(resp: Http1Response, timer: "_Timer", lane: Lane, deadline: float,
+                 idle_s: float) -> AsyncIterator[bytes]:
+    """Relay SSE chunks as they come; the slot is freed however the stream ends (and an
+    unfinished upstream stream is closed, so vLLM aborts it). A stream that keeps sending is
+    never cut: past the request's deadline it ends only once no chunk came for ``idle_s``
+    (a long generation streams for as long as vLLM would let it)."""
     ok = False
     it = resp.aiter()
     try:
@@ -444,14 +450,16 @@ async def _relay(resp: Http1Response, timer: "_Timer", lane: Lane, deadline: flo
                     chunk = await it.__anext__()
             except StopAsyncIteration:
                 break
+            deadline = max(deadline, time.monotonic() + idle_s)
             timer.chunk(chunk)
             if b'"error"' in chunk:  # vLLM ends a failed stream with an error event
-                lane.check_error_answer(500, chunk)
+                lane.check_stream_error(chunk)
             yield chunk
         ok = True
     except TimeoutError:
         lane.metrics.rejected.labels("timeout").inc()
-        yield _sse_error("the request timeout passed mid-stream", "timeout", 503)
+        yield _sse_error(f"no chunk from the upstream for {idle_s:g} s (serve.request_timeout_s) mid-stream",
+                         "timeout", 503)
     except Http1Error as exc:
         # Headers are gone already: end the stream with an SSE error event, as vLLM does.
         yield _sse_error(f"upstream {lane.name} failed mid-stream: {exc}", "upstream_error", 502)
@@ -575,7 +583,8 @@ class StatusCounter:
 
 def _error_response(exc: GatewayError) -> JSONResponse:
     headers = {"Retry-After": str(exc.retry_after)} if exc.retry_after is not None else None
-    body = {"error": {"message": exc.message, "type": type(exc).__name__, "code": exc.status, "reason": exc.reason}}
+    body = {"error": {"message": exc.message, "type": type(exc).__name__, "param": exc.param, "code": exc.status,
+                      "reason": exc.reason}}
     return JSONResponse(body, status_code=exc.status, headers=headers)
 
 
@@ -584,7 +593,7 @@ def _error_response(exc: GatewayError) -> JSONResponse:
 FORWARDED = (("GET", "/v1/models"), ("GET", "/version"), ("POST", "/tokenize"), ("POST", "/detokenize"))
 #: What ``unknown_endpoint`` errors list.
 SERVED_ENDPOINTS = ("/v1/completions and /v1/chat/completions (through admission and the shield), "
-                    f"{', '.join(p for _, p in FORWARDED)} (forwarded to vLLM), /health, "
+                    f"{', '.join(p for _, p in FORWARDED)} (forwarded to vLLM), /health, /ping, "
                     "/healthz, /readyz, /metrics and /admin/*")
 
 
@@ -691,6 +700,9 @@ def build_app(settings: AppSettings) -> FastAPI:
         """vLLM's liveness route, answered as `vllm serve` answers it (200, empty body) while
         the gateway can serve, so probes written for vLLM work unchanged in front of it."""
         return Response(status_code=200 if _ready(request.app.state.gateway) else 503)
+
+    # vLLM's SageMaker-style probe: the same answer as /health, on GET and POST as vLLM takes it.
+    app.add_api_route("/ping", health, methods=["GET", "POST"], name="/ping")
 
     @app.get("/healthz")
     async def healthz() -> dict[str, str]:

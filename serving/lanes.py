@@ -9,6 +9,7 @@ admission always balance and no slot leaks.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import re
 import time
@@ -112,9 +113,28 @@ class Lane:
         log.warning("upstream %s: %s", self.name, what)
 
     def check_error_answer(self, status: int, body: bytes) -> None:
-        """An error answer from the upstream: report it when it says the engine ran out of memory."""
-        if status >= 400 and is_oom_text(body):
+        """An error answer from the upstream: report it when it says the engine ran out of memory.
+        Only server errors count: a 4xx answer is about the request, and vLLM repeats the
+        client's own text in it (``The model `out of memory` does not exist``), so a client
+        could otherwise drive the breaker, and restarts, with its request alone."""
+        if status >= 500 and is_oom_text(body):
             self.report_oom("error_answer", f"answered {status} naming out-of-memory: {_excerpt(body)}")
+
+    def check_stream_error(self, chunk: bytes) -> None:
+        """A streamed chunk: vLLM ends a failed stream with an SSE error event carrying the
+        status it would have answered (``{"error": {..., "code": 500}}``); checked like an
+        error answer of that status."""
+        for line in chunk.splitlines():
+            if not line.startswith(b"data:"):
+                continue
+            try:
+                event = json.loads(line[5:])
+            except ValueError:
+                continue
+            err = event.get("error") if isinstance(event, dict) else None
+            if isinstance(err, dict):
+                code = err.get("code", 500)
+                self.check_error_answer(code if isinstance(code, int) and not isinstance(code, bool) else 500, line)
 
     def take_oom_reports(self) -> list[str]:
         out, self.oom_reports = self.oom_reports, []

@@ -121,25 +121,70 @@ def _validate(body: dict[str, Any], chat: bool, max_num_seqs: int, max_prompt_to
         if not isinstance(v, list) or not v or not all(isinstance(m, dict) and "role" in m for m in v):
             raise BadRequest("invalid_field", "'messages' must be a non-empty list of {role, content} objects")
     else:
-        if isinstance(v, list) and len(v) > max_num_seqs and isinstance(v[0], str):
+        if isinstance(v, list) and len(v) > max_num_seqs and isinstance(v[0], (str, list)):
             raise BadRequest("too_many_sequences", f"the request has {len(v)} prompts; the engine runs at most "
                              f"max_num_seqs={max_num_seqs} sequences at once")
-        if not (isinstance(v, str) or (isinstance(v, list) and v and all(isinstance(x, (str, int)) for x in v))):
-            raise BadRequest("invalid_field", "'prompt' must be a string, a list of strings or a list of token ids")
+        if isinstance(v, list) and v and isinstance(v[0], list):  # a batch of token-id prompts
+            if not all(isinstance(x, list) and x and all(_is_int(t) for t in x) for x in v):
+                raise BadRequest("invalid_field", "'prompt' as a batch of token ids must be a list of non-empty "
+                                 "lists of integers")
+            longest = max(len(x) for x in v)
+            if longest > max_prompt_tokens:
+                raise BadRequest("prompt_too_long", f"a prompt has {longest} token ids, more than the model's "
+                                 f"max_model_len={max_prompt_tokens}")
+        elif not (isinstance(v, str) or (isinstance(v, list) and v and all(isinstance(x, (str, int)) for x in v))):
+            raise BadRequest("invalid_field", "'prompt' must be a string, a list of strings, a list of token ids "
+                             "or a list of token-id lists")
+    # vLLM reads the body leniently (pydantic): a null is an unset field, 8.0 and "8" are 8,
+    # "true" is true. The gateway reads the same values the same way (and forwards the bytes).
+    for key in ("max_tokens", "max_completion_tokens", "n", "best_of"):
+        body[key] = _lenient_int(key, body.get(key))
+    body["stream"] = _lenient_bool("stream", body.get("stream"))
+    for key in ("max_tokens", "max_completion_tokens", "n", "best_of", "stream"):
+        if body[key] is None:
+            del body[key]
+    scoring = not chat and _lenient_bool("echo", body.get("echo")) is True  # max_tokens 0: the prompt's logprobs
     for key in ("max_tokens", "max_completion_tokens"):
         n = body.get(key)
-        if n is None:
-            continue
-        if isinstance(n, bool) or not isinstance(n, int):
-            raise BadRequest("invalid_field", f"'{key}' must be an integer, got {n!r}")
-        if n < 1:
-            raise BadRequest("invalid_field", f"'{key}' must be at least 1, got {n}")
-    if "stream" in body and not isinstance(body["stream"], bool):
-        raise BadRequest("invalid_field", f"'stream' must be true or false, got {body['stream']!r}")
+        if n is not None and n < (0 if scoring else 1):
+            raise BadRequest("invalid_field", f"'{key}' must be at least {0 if scoring else 1}, got {n}", param=key)
     for key in ("n", "best_of"):
         n = body.get(key)
-        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
-            raise BadRequest("invalid_field", f"'{key}' must be an integer >= 1, got {n!r}")
+        if n is not None and n < 1:
+            raise BadRequest("invalid_field", f"'{key}' must be an integer >= 1, got {n!r}", param=key)
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+_TRUE = frozenset(("true", "1", "yes", "on", "t", "y"))
+_FALSE = frozenset(("false", "0", "no", "off", "f", "n"))
+
+
+def _lenient_int(key: str, v: Any) -> int | None:
+    """An integer field as pydantic's lax mode reads it (what vLLM accepts), else a 400."""
+    if v is None or _is_int(v):
+        return v
+    if isinstance(v, float) and v.is_integer():
+        return int(v)
+    if isinstance(v, str):
+        try:
+            return int(v.strip())
+        except ValueError:
+            pass
+    raise BadRequest("invalid_field", f"'{key}' must be an integer, got {v!r}", param=key)
+
+
+def _lenient_bool(key: str, v: Any) -> bool | None:
+    """A boolean field as pydantic's lax mode reads it, else a 400."""
+    if v is None or isinstance(v, bool):
+        return v
+    if _is_int(v) and v in (0, 1):
+        return bool(v)
+    if isinstance(v, str) and v.strip().lower() in _TRUE | _FALSE:
+        return v.strip().lower() in _TRUE
+    raise BadRequest("invalid_field", f"'{key}' must be true or false, got {v!r}", param=key)
 
 
 def num_sequences(body: dict[str, Any], chat: bool) -> int:
@@ -150,7 +195,7 @@ def num_sequences(body: dict[str, Any], chat: bool) -> int:
     prompts = 1
     if not chat:
         p = body["prompt"]
-        if isinstance(p, list) and p and all(isinstance(x, str) for x in p):
+        if isinstance(p, list) and p and all(isinstance(x, (str, list)) for x in p):
             prompts = len(p)
     return per_prompt * prompts
 

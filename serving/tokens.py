@@ -70,6 +70,9 @@ class PromptText:
 
 def prompt_text(body: dict[str, Any], chat: bool) -> PromptText:
     """The prompt of a validated body; linear in its size (run it off the loop for big ones)."""
+    p = None if chat else body["prompt"]
+    if isinstance(p, list) and p and isinstance(p[0], list):  # a batch of token-id prompts
+        return PromptText([], max(len(x) for x in p), 0, 0)  # the longest counts
     texts = _texts(body, chat)
     if texts and isinstance(texts[0], int):
         return PromptText([], len(texts), 0, 0)

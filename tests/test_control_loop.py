@@ -270,7 +270,14 @@ def test_the_breakers_oom_input_is_what_vllm_reports() -> None:
     caps = _ticks(loop, lane, 2)
     lane.check_error_answer(500, b'{"error": {"message": "Internal Server Error"}}')  # not an OOM
     lane.check_error_answer(400, b'{"error": {"message": "max_tokens too large"}}')
+    # A client's own words in a 4xx answer are not the engine's: vLLM repeats the model name.
+    lane.check_error_answer(404, b'{"object":"error","message":"The model `out of memory` does not exist."}')
+    lane.check_stream_error(b'data: {"error": {"message": "The model `OOM` does not exist", "code": 404}}\n\n')
+    lane.check_stream_error(b'data: {"choices": [{"text": "\\"error\\": out of memory"}]}\n\n')
     assert lane.oom_reports == []
+    lane.check_stream_error(b'data: {"error": {"message": "CUDA out of memory", "code": 500}}\n\ndata: [DONE]\n\n')
+    assert len(lane.oom_reports) == 1
+    lane.oom_reports.clear()
     lane.check_error_answer(500, b'{"object":"error","message":"CUDA out of memory. Tried to allocate 2.00 GiB"}')
     assert len(lane.oom_reports) == 1
     before = lane.knobs.batch_cap
@@ -278,7 +285,7 @@ def test_the_breakers_oom_input_is_what_vllm_reports() -> None:
     why = ctl.last_decision["interventions"].get("breaker_shrink", "")
     assert "out of memory" in why and "CUDA out of memory" in why, ctl.last_decision
     assert caps[-1] < before and ctl.last_decision["breaker_level"] == 1
-    assert gw.metrics.upstream_oom.labels(lane.name, "error_answer")._value.get() == 1
+    assert gw.metrics.upstream_oom.labels(lane.name, "error_answer")._value.get() == 2  # the stream's too
     assert lane.oom_reports == []
 
     # The managed engine process exits: one report per death, fed to the next decision.

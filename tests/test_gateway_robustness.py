@@ -240,6 +240,67 @@ def test_an_over_long_prompt_list_is_refused_before_its_items_are_read() -> None
     assert _inspect(json.dumps({"prompt": [1] * 2048}).encode()).text.token_ids == 2048
 
 
+def test_the_body_is_read_as_leniently_as_vllm_reads_it() -> None:
+    """Clients found refused by the gateway and served by vLLM (pydantic's lax mode): unset
+    fields written as null, 8.0 or "8" for 8, "true" for true, a batch of token-id prompts,
+    and max_tokens 0 to score a prompt (echo). Values vLLM also refuses stay refused."""
+    kept = _inspect(json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "stream": None,
+                                "n": None, "stop": None, "temperature": None}).encode(), True).body
+    assert kept == {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    kept = _inspect(b'{"prompt": "x", "max_tokens": 8.0, "n": "2", "stream": "true", "best_of": 2}').body
+    assert (kept["max_tokens"], kept["n"], kept["stream"], kept["best_of"]) == (8, 2, True, 2)
+    batch = _inspect(json.dumps({"prompt": [[1, 2, 3], [4, 5]], "max_tokens": 4}).encode())
+    assert batch.seqs == 2 and batch.text.token_ids == 3  # two sequences; the longest prompt counts
+    assert _inspect(b'{"prompt": "Hello", "max_tokens": 0, "echo": true, "logprobs": 1}').body["max_tokens"] == 0
+    for raw, says in [
+        (b'{"prompt": "Hello", "max_tokens": 0}', "'max_tokens' must be at least 1"),
+        (b'{"prompt": "x", "max_tokens": 8.5}', "'max_tokens' must be an integer"),
+        (b'{"prompt": "x", "stream": "maybe"}', "'stream' must be true or false"),
+        (b'{"prompt": [[1, 2], []]}', "a batch of token ids must be a list of non-empty lists"),
+        (b'{"prompt": [[1, 2], "a"]}', "a batch of token ids"),
+    ]:
+        with pytest.raises(BadRequest, match=says):
+            _inspect(raw)
+    with pytest.raises(BadRequest) as exc:
+        _inspect(json.dumps({"prompt": [[1]] * 300}).encode())
+    assert exc.value.reason == "too_many_sequences"
+    with pytest.raises(BadRequest) as exc:
+        _inspect(json.dumps({"prompt": [[1], [2] * 3000]}).encode())
+    assert exc.value.reason == "prompt_too_long" and exc.value.param is None
+
+
+@pytest.mark.anyio
+async def test_a_stream_that_keeps_sending_outlives_the_request_timeout() -> None:
+    """A long generation streamed past ``request_timeout_s`` is relayed to its end (vLLM lets
+    it run); a stream that stops sending for that long is ended with a timeout event."""
+    from types import SimpleNamespace
+
+    from batchpilot.serving.gateway import _relay
+
+    def fake(chunks: list[bytes], pause_s: float, stall_after: int | None = None) -> Any:
+        async def aiter() -> Any:
+            for i, c in enumerate(chunks):
+                await asyncio.sleep(30.0 if i == stall_after else pause_s)
+                yield c
+        return SimpleNamespace(aiter=aiter, aclose=lambda: None)
+
+    ended: list[bool] = []
+    timer = SimpleNamespace(chunk=lambda c: None, finish=lambda ok: ended.append(ok))
+    timeouts: list[str] = []
+    lane = SimpleNamespace(name="up0", check_stream_error=lambda c: None,
+                           metrics=SimpleNamespace(rejected=SimpleNamespace(
+                               labels=lambda r: SimpleNamespace(inc=lambda: timeouts.append(r)))))
+    chunks = [f"data: {i}\n\n".encode() for i in range(40)] + [b"data: [DONE]\n\n"]
+    t0 = time.monotonic()
+    got = [c async for c in _relay(fake(chunks, 0.02), timer, lane, t0 + 0.2, idle_s=2.0)]
+    assert got == chunks and timeouts == [] and ended == [True]
+    assert time.monotonic() - t0 > 0.2  # it ran past the first deadline
+    got = [c async for c in _relay(fake(chunks, 0.0, stall_after=3), timer, lane, time.monotonic() + 0.1,
+                                   idle_s=0.3)]
+    assert got[:3] == chunks[:3] and b'"reason": "timeout"' in got[3] and timeouts == ["timeout"]
+    assert ended == [True, False]
+
+
 @pytest.mark.parametrize("raw", [b'{"prompt": "x", "echo": true}', b' \r\n\t{"prompt": [1, 2]}',
                                  '{"prompt": "caf\u00e9 \u2603"}'.encode()])
 def test_the_model_is_spliced_into_the_clients_bytes(raw: bytes) -> None:
@@ -426,8 +487,12 @@ async def test_health_answers_as_vllm_does_while_the_gateway_can_serve(monkeypat
             gw.ready = True
             r = await c.get("/health")
             assert r.status_code == 200 and r.content == b""
+            for probe in (c.get("/ping"), c.post("/ping")):  # vLLM's SageMaker-style probe
+                r = await probe
+                assert r.status_code == 200 and r.content == b""
             gw.lanes[0].upstream.healthy = False
             assert (await c.get("/health")).status_code == 503
+            assert (await c.get("/ping")).status_code == 503
 
 
 # --- the managed engine's log ------------------------------------------------------------------------
