@@ -198,6 +198,20 @@ class TrainConfig:
             raise ValueError(f"train.critic_warmup_steps must be >= 0, got {self.critic_warmup_steps}")
         if "workloads" not in self.validation or "seeds" not in self.validation:
             raise ValueError("train.validation needs 'seeds' and 'workloads' (see conf/train/ppo.yaml)")
+        for name in ("learning_rate", "clip_range", "max_grad_norm", "clip_obs"):
+            v = getattr(self, name)
+            if not (math.isfinite(v) and v > 0):
+                raise ValueError(f"train.{name} must be a finite number > 0, got {v}")
+        for name in ("gamma", "gae_lambda"):
+            v = getattr(self, name)
+            if not 0 < v <= 1:
+                raise ValueError(f"train.{name} must be in (0, 1], got {v}")
+        for name in ("ent_coef", "vf_coef"):
+            v = getattr(self, name)
+            if not (math.isfinite(v) and v >= 0):
+                raise ValueError(f"train.{name} must be a finite number >= 0, got {v}")
+        if self.target_kl is not None and not (math.isfinite(self.target_kl) and self.target_kl > 0):
+            raise ValueError(f"train.target_kl must be a finite number > 0 or null, got {self.target_kl}")
 
     def num_envs(self) -> int:
         return self.n_envs if self.n_envs is not None else max(1, os.cpu_count() or 1)
@@ -489,6 +503,8 @@ PPOPolicyNode = node_schema(PPOPolicyConfig, "PPOPolicyNode", extra=[("kind", st
 ControlMode = Literal["policy", "pid", "static", "shadow"]
 CONTROL_MODES: tuple[str, ...] = ("policy", "pid", "static", "shadow")
 TOKENIZER_MODES: tuple[str, ...] = ("auto", "local", "upstream", "chars")
+#: uvicorn's levels (``serve.log_level``).
+LOG_LEVELS: tuple[str, ...] = ("critical", "error", "warning", "info", "debug", "trace")
 
 
 def _read_secret(path: str | None, key: str) -> str | None:
@@ -702,9 +718,13 @@ class ServeConfig:
         for u in self.upstreams:
             if not u.startswith(("http://", "https://")):
                 raise ValueError(f"serve.upstreams entry {u!r} must start with http:// or https://")
-        for name in ("health_timeout_s", "health_grace_s", "body_timeout_s", "header_timeout_s"):
+        for name in ("health_timeout_s", "health_grace_s", "body_timeout_s", "header_timeout_s", "startup_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"serve.{name} must be > 0, got {getattr(self, name)}")
+        if self.retry_after_s < 0:
+            raise ValueError(f"serve.retry_after_s must be >= 0 (seconds in Retry-After), got {self.retry_after_s}")
+        if self.log_level.lower() not in LOG_LEVELS:
+            raise ValueError(f"serve.log_level={self.log_level!r}; one of {LOG_LEVELS}")
         if self.health_failures < 1:
             raise ValueError(f"serve.health_failures must be >= 1, got {self.health_failures}")
         if self.max_body_bytes < 1024:

@@ -56,6 +56,7 @@ import httpx
 from omegaconf import DictConfig, OmegaConf
 
 from batchpilot.config import CONF_DIR, REPO_ROOT
+from batchpilot.core.telemetry import SLO
 from batchpilot.envs.timed_trace import (
     HASH_STRIDE,
     TimedTraceFile,
@@ -476,6 +477,10 @@ def _check(cfg: DictConfig) -> list[str]:
         raise LiveEvaluationError(f"paths must be distinct names among {tuple(dict.fromkeys(known))}, got {paths}")
     if int(cfg.rounds) < 1:
         raise LiveEvaluationError(f"rounds must be >= 1, got {cfg.rounds}")
+    try:  # the client's --goodput and every controller's objectives
+        SLO(ttft_ms=cfg.slo.get("ttft_ms"), tpot_ms=cfg.slo.get("tpot_ms"), e2el_ms=cfg.slo.get("e2el_ms"))
+    except ValueError as e:
+        raise LiveEvaluationError(str(e)) from None
     lat = float(cfg.twin_ingress_latency_s)
     if not 0 <= lat < math.inf:  # checked before the runs, not when the twin starts after them
         raise LiveEvaluationError(f"twin_ingress_latency_s must be a finite number of seconds >= 0, got {lat}")
@@ -499,11 +504,14 @@ def live_evaluate(cfg: DictConfig, model_dir: Path | None = None) -> dict[str, A
             raise LiveEvaluationError(str(e)) from None
     pdirs = policy_dirs(cfg)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per admin/metrics poll otherwise
+    scenario = cfg.live_scenario
+    try:  # the trace window, read before anything is written or started
+        tf = scenario_trace(scenario)
+    except (OSError, ValueError) as e:
+        raise LiveEvaluationError(f"live_scenario {scenario.get('name', '?')!r}: {e}") from None
     out_dir = Path(str(cfg.out_dir))
     runs_dir = out_dir / "runs"
     runs_dir.mkdir(parents=True, exist_ok=True)
-    scenario = cfg.live_scenario
-    tf = scenario_trace(scenario)
     print(f"live_evaluate: scenario {scenario.name}: {tf.summary}", flush=True)
     order = schedule(paths, int(cfg.rounds), str(cfg.order), int(cfg.seed))
     goodput = [f"ttft:{cfg.slo.ttft_ms}", f"tpot:{cfg.slo.tpot_ms}"]

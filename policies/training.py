@@ -117,6 +117,29 @@ def job_info() -> dict[str, Any]:
 
 
 # --- environments --------------------------------------------------------------------------
+class TrainConfigError(ValueError):
+    """The training configuration cannot run; found before any worker forks or any step is
+    taken (``scripts/train.py`` prints it in one line)."""
+
+
+def check_training_config(cfg: DictConfig, tc: TrainConfig) -> None:
+    """One training environment built here, on the simulator, before the workers fork: a bad
+    value (an SLO of NaN, a memory ceiling of 1.5) then fails with its own message, where in a
+    ``SubprocVecEnv`` worker it surfaced as a ``ConnectionResetError``, or after the whole run."""
+    from omegaconf.errors import OmegaConfBaseException
+
+    baseline = str(tc.validation.get("baseline", "pid"))
+    if not (CONF_DIR / "policy" / f"{baseline}.yaml").is_file():
+        known = sorted(p.stem for p in (CONF_DIR / "policy").glob("*.yaml"))
+        raise TrainConfigError(f"train.validation.baseline={baseline!r} is not in conf/policy; known: {known}")
+    if str(cfg.engine.get("kind", "sim")) != "sim":
+        return  # a live engine is started by the run itself, once
+    try:
+        ServingEnv(cfg=cfg).close()
+    except (ValueError, OmegaConfBaseException) as e:
+        raise TrainConfigError(f"the training environment cannot be built: {e}") from None
+
+
 def make_env_fn(cfg: DictConfig) -> Callable[[], ServingEnv]:
     """A picklable constructor for one training env (runs inside a SubprocVecEnv worker)."""
 
@@ -310,8 +333,11 @@ def train(cfg: DictConfig) -> float:
     from batchpilot.policies.export import export_policy, load_sb3
 
     t_start = time.perf_counter()
-    tc = TrainConfig.from_cfg(cfg.train)
-    lc = LoggerConfig.from_cfg(cfg.logger)
+    try:
+        tc = TrainConfig.from_cfg(cfg.train)
+        lc = LoggerConfig.from_cfg(cfg.logger)
+    except ValueError as e:
+        raise TrainConfigError(str(e)) from None
     seed = int(cfg.seed)
     out_dir = run_output_dir()
     # A plain, resolved copy: picklable for the workers, free of Hydra-only interpolations.
@@ -330,6 +356,7 @@ def train(cfg: DictConfig) -> float:
         print(f"[train] warm start from {warm.artifact.path}: actor and observation normalisation loaded, "
               f"critic and reward normalisation fresh"
               + (f"; observation scales set to the policy's: {changed}" if changed else ""))
+    check_training_config(plain, tc)
     config_dict: dict[str, Any] = OmegaConf.to_container(plain)  # type: ignore[assignment]
     torch.set_num_threads(tc.torch_threads)
     set_random_seed(seed)

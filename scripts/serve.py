@@ -6,17 +6,23 @@
 
 from __future__ import annotations
 
+import sys
+
 import hydra
 from omegaconf import DictConfig
 
 import batchpilot.schemas  # noqa: F401  (stores the config schemas before Hydra composes)
 from batchpilot.config import CONF_DIR
-from batchpilot.serving.gateway import serve
+from batchpilot.serving.gateway import ServeConfigError, serve
 
 
 @hydra.main(config_path=str(CONF_DIR), config_name="serve_app", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    serve(cfg)
+    try:
+        serve(cfg)
+    except ServeConfigError as e:  # a configuration problem: one line, no traceback
+        print(f"serve: error: {e}", file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

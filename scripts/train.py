@@ -12,7 +12,7 @@ from omegaconf import DictConfig
 
 import batchpilot.schemas  # noqa: F401  (stores the config schemas before Hydra composes)
 from batchpilot.cluster import ClusterUnavailable, require_ray
-from batchpilot.policies.training import train
+from batchpilot.policies.training import TrainConfigError, train
 
 
 def check_launcher(argv: list[str]) -> None:
@@ -28,7 +28,11 @@ def check_launcher(argv: list[str]) -> None:
 
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> float:
-    return train(cfg)
+    try:
+        return train(cfg)
+    except TrainConfigError as e:  # a configuration problem: one line, no traceback
+        print(f"train: error: {e}", file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

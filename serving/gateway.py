@@ -726,14 +726,24 @@ def build_app(settings: AppSettings) -> FastAPI:
     return app
 
 
+class ServeConfigError(ValueError):
+    """The gateway's configuration cannot run; the message names the key (``scripts/serve.py``
+    prints it in one line)."""
+
+
 def serve(cfg: Any) -> None:
     """Run the gateway until interrupted (``scripts/serve.py``)."""
     import uvicorn
 
+    from batchpilot.core.shield import ShieldConfig
     from batchpilot.schemas import ServeApp, check_app
 
-    check_app(ServeApp, cfg)  # a key added with +key=... (the rest was checked at compose)
-    settings = AppSettings.from_cfg(cfg)
+    try:  # everything checkable before a port is bound or an engine starts
+        check_app(ServeApp, cfg)  # a key added with +key=... (the rest was checked at compose)
+        settings = AppSettings.from_cfg(cfg)
+        ShieldConfig.from_cfg(settings.shield)
+    except ValueError as e:
+        raise ServeConfigError(str(e)) from None
     logging.basicConfig(level=settings.serve.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per upstream call otherwise

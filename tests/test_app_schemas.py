@@ -268,3 +268,44 @@ def test_the_other_apps_name_a_key_added_with_plus(script: str, args: list[str])
                          cwd=root, capture_output=True, text=True, timeout=300)
     assert out.returncode != 0
     assert "Key 'seedz' not in" in out.stderr + out.stdout
+
+
+@pytest.mark.parametrize("bad, says", [
+    ("slo.tpot_ms=-5", "slo.tpot_ms must be a positive number of milliseconds or null, got -5.0"),
+    ("slo.ttft_ms=nan", "slo.ttft_ms must be a positive number"),
+    ("serve.log_level=bogus", "serve.log_level='bogus'; one of"),
+    ("serve.startup_timeout_s=0", "serve.startup_timeout_s must be > 0"),
+    ("shield.memory_ceiling=1.5", "shield.memory_ceiling must be in (0, 1]"),
+])
+def test_the_gateway_refuses_a_bad_value_in_one_line_before_it_starts(bad: str, says: str, tmp_path) -> None:
+    """Values that used to surface after the upstream was healthy, inside a uvicorn traceback
+    (a negative SLO), or never (a NaN SLO, an unknown log level)."""
+    import subprocess
+    import sys
+
+    root = CONF_DIR.parent
+    out = subprocess.run([sys.executable, str(root / "scripts" / "serve.py"), "serve.upstreams=[http://127.0.0.1:9]",
+                          f"hydra.run.dir={tmp_path}", bad],
+                         cwd=root, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert f"serve: error: {says}" in out.stderr and "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("bad, says", [
+    ("slo.ttft_ms=nan", "the training environment cannot be built: slo.ttft_ms must be a positive number"),
+    ("shield.memory_ceiling=inf", "shield.memory_ceiling must be in (0, 1], got inf"),
+    ("train.learning_rate=nan", "train.learning_rate must be a finite number > 0, got nan"),
+    ("train.validation.baseline=nosuch", "train.validation.baseline='nosuch' is not in conf/policy"),
+])
+def test_training_refuses_a_bad_value_in_one_line_before_any_step(bad: str, says: str, tmp_path) -> None:
+    """Values that used to train for the whole run and then fail at export (an infinite SLO),
+    fail in torch (NaN), or surface as a worker's ConnectionResetError (a bad shield value)."""
+    import subprocess
+    import sys
+
+    root = CONF_DIR.parent
+    out = subprocess.run([sys.executable, str(root / "scripts" / "train.py"), "logger=none",
+                          f"hydra.run.dir={tmp_path}", bad], cwd=root, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "train: error: " in out.stderr and says in out.stderr and "Traceback" not in out.stderr
+    assert not (tmp_path / "best").exists() and not list(tmp_path.glob("*.zip"))

@@ -195,9 +195,23 @@ def test_config_checks() -> None:
     assert "--num-gpu-blocks-override" in list(kv.live_scenario.vllm_args)
     for bad, needle in ((["paths=[vllm_direct,aimd]"], "paths"), (["paths=[pid,pid]"], "paths"),
                         (["rounds=0"], "rounds"), (["twin_ingress_latency_s=-0.01"], "twin_ingress_latency_s"),
-                        (["twin_hardware=no_such_cpu"], "twin_hardware")):
+                        (["twin_hardware=no_such_cpu"], "twin_hardware"),
+                        (["slo.ttft_ms=nan"], r"slo.ttft_ms must be a positive number"),
+                        (["slo.tpot_ms=0"], r"slo.tpot_ms must be a positive number")):
         with pytest.raises(LiveEvaluationError, match=needle):
             _check(load_config([*bad, "out_dir=/tmp/x"], config_name="live_evaluate"))
+
+
+def test_a_bad_scenario_window_fails_before_anything_is_written_or_started(tmp_path: Path) -> None:
+    from batchpilot.policies.live_evaluation import live_evaluate
+
+    out = tmp_path / "never"
+    for bad, needle in ((["live_scenario.duration_s=-5"], r"live_scenario 'steady': duration_s must be > 0"),
+                        (["live_scenario.trace=/no/such/trace.csv"], r"live_scenario 'steady': .*not found"),
+                        (["live_scenario.format=bogus"], r"live_scenario 'steady': .*format")):
+        with pytest.raises(LiveEvaluationError, match=needle):
+            live_evaluate(load_config([*bad, f"out_dir={out}"], config_name="live_evaluate"))
+    assert not out.exists()
 
 
 def test_a_given_capacity_replays_another_runs_load_without_a_probe() -> None:

@@ -25,6 +25,13 @@ class SLO:
     tpot_ms: float | None = 100.0
     e2el_ms: float | None = None
 
+    def __post_init__(self) -> None:
+        for key in ("ttft_ms", "tpot_ms", "e2el_ms"):
+            v = getattr(self, key)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))
+                                  or not math.isfinite(v) or v <= 0):
+                raise ValueError(f"slo.{key} must be a positive number of milliseconds or null, got {v!r}")
+
     def met(self, ttft_s: float, tpot_s: float, e2el_s: float) -> bool:
         return (
             (self.ttft_ms is None or ttft_s * 1000.0 <= self.ttft_ms)
