@@ -273,8 +273,11 @@ def load_sb3(
     path = Path(model_path)
     if not path.is_file():
         raise FileNotFoundError(f"model file {path} not found")
-    with zipfile.ZipFile(path) as zf:
-        data = json.loads(zf.read("data"))
+    try:
+        with zipfile.ZipFile(path) as zf:
+            data = json.loads(zf.read("data"))
+    except (zipfile.BadZipFile, KeyError, ValueError) as e:
+        raise ExportError(f"{path} is not a stable-baselines3 model zip (model.zip of a training run): {e}") from None
     policy_module = str(data.get("policy_class", {}).get("__module__", ""))
     if "maskable" in policy_module:
         from sb3_contrib import MaskablePPO as Algo
@@ -288,8 +291,11 @@ def load_sb3(
         vpath = Path(vecnorm_path)
         if not vpath.is_file():
             raise FileNotFoundError(f"VecNormalize file {vpath} not found")
-        with vpath.open("rb") as f:
-            vecnorm = pickle.load(f)  # VecNormalize.load without a venv; trusted training output
+        try:
+            with vpath.open("rb") as f:
+                vecnorm = pickle.load(f)  # VecNormalize.load without a venv; trusted training output
+        except (pickle.UnpicklingError, EOFError, AttributeError, ImportError, ValueError) as e:
+            raise ExportError(f"{vpath} is not a VecNormalize file (vecnormalize.pkl of a training run): {e}") from None
         if not isinstance(vecnorm, VecNormalize):
             raise ExportError(f"{vpath} holds a {type(vecnorm).__name__}, not a VecNormalize")
         vecnorm.training = False

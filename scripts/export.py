@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 import batchpilot.schemas  # noqa: F401  (stores the config schemas before Hydra composes)
+from batchpilot.policies.export import ExportError
 
 log = logging.getLogger("export")
 
@@ -52,15 +54,33 @@ def _policy_guards(cfg: DictConfig) -> dict[str, Any]:
     return {}
 
 
+def _check_normalization(cfg: DictConfig, train_cfg: dict[str, Any]) -> None:
+    """A policy trained on normalised observations exported without its statistics would see
+    raw ones in production, and nothing would say so: refuse, naming the file to pass."""
+    if cfg.vecnorm_path is not None:
+        return
+    model_dir = Path(cfg.model_path).resolve().parent
+    found = [p for d in (model_dir, model_dir.parent) for p in [d / "vecnormalize.pkl"] if p.is_file()]
+    norm_obs = (train_cfg.get("train") or {}).get("norm_obs")
+    if found or norm_obs:
+        why = f"{found[0]} lies beside the model" if found else "its training config says train.norm_obs=true"
+        raise ExportError(f"the policy was trained on normalised observations ({why}): pass "
+                          f"vecnorm_path={found[0] if found else 'RUN/vecnormalize.pkl'}; without it the artifact "
+                          "would see raw observations")
+
+
 def export(cfg: DictConfig) -> Path:
     from batchpilot.core.telemetry import FEATURE_NAMES
     from batchpilot.policies.export import export_policy, load_sb3
     from batchpilot.schemas import ExportApp, check_app
 
     check_app(ExportApp, cfg)  # a key added with +key=... (the rest was checked at compose)
+    if int(cfg.parity_samples) < 1:
+        raise ExportError(f"parity_samples must be >= 1 (observations the artifact is checked on), got {cfg.parity_samples}")
     train_cfg, source = _training_config(cfg)
     log.info("training config: %s", source)
     train_cfg.update(_policy_guards(cfg))
+    _check_normalization(cfg, train_cfg)
     shield = train_cfg.get("shield") or OmegaConf.to_container(cfg.shield, resolve=True)
     slo = train_cfg.get("slo") or OmegaConf.to_container(cfg.slo, resolve=True)
     model, vecnorm = load_sb3(cfg.model_path, cfg.vecnorm_path)
@@ -80,7 +100,11 @@ def export(cfg: DictConfig) -> Path:
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="export")
 def main(cfg: DictConfig) -> None:
-    export(cfg)
+    try:
+        export(cfg)
+    except (ExportError, FileNotFoundError) as e:  # a bad input: one line, no traceback
+        print(f"export: error: {e}", file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

@@ -371,3 +371,18 @@ def test_export_script_smoke(tmp_path: Path) -> None:
     assert {k: m["training"]["config"][k] for k in guards} == guards  # the run's policy guards
     assert m["observation"]["normalization"]["mean"] == venv.obs_rms.mean.tolist()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["art", "run"]  # no Hydra outputs/ litter
+
+    # Bad inputs: one line each, nothing written. Without vecnorm_path the artifact would have
+    # served raw observations to a policy trained on normalised ones, and exported silently.
+    readme = root / "README.md"
+    for args, says in [
+        ([f"model_path={run / 'model.zip'}"], "trained on normalised observations"),
+        ([f"model_path={readme}"], "is not a stable-baselines3 model zip"),
+        ([f"model_path={run / 'model.zip'}", f"vecnorm_path={readme}"], "is not a VecNormalize file"),
+        ([f"model_path={run / 'model.zip'}", f"vecnorm_path={run / 'vecnormalize.pkl'}", "parity_samples=0"],
+         "parity_samples must be >= 1"),
+    ]:
+        r = subprocess.run([sys.executable, str(root / "scripts" / "export.py"), *args, f"out_dir={tmp_path / 'bad'}"],
+                           capture_output=True, text=True, timeout=120, cwd=tmp_path)
+        assert r.returncode == 2 and "export: error: " in r.stderr and says in r.stderr, r.stderr[-2000:]
+        assert "Traceback" not in r.stderr and not (tmp_path / "bad").exists()
