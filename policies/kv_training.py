@@ -20,6 +20,7 @@ from __future__ import annotations
 import concurrent.futures
 import functools
 import json
+import math
 import multiprocessing
 import time
 from typing import Any, Callable
@@ -209,6 +210,31 @@ def print_rows(rows: list[dict[str, Any]]) -> str:
     return md
 
 
+class KVConfigError(ValueError):
+    """The ``kv`` settings cannot run; found before any worker starts (``scripts/train_kv.py``
+    prints it in one line)."""
+
+
+def check_kv_config(kv: DictConfig) -> None:
+    """What the run reads of ``kv``, checked before it trains: a value that used to fail only
+    at the end (no test seeds: after the whole run) or deep in a worker (fewer counterfactual
+    episodes than workers: an ``IndexError`` in torch)."""
+    if kv.method not in ("counterfactual", "ppo"):
+        raise KVConfigError(f"kv.method must be counterfactual or ppo, got {kv.method!r}")
+    for key in ("n_envs", "episode_epochs", "total_timesteps", "samples_per_episode", "horizon_epochs"):
+        if int(kv[key]) < 1:
+            raise KVConfigError(f"kv.{key} must be >= 1, got {kv[key]}")
+    if not (math.isfinite(float(kv.epoch_s)) and float(kv.epoch_s) > 0):
+        raise KVConfigError(f"kv.epoch_s must be a finite number of engine seconds > 0, got {kv.epoch_s}")
+    if not list(kv.test_seeds):
+        raise KVConfigError("kv.test_seeds is empty: the agent is compared with never / at-once switching on them")
+    if not list(kv.deployments):
+        raise KVConfigError("kv.deployments is empty: list the model/hardware pairs episodes draw from")
+    if kv.method == "counterfactual" and int(kv.counterfactual_episodes) < int(kv.n_envs):
+        raise KVConfigError(f"kv.counterfactual_episodes={kv.counterfactual_episodes} is split over kv.n_envs="
+                            f"{kv.n_envs} processes: it must be at least that many")
+
+
 def train_kv(cfg: DictConfig) -> float:
     """Train, export to ``<run>/kv_agent``, compare on held-out seeds; returns the agent's mean
     epoch reward minus the better fixed choice's, over the comparison (what a sweep maximises)."""
@@ -221,6 +247,7 @@ def train_kv(cfg: DictConfig) -> float:
 
     t0 = time.perf_counter()
     kv = cfg.kv
+    check_kv_config(kv)
     seed = int(cfg.seed)
     out_dir = run_output_dir()
     lc = LoggerConfig.from_cfg(cfg.logger)

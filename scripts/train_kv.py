@@ -5,16 +5,22 @@ Example: ``kv.total_timesteps=2048 logger=none``. The exported agent lands in
 with that batch policy.
 """
 
+import sys
+
 import hydra
 from omegaconf import DictConfig
 
 import batchpilot.schemas  # noqa: F401  (stores the config schemas before Hydra composes)
-from batchpilot.policies.kv_training import train_kv
+from batchpilot.policies.kv_training import KVConfigError, train_kv
 
 
 @hydra.main(config_path="../conf", config_name="train_kv", version_base="1.3")
 def main(cfg: DictConfig) -> float:
-    return train_kv(cfg)
+    try:
+        return train_kv(cfg)
+    except KVConfigError as e:  # a configuration problem: one line, no traceback
+        print(f"train_kv: error: {e}", file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

@@ -309,3 +309,21 @@ def test_training_refuses_a_bad_value_in_one_line_before_any_step(bad: str, says
     assert out.returncode == 2, out.stderr[-2000:]
     assert "train: error: " in out.stderr and says in out.stderr and "Traceback" not in out.stderr
     assert not (tmp_path / "best").exists() and not list(tmp_path.glob("*.zip"))
+
+
+@pytest.mark.parametrize("bad, says", [
+    ("kv.test_seeds=[]", "kv.test_seeds is empty"),
+    ("kv.counterfactual_episodes=1", "kv.counterfactual_episodes=1 is split over kv.n_envs=2 processes"),
+    ("kv.epoch_s=0", "kv.epoch_s must be a finite number of engine seconds > 0"),
+])
+def test_the_kv_agents_training_refuses_a_bad_value_before_it_trains(bad: str, says: str, tmp_path) -> None:
+    """An empty test-seed list used to fail after the whole ~17 min run, too few
+    counterfactual episodes as an IndexError inside torch."""
+    import subprocess
+    import sys
+
+    root = CONF_DIR.parent
+    out = subprocess.run([sys.executable, str(root / "scripts" / "train_kv.py"), "logger=none",
+                          f"hydra.run.dir={tmp_path}", bad], cwd=root, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert f"train_kv: error: {says}" in out.stderr and "Traceback" not in out.stderr
