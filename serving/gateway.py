@@ -14,6 +14,7 @@ and stops them in reverse order.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import tempfile
@@ -626,6 +627,24 @@ async def _pass_through(request: Request, method: str, path: str) -> Response:
                     media_type=r.headers.get("content-type", "application/json"))
 
 
+async def _start_unless_stopped(gw: Gateway, stop_requested: Callable[[], bool] | None) -> None:
+    """``gw.start()`` (upstreams up and healthy: up to ``serve.startup_timeout_s``), given up as
+    soon as ``stop_requested`` says the server was asked to stop (Ctrl-C, SIGTERM)."""
+    start = asyncio.ensure_future(gw.start())
+    while stop_requested is not None and not start.done():
+        await asyncio.wait({start}, timeout=0.2)
+        if not start.done() and stop_requested():
+            start.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await start
+            raise GatewayStopped("asked to stop while starting: the upstreams were not up yet")
+    await start
+
+
+class GatewayStopped(RuntimeError):
+    """A stop was asked for before the gateway finished starting."""
+
+
 def build_app(settings: AppSettings) -> FastAPI:
     """The gateway app. The lifespan starts upstreams, health and control loops."""
 
@@ -634,7 +653,7 @@ def build_app(settings: AppSettings) -> FastAPI:
         gw = Gateway(settings)
         app.state.gateway = gw
         try:
-            await gw.start()
+            await _start_unless_stopped(gw, getattr(app.state, "stop_requested", None))
             yield
         finally:
             await gw.stop()
@@ -748,9 +767,13 @@ def serve(cfg: Any) -> None:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per upstream call otherwise
     app = build_app(settings)
-    uvicorn.run(app, host=settings.serve.host, port=settings.serve.port, log_level=settings.serve.log_level,
-                access_log=False, timeout_graceful_shutdown=5,
-                http=with_head_timeout(settings.serve.header_timeout_s),
-                # Longer than clients' idle pools keep connections: a server-side close racing a
-                # client's reuse of the connection shows up as a reset at the client.
-                timeout_keep_alive=75)
+    server = uvicorn.Server(uvicorn.Config(
+        app, host=settings.serve.host, port=settings.serve.port, log_level=settings.serve.log_level,
+        access_log=False, timeout_graceful_shutdown=5, http=with_head_timeout(settings.serve.header_timeout_s),
+        # Longer than clients' idle pools keep connections: a server-side close racing a
+        # client's reuse of the connection shows up as a reset at the client.
+        timeout_keep_alive=75))
+    # uvicorn takes SIGINT/SIGTERM during start-up but acts on them only once the lifespan has
+    # started: the lifespan watches this instead of waiting out serve.startup_timeout_s.
+    app.state.stop_requested = lambda: server.should_exit
+    server.run()

@@ -679,3 +679,31 @@ def test_a_serve_runs_config_dump_and_command_line_hold_no_token(tmp_path: Path,
         server.shutdown()
         server.server_close()
     assert token not in (tmp_path / "gateway.out").read_text(errors="replace")
+
+
+def test_a_stop_while_waiting_for_the_upstreams_ends_the_gateway_at_once(tmp_path: Path) -> None:
+    """uvicorn takes SIGTERM/SIGINT during start-up but acts on them only after it: a gateway
+    whose upstream never came up ignored both for ``serve.startup_timeout_s`` (300 s)."""
+    import signal as sig
+
+    from batchpilot.config import REPO_ROOT
+
+    log = tmp_path / "serve.log"
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    with log.open("w") as out:
+        proc = subprocess.Popen([sys.executable, str(REPO_ROOT / "scripts" / "serve.py"), f"serve.upstreams=[{dead}]",
+                                 f"serve.port={free_port()}", f"hydra.run.dir={tmp_path}"],
+                                cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while "Waiting for application startup" not in log.read_text() and proc.poll() is None:
+            assert time.monotonic() < deadline, log.read_text()[-2000:]
+            time.sleep(0.1)
+        assert proc.poll() is None, log.read_text()[-2000:]
+        proc.send_signal(sig.SIGTERM)
+        proc.wait(timeout=60)  # the start-up timeout is 300 s
+        assert "asked to stop while starting" in log.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
