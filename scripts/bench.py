@@ -4,6 +4,7 @@ last line, one JSON object with the figures (so scripts can parse it)."""
 from __future__ import annotations
 
 import json
+import math
 import resource
 import time
 from typing import Any, Callable
@@ -184,6 +185,12 @@ def main(cfg: DictConfig) -> None:
     check_app(BenchApp, cfg)  # a key added with +key=... (the rest was checked at compose)
     if cfg.target not in TARGETS:
         raise SystemExit(f"unknown bench target {cfg.target!r}; choose one of {sorted(TARGETS)}")
+    for node, key in (("sim", "wall_seconds"), ("sim", "arrival_rate_per_s"), ("sim", "prompt_mean"),
+                      ("sim", "output_mean"), ("env_bench", "wall_seconds"), ("env_bench", "rate"),
+                      ("env_bench", "interval_s")):
+        v = float(cfg[node][key])
+        if not (math.isfinite(v) and v > 0):  # a rate of 0 divided by zero; a wall time of 0 measured nothing
+            raise SystemExit(f"bench: error: {node}.{key} must be a finite number > 0, got {cfg[node][key]}")
     result = TARGETS[cfg.target](cfg)
     table = Table(title=f"bench {cfg.target}")
     table.add_column("metric")

@@ -327,3 +327,15 @@ def test_the_kv_agents_training_refuses_a_bad_value_before_it_trains(bad: str, s
                           f"hydra.run.dir={tmp_path}", bad], cwd=root, capture_output=True, text=True, timeout=300)
     assert out.returncode == 2, out.stderr[-2000:]
     assert f"train_kv: error: {says}" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_bench_refuses_a_rate_or_wall_time_of_zero(tmp_path) -> None:
+    import subprocess
+    import sys
+
+    root = CONF_DIR.parent
+    for bad, says in (("sim.arrival_rate_per_s=0", "sim.arrival_rate_per_s must be a finite number > 0"),
+                      ("sim.wall_seconds=0", "sim.wall_seconds must be a finite number > 0")):
+        out = subprocess.run([sys.executable, str(root / "scripts" / "bench.py"), "target=sim", bad,
+                              f"hydra.run.dir={tmp_path}"], cwd=root, capture_output=True, text=True, timeout=120)
+        assert out.returncode != 0 and f"bench: error: {says}" in out.stderr and "Traceback" not in out.stderr
