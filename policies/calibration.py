@@ -597,6 +597,31 @@ class CalibrationResult:
     level: dict[str, float] = field(default_factory=dict)
 
 
+@dataclass(frozen=True, slots=True)
+class EngineSpeed:
+    """A live run's own iterations (vLLM's schedule, ``IterationShape``) priced by the profile:
+    measured over predicted seconds, in all and by kind. 1 = the engine ran as fast as the
+    profile says; unlike the state probe it covers the whole run and every kind of iteration."""
+
+    factor: float
+    decode_only: float
+    with_prefill: float
+    iterations: int
+
+    @classmethod
+    def of(cls, log: Sequence[IterationShape], st: StepTimeModel) -> "EngineSpeed":
+        if not log:
+            raise CalibrationError("the live run recorded no iterations to price")
+        meas = np.array([it.seconds for it in log])
+        pred = np.array([st.iteration_time(it) for it in log])
+        pre = np.array([it.num_prefill_tokens > 0 for it in log])
+
+        def ratio(mask: np.ndarray) -> float:
+            return float(meas[mask].sum() / pred[mask].sum()) if mask.any() else math.nan
+
+        return cls(ratio(np.ones_like(pre)), ratio(~pre), ratio(pre), len(log))
+
+
 def level_factor(engine: Engine, hw: HardwareSpec, model: ModelSpec, seconds: float,
                  traffic: dict[str, Any] | None = None, seed: int = 1) -> dict[str, float]:
     """Record ``seconds`` of varied traffic (``warm_up``'s kind, another ``seed`` than the
@@ -616,10 +641,10 @@ def level_factor(engine: Engine, hw: HardwareSpec, model: ModelSpec, seconds: fl
         engine.record_iterations(None)
     if not log:
         raise CalibrationError(f"level traffic ran no iterations in {seconds:.0f} s")
+    factor = EngineSpeed.of(log, st).factor
     measured = float(sum(it.seconds for it in log))
-    predicted = float(sum(st.iteration_time(it) for it in log))
-    return {"iterations": float(len(log)), "measured_s": measured, "predicted_s": predicted,
-            "factor": measured / predicted}
+    return {"iterations": float(len(log)), "measured_s": measured, "predicted_s": measured / factor,
+            "factor": factor}
 
 
 def fit_set(samples: Sequence[IterationSample], tolerance: float,

@@ -25,7 +25,7 @@ import numpy as np
 from batchpilot.core.engine import IterationShape
 from batchpilot.envs.specs import HardwareSpec, ModelSpec
 from batchpilot.envs.step_time import StepTimeModel
-from batchpilot.policies.calibration import CalibrationError, StateMeter, fmt_number, run_until_idle
+from batchpilot.policies.calibration import CalibrationError, EngineSpeed, StateMeter, fmt_number, run_until_idle
 from batchpilot.schemas import CalibrateApp, StateProbe, check_app
 
 #: Metrics compared, in table order; the first three carry the issue's targets.
@@ -91,31 +91,6 @@ class MetricComparison:
         if abs(self.rel_err) <= self.target:
             return "yes"
         return "spread" if self.ok else "NO"
-
-
-@dataclass(frozen=True, slots=True)
-class EngineSpeed:
-    """A live run's own iterations (vLLM's schedule, ``IterationShape``) priced by the profile:
-    measured over predicted seconds, in all and by kind. 1 = the engine ran as fast as the
-    profile says; unlike the state probe it covers the whole run and every kind of iteration."""
-
-    factor: float
-    decode_only: float
-    with_prefill: float
-    iterations: int
-
-    @classmethod
-    def of(cls, log: Sequence[IterationShape], st: StepTimeModel) -> "EngineSpeed":
-        if not log:
-            raise CalibrationError("the live run recorded no iterations to price")
-        meas = np.array([it.seconds for it in log])
-        pred = np.array([st.iteration_time(it) for it in log])
-        pre = np.array([it.num_prefill_tokens > 0 for it in log])
-
-        def ratio(mask: np.ndarray) -> float:
-            return float(meas[mask].sum() / pred[mask].sum()) if mask.any() else math.nan
-
-        return cls(ratio(np.ones_like(pre)), ratio(~pre), ratio(pre), len(log))
 
 
 #: A run whose own iterations took within this share of the profile's time ran at its speed.
