@@ -33,6 +33,35 @@ def load_config(overrides: Sequence[str] = (), config_name: str = "config") -> D
         return compose(config_name=config_name, overrides=list(overrides))
 
 
+def config_dirs() -> tuple[Path, ...]:
+    """``conf/`` and, inside a running Hydra app, each folder its ``hydra.searchpath`` adds: a
+    user's own model, hardware, workload or policy files kept outside ``conf/`` are names a
+    command line may list (``deployments=[my_model/my_gpu]``), not only ``model=`` choices."""
+    dirs = [CONF_DIR]
+    from hydra.core.hydra_config import HydraConfig
+
+    if HydraConfig.initialized():
+        for src in HydraConfig.get().runtime.config_sources:
+            path = Path(str(src.path)) if src.schema == "file" else None
+            if path is not None and path.is_dir() and path.resolve() not in {d.resolve() for d in dirs}:
+                dirs.append(path)
+    return tuple(dirs)
+
+
+def group_file(group: str, name: str, dirs: Sequence[Path] = (CONF_DIR,)) -> Path | None:
+    """``<dir>/<group>/<name>.yaml`` in the first of ``dirs`` that has it (Hydra's order)."""
+    for d in dirs:
+        f = d / group / f"{name}.yaml"
+        if f.is_file():
+            return f
+    return None
+
+
+def group_names(group: str, dirs: Sequence[Path] = (CONF_DIR,)) -> list[str]:
+    """Every option of a config group across ``dirs``, sorted (for "known: ..." messages)."""
+    return sorted({f.stem for d in dirs for f in (d / group).glob("*.yaml")})
+
+
 class ConfigError(ValueError):
     """A config mapping built in code that does not fit its schema (OmegaConf's message: the
     key, the value, the dataclass)."""

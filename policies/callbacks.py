@@ -26,7 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 from stable_baselines3.common.callbacks import BaseCallback
 from stable_baselines3.common.logger import KVWriter
 
-from batchpilot.config import CONF_DIR, plain
+from batchpilot.config import config_dirs, group_file, group_names, plain
 from batchpilot.core.workload_config import workload_from_node
 from batchpilot.envs.serving_env import ServingEnv
 from batchpilot.policies.controllers import Controller, build_controller
@@ -150,9 +150,9 @@ class ValidationSuite:
 def validation_cfg(base_cfg: DictConfig, group: str, overrides: Mapping[str, Any]) -> DictConfig:
     """``base_cfg`` with ``workload`` replaced by ``conf/workload/<group>.yaml`` + overrides and
     draining on truncation (evaluation wants every request's fate)."""
-    path = CONF_DIR / "workload" / f"{group}.yaml"
-    if not path.is_file():
-        known = sorted(p.stem for p in (CONF_DIR / "workload").glob("*.yaml"))
+    path = group_file("workload", group, config_dirs())
+    if path is None:
+        known = group_names("workload", config_dirs())
         raise ValueError(f"validation workload group {group!r} not found in conf/workload/ (known: {known})")
     cfg = OmegaConf.create(OmegaConf.to_container(base_cfg, resolve=True))
     # The group file without its defaults list (the schema it extends, workload/schema_<kind>).

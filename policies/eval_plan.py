@@ -24,7 +24,7 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
-from batchpilot.config import CONF_DIR, from_node
+from batchpilot.config import CONF_DIR, config_dirs, from_node, group_file, group_names
 from batchpilot.core.engine import EngineCapabilities
 from batchpilot.envs.engines import build_engine
 from batchpilot.envs.workloads import build_workload
@@ -58,14 +58,15 @@ class Deployment:
         return f"{self.model}/{self.hardware}"
 
     @classmethod
-    def parse(cls, text: str) -> "Deployment":
+    def parse(cls, text: str, dirs: Sequence[Path] = (CONF_DIR,)) -> "Deployment":
+        """``MODEL/HARDWARE``, each a file of its group in one of ``dirs`` (``config_dirs``)."""
         model, sep, hardware = str(text).partition("/")
         if not sep or not model or not hardware:
             raise EvaluationError(f"deployments: {text!r} is not MODEL/HARDWARE (e.g. llama3_8b/h100)")
         for group, name in (("model", model), ("hardware", hardware)):
-            if not (CONF_DIR / group / f"{name}.yaml").is_file():
-                known = sorted(f.stem for f in (CONF_DIR / group).glob("*.yaml"))
-                raise EvaluationError(f"deployments: unknown {group} {name!r} in {text!r}; known: {known}")
+            if group_file(group, name, dirs) is None:
+                raise EvaluationError(
+                    f"deployments: unknown {group} {name!r} in {text!r}; known: {group_names(group, dirs)}")
         return cls(model, hardware)
 
 
@@ -100,6 +101,8 @@ class EvalConfig:
     max_episode_s: float = 86_400.0
     #: The config each workload is recomposed from (``--config-name`` of the run).
     config_name: str = "evaluate"
+    #: Where group files are looked up: ``conf/`` and the run's ``hydra.searchpath`` folders.
+    config_dirs: tuple[Path, ...] = (CONF_DIR,)
 
     @property
     def all_seeds(self) -> tuple[int, ...]:
@@ -126,16 +129,16 @@ class EvalConfig:
             raise EvaluationError(f"policies lists a controller twice: {pol}")
         if not seeds or len(set(seeds)) != len(seeds):
             raise EvaluationError(f"seeds must be a non-empty list of distinct ints, got {seeds}")
+        dirs = config_dirs()
         for p in pol:
-            if p != BEST_STATIC and not (CONF_DIR / "policy" / f"{p}.yaml").is_file():
-                known = sorted([f.stem for f in (CONF_DIR / "policy").glob("*.yaml")] + [BEST_STATIC])
+            if p != BEST_STATIC and group_file("policy", p, dirs) is None:
+                known = sorted([*group_names("policy", dirs), BEST_STATIC])
                 raise EvaluationError(f"unknown policy {p!r} in policies=[...]; known: {known}")
         wls = [str(w) for w in (cfg.workloads or [])]
         for w in wls:
-            if not (CONF_DIR / "workload" / f"{w}.yaml").is_file():
-                known = sorted(f.stem for f in (CONF_DIR / "workload").glob("*.yaml"))
-                raise EvaluationError(f"unknown workload {w!r} in workloads=[...]; known: {known}")
-        deps = [Deployment.parse(str(d)) for d in (cfg.deployments or [])]
+            if group_file("workload", w, dirs) is None:
+                raise EvaluationError(f"unknown workload {w!r} in workloads=[...]; known: {group_names('workload', dirs)}")
+        deps = [Deployment.parse(str(d), dirs) for d in (cfg.deployments or [])]
         if len(set(deps)) != len(deps):
             raise EvaluationError(f"deployments lists a pair twice: {[d.label for d in deps]}")
         if BEST_STATIC in pol:
@@ -167,6 +170,7 @@ class EvalConfig:
             plots=bool(cfg.plots),
             launcher=_launcher(cfg.launcher),
             max_episode_s=float(cfg.max_episode_s),
+            config_dirs=dirs,
         )
 
 

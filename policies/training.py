@@ -40,7 +40,7 @@ from typing import Any, Callable
 
 from omegaconf import DictConfig, OmegaConf
 
-from batchpilot.config import CONF_DIR
+from batchpilot.config import CONF_DIR, config_dirs, group_file, group_names
 from batchpilot.envs.serving_env import ServingEnv
 from batchpilot.policies.callbacks import (
     COMPARE_METRICS,
@@ -129,8 +129,8 @@ def check_training_config(cfg: DictConfig, tc: TrainConfig) -> None:
     from omegaconf.errors import OmegaConfBaseException
 
     baseline = str(tc.validation.get("baseline", "pid"))
-    if not (CONF_DIR / "policy" / f"{baseline}.yaml").is_file():
-        known = sorted(p.stem for p in (CONF_DIR / "policy").glob("*.yaml"))
+    if group_file("policy", baseline, config_dirs()) is None:
+        known = group_names("policy", config_dirs())
         raise TrainConfigError(f"train.validation.baseline={baseline!r} is not in conf/policy; known: {known}")
     if str(cfg.engine.get("kind", "sim")) != "sim":
         return  # a live engine is started by the run itself, once
@@ -369,7 +369,9 @@ def train(cfg: DictConfig) -> float:
         run = start_wandb(lc, {**config_dict, "_job": job_info()}, out_dir)
         suite = ValidationSuite(validation_base_cfg(plain, tc.validation), tc.validation)
         baseline_name = str(tc.validation.get("baseline", "pid"))
-        baseline_cfg = OmegaConf.load(CONF_DIR / "policy" / f"{baseline_name}.yaml")
+        baseline_path = group_file("policy", baseline_name, config_dirs())
+        assert baseline_path is not None  # check_training_config refused a missing one
+        baseline_cfg = OmegaConf.load(baseline_path)
         slo_ms = {"ttft": cfg.slo.ttft_ms, "tpot": cfg.slo.tpot_ms, "e2el": cfg.slo.e2el_ms}
         t0 = time.perf_counter()
         baseline = suite.run_controller(baseline_factory(baseline_cfg, slo_ms))

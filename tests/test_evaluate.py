@@ -284,6 +284,28 @@ def test_model_and_hardware_files_from_a_search_path(tmp_path: Path) -> None:
     assert "| poisson | llama3_8b/my_gpu | pid | 1 |" in proc.stdout
 
 
+def test_searchpath_files_are_names_the_lists_accept(tmp_path: Path) -> None:
+    """``deployments=[...]`` and ``policies=[...]`` take a user's own files on
+    ``hydra.searchpath`` as they take conf/'s (both were refused as unknown names), and a name
+    found nowhere is refused with both folders' options."""
+    conf = tmp_path / "conf"
+    for group, src, name in (("hardware", "h100", "my_gpu"), ("policy", "pid", "my_pid")):
+        (conf / group).mkdir(parents=True)
+        text = (REPO_ROOT / "conf" / group / f"{src}.yaml").read_text()
+        (conf / group / f"{name}.yaml").write_text(text.replace("name: h100", "name: my_gpu"))
+    base = [sys.executable, str(REPO_ROOT / "scripts" / "evaluate.py"), "policies=[pid,my_pid]", "seeds=[0]",
+            "logger=none", "plots=false", "workload=poisson", "workload.duration_s=5",
+            f"hydra.searchpath=[file://{conf}]", f"out_dir={tmp_path / 'out'}"]
+    proc = subprocess.run([*base, "deployments=[llama3_8b/my_gpu]"], capture_output=True, text=True,
+                          cwd=REPO_ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "| poisson | llama3_8b/my_gpu | my_pid | 1 |" in proc.stdout
+    proc = subprocess.run([*base, "deployments=[llama3_8b/nowhere]"], capture_output=True, text=True,
+                          cwd=REPO_ROOT, timeout=300)
+    assert proc.returncode == 2
+    assert "unknown hardware 'nowhere'" in proc.stderr and "'my_gpu'" in proc.stderr and "'h100'" in proc.stderr
+
+
 @pytest.mark.slow
 def test_workloads_carry_their_model_and_hardware() -> None:
     from batchpilot.policies.eval_plan import EvalConfig, plan_workload
