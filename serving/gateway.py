@@ -653,7 +653,12 @@ def build_app(settings: AppSettings) -> FastAPI:
         gw = Gateway(settings)
         app.state.gateway = gw
         try:
-            await _start_unless_stopped(gw, getattr(app.state, "stop_requested", None))
+            try:
+                await _start_unless_stopped(gw, getattr(app.state, "stop_requested", None))
+            except GatewayStopped as e:
+                # uvicorn is already stopping: it shuts down as soon as start-up returns. Raising
+                # here instead would print "Application startup failed" and a traceback.
+                log.warning("%s", e)
             yield
         finally:
             await gw.stop()
