@@ -483,6 +483,11 @@ class PPOPolicyConfig:
     #: The engine's restart time for a KV switch, which the agent weighs (the shield's
     #: ``dtype_restart_s``); None: the KV agent is not run.
     kv_restart_s: float | None = None
+    #: Start at the 8-bit KV dtype where the memory ceiling would bind at 16 bits
+    #: (``Shield.start_kv_dtype``): before any traffic a switch costs no restart. Off by
+    #: default: it gains where memory binds hard and loses where 8-bit KV reads slower
+    #: (docs/evaluation.md, "A KV dtype chosen at start-up").
+    kv_start: bool = False
     #: The SLO served, ``{"ttft": ms, "tpot": ms, "e2el": ms}`` (``build_controller`` fills it from
     #: the top config's ``slo``); None = the SLO the policy was trained at.
     slo: dict[str, float | None] | None = None

@@ -236,6 +236,8 @@ class WorkloadPlan:
     notes: list[str] = field(default_factory=list)
     #: Why the shield's memory ceiling admits no request on this deployment (None: it does).
     no_room: str | None = None
+    #: The KV dtype a policy with ``kv_start`` starts with here (``Shield.start_kv_dtype``).
+    kv_start: str = "auto"
 
     @property
     def model(self) -> str:
@@ -311,19 +313,31 @@ def trace_windows(
 
 def engine_capabilities(cfg: DictConfig) -> EngineCapabilities:
     """What the configured engine can do (built once to ask, then closed)."""
-    return engine_facts(cfg)[0]
+    return engine_facts(cfg).caps
 
 
-def engine_facts(cfg: DictConfig) -> tuple[EngineCapabilities, str | None]:
-    """What the configured engine can do, and why the shield's memory ceiling would admit
-    no request on it (None: it admits some). Built once to ask, then closed."""
+@dataclass(frozen=True, slots=True)
+class EngineFacts:
+    """What the configured engine can do, as the shield's memory model reads it."""
+
+    caps: EngineCapabilities
+    #: Why the memory ceiling admits no request on it (None: it admits some).
+    no_room: str | None
+    #: The KV dtype a controller that picks its start (``kv_start``) starts with
+    #: (``Shield.start_kv_dtype``).
+    kv_start: str
+
+
+def engine_facts(cfg: DictConfig) -> EngineFacts:
+    """The engine's ``EngineFacts``: built once to ask, then closed."""
     from batchpilot.core.shield import Shield, ShieldConfig
 
     engine = build_engine(cfg)
     try:
         caps = engine.capabilities()
         shield = Shield(ShieldConfig.from_cfg(cfg.shield), engine.memory_model(), caps)
-        return caps, shield.no_room_reason()
+        kv_start = shield.start_kv_dtype(str(cfg.env.kv16_dtype), str(cfg.env.kv8_dtype))
+        return EngineFacts(caps, shield.no_room_reason(), kv_start)
     finally:
         engine.close()
 
@@ -355,7 +369,8 @@ def _plan_from_cfg(
             cfg.workload.rate_scale = float(cfg.workload.get("rate_scale", 1.0)) * multiplier
     where = label if deployment is None else f"{label} @ {deployment.label}"
     try:
-        caps, no_room = engine_facts(cfg)
+        facts = engine_facts(cfg)
+        caps = facts.caps
     except (ValueError, OmegaConfBaseException) as e:  # a model/hardware/engine value, checked there
         raise EvaluationError(f"workload {where!r}: {e}") from e
     windows: dict[int, float] = {}
@@ -395,7 +410,7 @@ def _plan_from_cfg(
     return plan_from_caps(
         label, cfg, caps, duration_s=stream.duration_s, num_requests=len(stream),
         deployment=None if deployment is None else deployment.label, rate_multiplier=multiplier, windows=windows,
-        notes=notes, no_room=no_room,
+        notes=notes, no_room=facts.no_room, kv_start=facts.kv_start,
     )
 
 

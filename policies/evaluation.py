@@ -132,8 +132,9 @@ def make_controller(policy: Mapping[str, Any], plan: WorkloadPlan, name: str | N
 def start_knobs(policy: Mapping[str, Any], plan: WorkloadPlan, controller: Controller | None = None) -> Knobs | None:
     """The knobs an episode starts with: a static setting from t=0 (vLLM started that way),
     PID/AIMD at their ``initial_batch_cap``; a residual policy at the cap of the PID it corrects
-    (``controller.initial_batch_cap``: its factor 1 is that PID, so it starts where PID starts);
-    None = the environment's defaults (an absolute policy, as trained)."""
+    (``controller.initial_batch_cap``: its factor 1 is that PID, so it starts where PID starts),
+    and with ``kv_start`` at the KV dtype the memory model picks before any traffic
+    (``plan.kv_start``); None = the environment's defaults (an absolute policy, as trained)."""
     kind = policy.get("kind")
     if kind == "static":
         cap = policy.get("batch_cap")
@@ -144,7 +145,8 @@ def start_knobs(policy: Mapping[str, Any], plan: WorkloadPlan, controller: Contr
         return None
     cap = min(int(start), plan.max_num_seqs)
     bucketing = str(policy.get("bucketing", plan.cfg.env.initial_bucketing))
-    return Knobs(max(1, cap), bucketing, str(plan.cfg.engine.get("kv_dtype", "auto")))
+    kv = plan.kv_start if policy.get("kv_start") else str(plan.cfg.engine.get("kv_dtype", "auto"))
+    return Knobs(max(1, cap), bucketing, kv)
 
 
 # --- episodes -------------------------------------------------------------------------------

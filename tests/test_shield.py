@@ -92,6 +92,17 @@ def test_a_ceiling_below_the_weights_is_named_not_silently_refusing():
     assert shield(memory_ceiling=0.45).max_feasible_batch("auto") == 0
 
 
+def test_start_kv_dtype_is_8bit_only_where_memory_binds_at_16bit():
+    # 16-bit holds 80 requests of the 256 the cap may reach, 8-bit 160: start at 8 bits.
+    assert shield().start_kv_dtype("auto", "fp8") == "fp8"
+    # Memory does not bind at 16 bits: 8-bit would buy nothing and cost quality.
+    assert shield(ROOMY).start_kv_dtype("auto", "fp8") == "auto"
+    # An 8-bit dtype this engine cannot run is never the start.
+    assert shield().start_kv_dtype("auto", "fp8_e5m2") == "auto"
+    # Nothing fits even at 8 bits: no gain, so the engine's 16-bit dtype.
+    assert shield(memory_ceiling=0.45).start_kv_dtype("auto", "fp8") == "auto"
+
+
 def test_over_ceiling_moves_down_never_up():
     s = shield()
     d = s.apply(Proposal(batch_cap=120), Knobs(100), CALM, 1.0)
