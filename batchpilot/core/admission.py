@@ -337,7 +337,7 @@ class Admission:
         self._memory = memory
         total = 0
         for rid, (is_long, seqs, _, req) in self._in_flight.items():
-            blocks = self._blocks(req) if memory is not None else 0
+            blocks = self._blocks(req, _num_seqs(req)) if memory is not None else 0
             self._in_flight[rid] = (is_long, seqs, blocks, req)
             total += blocks
         self.kv_blocks_in_flight = total
@@ -483,7 +483,7 @@ class Admission:
                 break  # it waits for room (alone it may exceed the cap, or it could never run)
             blocks = 0
             if self.memory is not None:
-                blocks = self._blocks(e.request)
+                blocks = self._blocks(e.request, seqs)
                 if not self.memory.fits(self.kv_blocks_in_flight + blocks, self.num_seqs_in_flight + seqs,
                                         self.kv_dtype):
                     if self._in_flight:
@@ -602,17 +602,20 @@ class Admission:
             return None
         blocks, seqs = self.kv_blocks_in_flight, self.num_seqs_in_flight
         if extra is not None:
-            blocks, seqs = blocks + self._blocks(extra), seqs + _num_seqs(extra)
+            extra_seqs = _num_seqs(extra)
+            blocks, seqs = blocks + self._blocks(extra, extra_seqs), seqs + extra_seqs
         return float(frac(blocks, seqs, self.kv_dtype))
 
     # --- internals -----------------------------------------------------------------------
-    def _blocks(self, req: Any) -> int:
+    def _blocks(self, req: Any, seqs: int) -> int:
+        """KV blocks ``req`` holds at its end; ``seqs`` is its ``_num_seqs`` (callers have it)."""
         assert self.memory is not None
-        return int(self.memory.request_blocks(req.prompt_len, int(getattr(req, "output_len", 0)), _num_seqs(req)))
+        return int(self.memory.request_blocks(req.prompt_len, int(getattr(req, "output_len", 0)), seqs))
 
     def _fits_alone(self, req: Any) -> bool:
         assert self.memory is not None
-        return self.memory.fits(self._blocks(req), _num_seqs(req), self.kv_dtype)
+        seqs = _num_seqs(req)
+        return self.memory.fits(self._blocks(req, seqs), seqs, self.kv_dtype)
 
     def _reject(self, req: Any, reason: str, now: float) -> Rejection:
         self.num_rejected_by_reason[reason] += 1
@@ -638,22 +641,20 @@ class Admission:
 
     def _choose(self, allow_long: bool) -> _Entry | None:
         newest = self.cfg.newest_first_when_late and self.num_late_waiting > 0
-        heads = [b.head(allow_long, newest) if b.num_waiting else None for b in self._buckets]
-        candidates = [i for i, h in enumerate(heads) if h is not None]
-        if not candidates:
-            return None
-        on_time = [i for i in candidates if not heads[i].late]
+        # The head of each bucket that has one, in bucket order (an entry knows its bucket).
+        heads = [h for b in self._buckets if b.num_waiting and (h := b.head(allow_long, newest)) is not None]
+        if len(heads) <= 1:  # none, or one bucket to serve: every mode picks it
+            return heads[0] if heads else None
+        on_time = [h for h in heads if not h.late]
         if on_time:  # a bucket whose next request can still meet its TTFT goes first
-            candidates = on_time
+            heads = on_time
         if self.bucketing == "shortest_first":
-            i = candidates[0]
-        elif self.bucketing == "weighted":
-            i = min(candidates, key=lambda j: (self._pass[j], j))
-        elif newest and on_time:  # fifo, overloaded: the newest on-time head across buckets
-            i = max(candidates, key=lambda j: (heads[j].request.arrival_time, heads[j].seq))
-        else:  # fifo: the oldest head across buckets
-            i = min(candidates, key=lambda j: (heads[j].request.arrival_time, heads[j].seq))
-        return heads[i]
+            return heads[0]
+        if self.bucketing == "weighted":
+            return min(heads, key=lambda h: (self._pass[h.bucket], h.bucket))
+        if newest and on_time:  # fifo, overloaded: the newest on-time head across buckets
+            return max(heads, key=lambda h: (h.request.arrival_time, h.seq))
+        return min(heads, key=lambda h: (h.request.arrival_time, h.seq))  # fifo: the oldest head across buckets
 
     def _initial_centroids(self) -> list[list[float]]:
         """One centroid per bucket (in log length), placed so that the midpoints between
