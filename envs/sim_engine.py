@@ -619,7 +619,8 @@ class SimEngine(Engine):
         K = min(k_fin, k_time)
         # Blocks: the decode set needs cnt[(-(j+m)) % bs] blocks at iteration j+m.
         cnt = self._cnt
-        cyc = [cnt[(-(j + m)) % bs] for m in range(bs)]
+        r = (-j) % bs  # cyc[m] = cnt[(r - m) % bs]: cnt read backwards from r, wrapping round
+        cyc = cnt[r::-1] + cnt[:r:-1]
         avail = self._available()
 
         def need(k: int) -> int:
