@@ -444,7 +444,7 @@ class Admission:
             self._adapt(req)
         if self.max_priority_kept is not None and req.priority > self.max_priority_kept:
             return self._reject(req, "shed_low_priority", now)
-        if self.memory is not None and not self._fits_alone(req):
+        if self._memory is not None and not self._fits_alone(req):
             return self._reject(req, "too_large_for_memory", now)
         bucket = self.bucket_of(req.prompt_len)
         if self._buckets[bucket].num_waiting >= self.cfg.max_queue_len:
@@ -482,10 +482,10 @@ class Admission:
             if self._in_flight and self.num_seqs_in_flight + seqs > self.batch_cap:
                 break  # it waits for room (alone it may exceed the cap, or it could never run)
             blocks = 0
-            if self.memory is not None:
+            if self._memory is not None:
                 blocks = self._blocks(e.request, seqs)
-                if not self.memory.fits(self.kv_blocks_in_flight + blocks, self.num_seqs_in_flight + seqs,
-                                        self.kv_dtype):
+                if not self._memory.fits(self.kv_blocks_in_flight + blocks, self.num_seqs_in_flight + seqs,
+                                         self.kv_dtype):
                     if self._in_flight:
                         break  # it waits for memory to free up
                     self._drop(e)  # alone it no longer fits (the model moved since it was queued)
@@ -609,13 +609,13 @@ class Admission:
     # --- internals -----------------------------------------------------------------------
     def _blocks(self, req: Any, seqs: int) -> int:
         """KV blocks ``req`` holds at its end; ``seqs`` is its ``_num_seqs`` (callers have it)."""
-        assert self.memory is not None
-        return int(self.memory.request_blocks(req.prompt_len, int(getattr(req, "output_len", 0)), seqs))
+        assert self._memory is not None
+        return int(self._memory.request_blocks(req.prompt_len, int(getattr(req, "output_len", 0)), seqs))
 
     def _fits_alone(self, req: Any) -> bool:
-        assert self.memory is not None
+        assert self._memory is not None
         seqs = _num_seqs(req)
-        return self.memory.fits(self._blocks(req, seqs), seqs, self.kv_dtype)
+        return self._memory.fits(self._blocks(req, seqs), seqs, self.kv_dtype)
 
     def _reject(self, req: Any, reason: str, now: float) -> Rejection:
         self.num_rejected_by_reason[reason] += 1
