@@ -203,12 +203,16 @@ class AdmissionConfig:
 @dataclass(slots=True)
 class _Entry:
     """A waiting request; ``alive`` goes False when it leaves the queue by any path, ``late``
-    goes True when it can no longer meet its TTFT objective (``on_time_first``)."""
+    goes True when it can no longer meet its TTFT objective (``on_time_first``). ``seqs`` and
+    ``blocks`` are what it will count in flight, as submit found them (``blocks``: 0 without
+    ``memory``; setting ``memory`` counts them again), so admit does not count them twice."""
 
     request: Any
     bucket: int
     is_long: bool
     seq: int
+    seqs: int
+    blocks: int
     alive: bool = True
     late: bool = False
 
@@ -333,8 +337,11 @@ class Admission:
     def memory(self, memory: MemoryCheck | None) -> None:
         """Setting it books the requests in flight again, through it: admitted by count (no
         check: 0 blocks) they would otherwise count nothing once the budget is known (admission
-        predicted 1.3 % while they needed 245 %), and a new KV pool may have another block size."""
+        predicted 1.3 % while they needed 245 %), and a new KV pool may have another block size.
+        The waiting requests' block counts are taken again too."""
         self._memory = memory
+        for e in self._waiting.values():
+            e.blocks = self._blocks(e.request, e.seqs) if memory is not None else 0
         total = 0
         for rid, (is_long, seqs, _, req) in self._in_flight.items():
             blocks = self._blocks(req, _num_seqs(req)) if memory is not None else 0
@@ -444,7 +451,9 @@ class Admission:
             self._adapt(req)
         if self.max_priority_kept is not None and req.priority > self.max_priority_kept:
             return self._reject(req, "shed_low_priority", now)
-        if self._memory is not None and not self._fits_alone(req):
+        seqs = _num_seqs(req)
+        blocks = self._blocks(req, seqs) if self._memory is not None else 0
+        if self._memory is not None and not self._memory.fits(blocks, seqs, self.kv_dtype):
             return self._reject(req, "too_large_for_memory", now)
         bucket = self.bucket_of(req.prompt_len)
         if self._buckets[bucket].num_waiting >= self.cfg.max_queue_len:
@@ -452,7 +461,7 @@ class Admission:
         if self._buckets[bucket].num_waiting == 0:
             # A bucket that was idle rejoins at the current virtual time: no banked credit.
             self._pass[bucket] = max(self._pass[bucket], self._vtime)
-        e = _Entry(req, bucket, req.prompt_len > self.cfg.long_prompt_threshold, self._seq)
+        e = _Entry(req, bucket, req.prompt_len > self.cfg.long_prompt_threshold, self._seq, seqs, blocks)
         self._seq += 1
         self._buckets[bucket].push(e)
         self._waiting[rid] = e
@@ -478,19 +487,16 @@ class Admission:
             e = self._choose(allow_long)
             if e is None:
                 break  # only long prompts wait and the long cap is full
-            seqs = _num_seqs(e.request)
+            seqs, blocks = e.seqs, e.blocks
             if self._in_flight and self.num_seqs_in_flight + seqs > self.batch_cap:
                 break  # it waits for room (alone it may exceed the cap, or it could never run)
-            blocks = 0
-            if self._memory is not None:
-                blocks = self._blocks(e.request, seqs)
-                if not self._memory.fits(self.kv_blocks_in_flight + blocks, self.num_seqs_in_flight + seqs,
-                                         self.kv_dtype):
-                    if self._in_flight:
-                        break  # it waits for memory to free up
-                    self._drop(e)  # alone it no longer fits (the model moved since it was queued)
-                    self._late.append(self._reject(e.request, "too_large_for_memory", now))
-                    continue
+            if self._memory is not None and not self._memory.fits(
+                    self.kv_blocks_in_flight + blocks, self.num_seqs_in_flight + seqs, self.kv_dtype):
+                if self._in_flight:
+                    break  # it waits for memory to free up
+                self._drop(e)  # alone it no longer fits (the model moved since it was queued)
+                self._late.append(self._reject(e.request, "too_large_for_memory", now))
+                continue
             self._buckets[e.bucket].pop(e)
             self._vtime = self._pass[e.bucket]
             self._pass[e.bucket] += self._stride[e.bucket]
@@ -611,11 +617,6 @@ class Admission:
         """KV blocks ``req`` holds at its end; ``seqs`` is its ``_num_seqs`` (callers have it)."""
         assert self._memory is not None
         return int(self._memory.request_blocks(req.prompt_len, int(getattr(req, "output_len", 0)), seqs))
-
-    def _fits_alone(self, req: Any) -> bool:
-        assert self._memory is not None
-        seqs = _num_seqs(req)
-        return self._memory.fits(self._blocks(req, seqs), seqs, self.kv_dtype)
 
     def _reject(self, req: Any, reason: str, now: float) -> Rejection:
         self.num_rejected_by_reason[reason] += 1
