@@ -48,7 +48,11 @@ def _weighted_stats(values: np.ndarray, counts: np.ndarray) -> tuple[float, floa
     expanded = np.repeat(values, np.maximum(counts, 0))
     if expanded.size == 0:
         return math.nan, math.nan, math.nan
-    return float(expanded.mean()), float(np.median(expanded)), float(np.percentile(expanded, 99))
+    mean = float(expanded.mean())
+    # The expanded array is ours and its order is no longer needed (the mean is taken): let the
+    # median and the percentile partition it in place instead of each copying it first.
+    median = float(np.median(expanded, overwrite_input=True))
+    return mean, median, float(np.percentile(expanded, 99, overwrite_input=True))
 
 
 def summarize(
@@ -78,9 +82,7 @@ def summarize(
     ttft = np.fromiter((r.ttft for r in finished), np.float64, n)
     tpot = np.fromiter((r.tpot for r in finished), np.float64, n)
     e2el = np.fromiter((r.e2el for r in finished), np.float64, n)
-    good = sum(
-        1 for i in range(n) if slo.met(float(ttft[i]), float(tpot[i]), float(e2el[i]))
-    )
+    good = sum(1 for row in zip(ttft.tolist(), tpot.tolist(), e2el.tolist()) if slo.met(*row))
 
     out: dict[str, float] = {
         "duration_s": float(duration_s),

@@ -403,6 +403,8 @@ class RequestStream:
 
     def pop_until(self, t: float) -> list[Request]:
         """All not-yet-popped requests arriving at or before ``t``, in arrival order."""
+        if self.next_arrival_time > t:  # the common case in a busy loop: nothing new yet
+            return []
         end = max(bisect.bisect_right(self._t_list, t), self._next)
         out = [self._request(i) for i in range(self._next, end)]
         self._next = end

@@ -203,12 +203,16 @@ class AdmissionConfig:
 @dataclass(slots=True)
 class _Entry:
     """A waiting request; ``alive`` goes False when it leaves the queue by any path, ``late``
-    goes True when it can no longer meet its TTFT objective (``on_time_first``)."""
+    goes True when it can no longer meet its TTFT objective (``on_time_first``). ``seqs`` and
+    ``blocks`` are what it will count in flight, as submit found them (``blocks``: 0 without
+    ``memory``; setting ``memory`` counts them again), so admit does not count them twice."""
 
     request: Any
     bucket: int
     is_long: bool
     seq: int
+    seqs: int
+    blocks: int
     alive: bool = True
     late: bool = False
 
@@ -333,11 +337,14 @@ class Admission:
     def memory(self, memory: MemoryCheck | None) -> None:
         """Setting it books the requests in flight again, through it: admitted by count (no
         check: 0 blocks) they would otherwise count nothing once the budget is known (admission
-        predicted 1.3 % while they needed 245 %), and a new KV pool may have another block size."""
+        predicted 1.3 % while they needed 245 %), and a new KV pool may have another block size.
+        The waiting requests' block counts are taken again too."""
         self._memory = memory
+        for e in self._waiting.values():
+            e.blocks = self._blocks(e.request, e.seqs) if memory is not None else 0
         total = 0
         for rid, (is_long, seqs, _, req) in self._in_flight.items():
-            blocks = self._blocks(req) if memory is not None else 0
+            blocks = self._blocks(req, _num_seqs(req)) if memory is not None else 0
             self._in_flight[rid] = (is_long, seqs, blocks, req)
             total += blocks
         self.kv_blocks_in_flight = total
@@ -444,7 +451,9 @@ class Admission:
             self._adapt(req)
         if self.max_priority_kept is not None and req.priority > self.max_priority_kept:
             return self._reject(req, "shed_low_priority", now)
-        if self.memory is not None and not self._fits_alone(req):
+        seqs = _num_seqs(req)
+        blocks = self._blocks(req, seqs) if self._memory is not None else 0
+        if self._memory is not None and not self._memory.fits(blocks, seqs, self.kv_dtype):
             return self._reject(req, "too_large_for_memory", now)
         bucket = self.bucket_of(req.prompt_len)
         if self._buckets[bucket].num_waiting >= self.cfg.max_queue_len:
@@ -452,7 +461,7 @@ class Admission:
         if self._buckets[bucket].num_waiting == 0:
             # A bucket that was idle rejoins at the current virtual time: no banked credit.
             self._pass[bucket] = max(self._pass[bucket], self._vtime)
-        e = _Entry(req, bucket, req.prompt_len > self.cfg.long_prompt_threshold, self._seq)
+        e = _Entry(req, bucket, req.prompt_len > self.cfg.long_prompt_threshold, self._seq, seqs, blocks)
         self._seq += 1
         self._buckets[bucket].push(e)
         self._waiting[rid] = e
@@ -478,19 +487,16 @@ class Admission:
             e = self._choose(allow_long)
             if e is None:
                 break  # only long prompts wait and the long cap is full
-            seqs = _num_seqs(e.request)
+            seqs, blocks = e.seqs, e.blocks
             if self._in_flight and self.num_seqs_in_flight + seqs > self.batch_cap:
                 break  # it waits for room (alone it may exceed the cap, or it could never run)
-            blocks = 0
-            if self.memory is not None:
-                blocks = self._blocks(e.request)
-                if not self.memory.fits(self.kv_blocks_in_flight + blocks, self.num_seqs_in_flight + seqs,
-                                        self.kv_dtype):
-                    if self._in_flight:
-                        break  # it waits for memory to free up
-                    self._drop(e)  # alone it no longer fits (the model moved since it was queued)
-                    self._late.append(self._reject(e.request, "too_large_for_memory", now))
-                    continue
+            if self._memory is not None and not self._memory.fits(
+                    self.kv_blocks_in_flight + blocks, self.num_seqs_in_flight + seqs, self.kv_dtype):
+                if self._in_flight:
+                    break  # it waits for memory to free up
+                self._drop(e)  # alone it no longer fits (the model moved since it was queued)
+                self._late.append(self._reject(e.request, "too_large_for_memory", now))
+                continue
             self._buckets[e.bucket].pop(e)
             self._vtime = self._pass[e.bucket]
             self._pass[e.bucket] += self._stride[e.bucket]
@@ -602,17 +608,15 @@ class Admission:
             return None
         blocks, seqs = self.kv_blocks_in_flight, self.num_seqs_in_flight
         if extra is not None:
-            blocks, seqs = blocks + self._blocks(extra), seqs + _num_seqs(extra)
+            extra_seqs = _num_seqs(extra)
+            blocks, seqs = blocks + self._blocks(extra, extra_seqs), seqs + extra_seqs
         return float(frac(blocks, seqs, self.kv_dtype))
 
     # --- internals -----------------------------------------------------------------------
-    def _blocks(self, req: Any) -> int:
-        assert self.memory is not None
-        return int(self.memory.request_blocks(req.prompt_len, int(getattr(req, "output_len", 0)), _num_seqs(req)))
-
-    def _fits_alone(self, req: Any) -> bool:
-        assert self.memory is not None
-        return self.memory.fits(self._blocks(req), _num_seqs(req), self.kv_dtype)
+    def _blocks(self, req: Any, seqs: int) -> int:
+        """KV blocks ``req`` holds at its end; ``seqs`` is its ``_num_seqs`` (callers have it)."""
+        assert self._memory is not None
+        return int(self._memory.request_blocks(req.prompt_len, int(getattr(req, "output_len", 0)), seqs))
 
     def _reject(self, req: Any, reason: str, now: float) -> Rejection:
         self.num_rejected_by_reason[reason] += 1
@@ -638,22 +642,20 @@ class Admission:
 
     def _choose(self, allow_long: bool) -> _Entry | None:
         newest = self.cfg.newest_first_when_late and self.num_late_waiting > 0
-        heads = [b.head(allow_long, newest) if b.num_waiting else None for b in self._buckets]
-        candidates = [i for i, h in enumerate(heads) if h is not None]
-        if not candidates:
-            return None
-        on_time = [i for i in candidates if not heads[i].late]
+        # The head of each bucket that has one, in bucket order (an entry knows its bucket).
+        heads = [h for b in self._buckets if b.num_waiting and (h := b.head(allow_long, newest)) is not None]
+        if len(heads) <= 1:  # none, or one bucket to serve: every mode picks it
+            return heads[0] if heads else None
+        on_time = [h for h in heads if not h.late]
         if on_time:  # a bucket whose next request can still meet its TTFT goes first
-            candidates = on_time
+            heads = on_time
         if self.bucketing == "shortest_first":
-            i = candidates[0]
-        elif self.bucketing == "weighted":
-            i = min(candidates, key=lambda j: (self._pass[j], j))
-        elif newest and on_time:  # fifo, overloaded: the newest on-time head across buckets
-            i = max(candidates, key=lambda j: (heads[j].request.arrival_time, heads[j].seq))
-        else:  # fifo: the oldest head across buckets
-            i = min(candidates, key=lambda j: (heads[j].request.arrival_time, heads[j].seq))
-        return heads[i]
+            return heads[0]
+        if self.bucketing == "weighted":
+            return min(heads, key=lambda h: (self._pass[h.bucket], h.bucket))
+        if newest and on_time:  # fifo, overloaded: the newest on-time head across buckets
+            return max(heads, key=lambda h: (h.request.arrival_time, h.seq))
+        return min(heads, key=lambda h: (h.request.arrival_time, h.seq))  # fifo: the oldest head across buckets
 
     def _initial_centroids(self) -> list[list[float]]:
         """One centroid per bucket (in log length), placed so that the midpoints between

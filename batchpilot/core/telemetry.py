@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -108,9 +109,12 @@ FEATURES: tuple[tuple[str, str, str], ...] = (
 )
 FEATURE_NAMES: tuple[str, ...] = tuple(f[0] for f in FEATURES)
 OBS_LOW, OBS_HIGH = 0.0, 10.0
+#: The fixed scales of the log features (``FEATURES``), computed once.
+_LOG1P_QUEUE = np.log1p(1024.0)
+_LOG1P_PREEMPTIONS = np.log1p(100.0)
 
 
-def _p50_p99(values: list[float]) -> tuple[float, float]:
+def _p50_p99(values: Collection[float]) -> tuple[float, float]:
     """Median and p99 with numpy's default (linear) interpolation, sorting once in plain
     Python: this runs every control interval, thousands of times per second in training, on
     windows of a few hundred values where numpy's call overhead dominates."""
@@ -150,6 +154,14 @@ class Telemetry:
     _window: deque = field(default_factory=deque)
     _arrival_window: deque = field(default_factory=deque)
     _ttft_window: deque = field(default_factory=deque)
+    # The same windows as the columns ``snapshot`` reads (latencies already in ms), each popped
+    # with its row: an interval's snapshot then sorts them as they are, where rebuilding them
+    # from the rows every interval went over each request ~window_s / interval_s times.
+    _tpot_ms: deque = field(default_factory=deque)
+    _e2el_ms: deque = field(default_factory=deque)
+    _met: deque = field(default_factory=deque)
+    _ttft_ms: deque = field(default_factory=deque)
+    _prompt_lens: deque = field(default_factory=deque)
     #: Requests whose first token is recorded and that have not finished yet.
     _first_seen: set = field(default_factory=set)
     _last_time: float = 0.0
@@ -159,9 +171,9 @@ class Telemetry:
     def reset(self, now: float) -> None:
         self._arrivals = self._preemptions = self._rejected = self._shield = 0
         self._finished = self._good = self._out_tokens = 0
-        self._window.clear()
-        self._arrival_window.clear()
-        self._ttft_window.clear()
+        for window in (self._window, self._arrival_window, self._ttft_window,
+                       self._tpot_ms, self._e2el_ms, self._met, self._ttft_ms, self._prompt_lens):
+            window.clear()
         self._first_seen.clear()
         self._last_time = now  # the last KV switch stays: a reset of the windows is no switch
 
@@ -169,12 +181,14 @@ class Telemetry:
     def on_arrival(self, t: float, prompt_len: int) -> None:
         self._arrivals += 1
         self._arrival_window.append((t, prompt_len))
+        self._prompt_lens.append(prompt_len)
 
     def on_first_token(self, request_id: str, t: float, ttft_s: float) -> None:
         """TTFT counts when the first token comes out, not when the request ends, so a
         growing queue shows in the signal before the slow requests finish. Optional: a request
         whose first token was not reported is counted by ``on_finished``."""
         self._ttft_window.append((t, ttft_s))
+        self._ttft_ms.append(ttft_s * 1e3)
         self._first_seen.add(request_id)
 
     def on_abandoned(self, request_id: str) -> None:
@@ -192,10 +206,14 @@ class Telemetry:
             self._first_seen.discard(request_id)
         else:
             self._ttft_window.append((t, ttft_s))
+            self._ttft_ms.append(ttft_s * 1e3)
         met = self.slo.met(ttft_s, tpot_s, e2el_s)
         self._finished += 1
         self._good += int(met)
         self._window.append((t, ttft_s, tpot_s, e2el_s, met))
+        self._tpot_ms.append(tpot_s * 1e3)
+        self._e2el_ms.append(e2el_s * 1e3)
+        self._met.append(met)
         return met
 
     def on_preemptions(self, n: int) -> None:
@@ -232,18 +250,20 @@ class Telemetry:
         horizon = now - self.window_s
         while self._window and self._window[0][0] < horizon:
             self._window.popleft()
+            self._tpot_ms.popleft()
+            self._e2el_ms.popleft()
+            self._met.popleft()
         while self._arrival_window and self._arrival_window[0][0] < horizon:
             self._arrival_window.popleft()
+            self._prompt_lens.popleft()
         while self._ttft_window and self._ttft_window[0][0] < horizon:
             self._ttft_window.popleft()
+            self._ttft_ms.popleft()
         win = self._window
-        tpot = [row[2] * 1e3 for row in win]
-        e2el = [row[3] * 1e3 for row in win]
-        attainment = sum(row[4] for row in win) / len(win) if win else 1.0
-        ttft = [x * 1e3 for _, x in self._ttft_window]
+        attainment = sum(self._met) / len(win) if win else 1.0
         arrivals = self._arrival_window
-        mean_prompt = sum(p for _, p in arrivals) / len(arrivals) if arrivals else 0.0
-        ttft_p, tpot_p, e2el_p = _p50_p99(ttft), _p50_p99(tpot), _p50_p99(e2el)
+        mean_prompt = sum(self._prompt_lens) / len(arrivals) if arrivals else 0.0
+        ttft_p, tpot_p, e2el_p = _p50_p99(self._ttft_ms), _p50_p99(self._tpot_ms), _p50_p99(self._e2el_ms)
         snap = Snapshot(
             time=now,
             interval_s=interval,
@@ -302,16 +322,15 @@ def observation_from_snapshot(
     tpot_ref = slo.tpot_ms or 100.0
     e2el_ref = slo.e2el_ms or (ttft_ref + 256 * tpot_ref)
     q = list(snap.queue_depth) + [0] * max(0, 3 - len(snap.queue_depth))
-    log_q = np.log1p(1024.0)
     onehot = [float(snap.knobs.bucketing == m) for m in BUCKETING_MODES]
     from batchpilot.core.engine import KV_DTYPES_8BIT  # local: keeps this module light
 
     vec = [
         snap.arrival_rate / rate_scale,
         np.log1p(snap.mean_prompt_len) / np.log1p(max_model_len),
-        np.log1p(q[0]) / log_q,
-        np.log1p(q[1]) / log_q,
-        np.log1p(sum(q[2:])) / log_q,
+        np.log1p(q[0]) / _LOG1P_QUEUE,
+        np.log1p(q[1]) / _LOG1P_QUEUE,
+        np.log1p(sum(q[2:])) / _LOG1P_QUEUE,
         snap.num_running / max_num_seqs,
         snap.num_waiting_engine / max_num_seqs,
         snap.kv_cache_usage,
@@ -324,7 +343,7 @@ def observation_from_snapshot(
         snap.e2el_p50_ms / e2el_ref,
         snap.e2el_p99_ms / e2el_ref,
         snap.slo_attainment,
-        np.log1p(snap.preemptions) / np.log1p(100.0),
+        np.log1p(snap.preemptions) / _LOG1P_PREEMPTIONS,
         snap.knobs.batch_cap / max_num_seqs,
         *onehot,
         float(snap.knobs.kv_dtype in KV_DTYPES_8BIT),
@@ -332,5 +351,7 @@ def observation_from_snapshot(
         min(float(snap.shield_interventions), 1.0),
     ]
     obs = np.asarray(vec, dtype=np.float32)
-    obs = np.nan_to_num(obs, nan=0.0, posinf=OBS_HIGH, neginf=OBS_LOW)
+    # NaN reads 0; the clip sends +-inf to the bounds (what np.nan_to_num(posinf=OBS_HIGH,
+    # neginf=OBS_LOW) did first, at twice the cost of the whole rest of this line).
+    obs[np.isnan(obs)] = 0.0
     return np.clip(obs, OBS_LOW, OBS_HIGH)
