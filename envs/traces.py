@@ -123,12 +123,14 @@ class TraceReport:
     warnings: list[str] = field(default_factory=list)
 
     def summary(self) -> str:
-        """One line for logs."""
+        """One line for logs; says when the rows were re-sorted: the replay order is then not
+        the file's, which a reader of the log should know."""
         skips = ", ".join(f"{k}: {v}" for k, v in sorted(self.skipped.items())) or "none"
+        resorted = "; rows re-sorted by arrival time (the file was not in time order)" if self.resorted else ""
         warn = "".join(f"; WARNING: {w}" for w in self.warnings)
         return (
             f"{self.path} ({self.format}): {self.rows_read} rows read, {self.rows_kept} kept, "
-            f"{self.clipped} clipped, {self.raised_to_one} raised to 1 token, skipped: {skips}{warn}"
+            f"{self.clipped} clipped, {self.raised_to_one} raised to 1 token, skipped: {skips}{resorted}{warn}"
         )
 
 

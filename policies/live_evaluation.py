@@ -101,22 +101,42 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def log_tail(path: Path | None, n: int = 4, width: int = 200) -> str:
+    """The last ``n`` non-blank lines of a log, on one line (each cut to ``width``), for an
+    error that must say why without a traceback; '' when there is no such file."""
+    if path is None:
+        return ""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - 64 * 1024))
+            lines = [ln.strip() for ln in f.read().decode("utf-8", "replace").splitlines() if ln.strip()]
+    except OSError:
+        return ""
+    return " | ".join(ln[:width] for ln in lines[-n:])
+
+
 def wait_until(cond: Callable[[], bool], timeout_s: float, what: str, poll_s: float = 0.25,
-               alive: Callable[[], str | None] | None = None) -> None:
-    """Poll ``cond`` until true; ``TimeoutError`` naming ``what`` after ``timeout_s``. ``alive``
+               alive: Callable[[], str | None] | None = None, log: Path | None = None) -> None:
+    """Poll ``cond`` until true; a ``LiveEvaluationError`` naming ``what`` (and the last lines
+    of ``log``, the gateway's) after ``timeout_s``, so the script says it in one line. ``alive``
     returns a reason to give up early (a process that exited)."""
     deadline = time.monotonic() + timeout_s
     while True:
         if alive is not None and (why := alive()) is not None:
-            raise LiveEvaluationError(f"while waiting for {what}: {why}")
+            raise LiveEvaluationError(_with_tail(f"while waiting for {what}: {why}", log))
         try:
             if cond():
                 return
         except httpx.HTTPError:
             pass
         if time.monotonic() > deadline:
-            raise TimeoutError(f"{what}: not reached after {timeout_s:.0f} s")
+            raise LiveEvaluationError(_with_tail(f"{what}: not reached after {timeout_s:g} s", log))
         time.sleep(poll_s)
+
+
+def _with_tail(msg: str, log: Path | None) -> str:
+    tail = log_tail(log)
+    return f"{msg}; last lines of {log}: {tail}" if tail else msg
 
 
 def schedule(paths: Sequence[str], rounds: int, order: str = "rotate", seed: int = 0) -> list[list[str]]:
@@ -208,7 +228,9 @@ class GatewayProcess:
 def running_gateway(cfg: DictConfig, scenario: DictConfig, model_dir: Path, served_name: str,
                     log_path: Path) -> Iterator[GatewayProcess]:
     """``scripts/serve.py serve.managed=true`` on a free port, in its own process group; on
-    exit SIGTERM, then SIGKILL, the gateway and the vLLM process group it owns."""
+    exit SIGTERM, then SIGKILL, the gateway and the vLLM process group it owns. The gateway runs
+    under ``batchpilot.serving.reaper`` (the group's leader), which ends the group when this
+    process is gone however it ended (SIGKILL included), so no gateway or vLLM outlives it."""
     g = cfg.gateway
     port = free_port()
     token = secrets.token_hex(16)
@@ -222,7 +244,8 @@ def running_gateway(cfg: DictConfig, scenario: DictConfig, model_dir: Path, serv
         f"hydra.run.dir={log_path.parent / 'gateway_hydra'}", "hydra.output_subdir=null",
         "hydra/job_logging=none", "hydra/hydra_logging=none", *g.overrides,
     ]
-    cmd = [sys.executable, str(REPO_ROOT / "scripts" / "serve.py"), *overrides]
+    reaper = [sys.executable, "-m", "batchpilot.serving.reaper", str(os.getpid()), "--"]
+    cmd = [*reaper, sys.executable, str(REPO_ROOT / "scripts" / "serve.py"), *overrides]
     env = dict(os.environ, BATCHPILOT_ADMIN_TOKEN=token, VLLM_CPU_KVCACHE_SPACE=str(g.kv_cache_space_gib))
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "wb") as out:
@@ -231,7 +254,7 @@ def running_gateway(cfg: DictConfig, scenario: DictConfig, model_dir: Path, serv
     pids: list[int] = []
     try:
         wait_until(lambda: httpx.get(f"{gw.url}/readyz", timeout=2).status_code == 200, g.startup_timeout_s,
-                   "the gateway's /readyz", poll_s=0.5, alive=gw.exited)
+                   "the gateway's /readyz (gateway.startup_timeout_s)", poll_s=0.5, alive=gw.exited, log=log_path)
         pid = gw.upstream().get("pid")
         pids = [pid] if pid else []
         gw.initial_knobs = dict(gw.lane()["knobs_in_force"])
@@ -272,7 +295,7 @@ def prepare_path(gw: GatewayProcess, path: str, timeout_s: float, policy_dir: st
     if gw.lane()["knobs_in_force"].get("kv_dtype") != init.get("kv_dtype"):
         gw.admin("kv_dtype", {"dtype": init["kv_dtype"], "force": True})
         wait_until(lambda: gw.lane()["knobs_in_force"].get("kv_dtype") == init["kv_dtype"] and gateway_idle(gw),
-                   timeout_s, f"the KV dtype back to {init['kv_dtype']}", alive=gw.exited)
+                   timeout_s, f"the KV dtype back to {init['kv_dtype']}", alive=gw.exited, log=gw.log_path)
     gw.admin("mode", {"mode": "static"})
     gw.admin("freeze", {"frozen": False, "force": True,
                         "knobs": {"batch_cap": init["batch_cap"], "bucketing": init["bucketing"]}})
@@ -443,17 +466,28 @@ def scenario_trace(scenario: DictConfig) -> TimedTraceFile:
     return convert_trace(path, str(s.format), opts)
 
 
+def check_policy_dir(name: str, folder: str) -> None:
+    """Load ``policies.NAME``'s folder with the gateway's torch-free loader (manifest, weights,
+    features, action space); its reason, naming the folder, as a ``LiveEvaluationError``."""
+    from batchpilot.policies.runtime import PolicyLoadError, PolicyRuntime
+
+    try:
+        PolicyRuntime.from_dir(folder)
+    except (PolicyLoadError, OSError, ValueError) as e:
+        raise LiveEvaluationError(f"policies.{name}: {e} (an exported policy folder is needed)") from None
+
+
 def policy_dirs(cfg: DictConfig) -> dict[str, str]:
     """``policies``: more paths, each an exported policy the gateway runs in ``policy`` mode
     (e.g. ``{ppo_finetuned: outputs/finetune_live/run/policy}``); with any, ``ppo`` reloads the
-    shipped policy before its runs. Folders are made absolute (the gateway runs elsewhere)."""
+    shipped policy before its runs. Folders are made absolute (the gateway runs elsewhere) and
+    loaded here, as the gateway will load them, so a broken one fails before vLLM starts."""
     extra = {str(k): str(Path(str(v)).expanduser().resolve()) for k, v in cfg.policies.items()}
     clash = [k for k in extra if k in PATHS]
     if clash:
         raise LiveEvaluationError(f"policies may not redefine the built-in paths {clash}")
     for name, d in extra.items():
-        if not (Path(d) / "manifest.json").is_file():
-            raise LiveEvaluationError(f"policies.{name}: {d} has no manifest.json (an exported policy folder)")
+        check_policy_dir(name, d)
     if extra:
         from batchpilot.policies.ppo_controller import PRETRAINED_DIR
 
@@ -461,10 +495,61 @@ def policy_dirs(cfg: DictConfig) -> dict[str, str]:
     return extra
 
 
+#: The gateway's settings the evaluation sets itself (``running_gateway``), and what to do instead.
+OWNED_GATEWAY_KEYS: dict[str, str] = {
+    "serve.managed": "drop it: the evaluation always runs a managed vLLM",
+    "serve.port": "drop it: the evaluation picks a free port and waits on it",
+    "serve.model": "set gateway.model instead",
+    "serve.served_model_name": "set gateway.served_model_name instead",
+    "serve.max_model_len": "set live_scenario.max_model_len instead",
+    "serve.kv_cache_space_gib": "set gateway.kv_cache_space_gib instead",
+    "serve.extra_vllm_args": "set gateway.extra_vllm_args or live_scenario.vllm_args instead",
+    "serve.control.mode": "drop it: each path sets the gateway's mode (paths)",
+    "slo.ttft_ms": "set live_evaluate's slo.ttft_ms instead (the client's goodput uses it too)",
+    "slo.tpot_ms": "set live_evaluate's slo.tpot_ms instead (the client's goodput uses it too)",
+}
+
+
+def override_key(override: str) -> str:
+    """The key a Hydra command-line override sets (``+a.b=1``, ``~a.b``, ``a/b@pkg=x`` -> ``a.b``)."""
+    return override.split("=", 1)[0].lstrip("+~").split("@", 1)[0].replace("/", ".").strip()
+
+
+def check_gateway_overrides(overrides: Sequence[Any]) -> None:
+    """``gateway.overrides`` may not set what the evaluation sets itself: such an override
+    would replace it silently (a ``serve.port`` one made the run wait out its whole start-up
+    timeout on a port nothing listened on). A parent key (``serve=...``) counts too."""
+    for o in map(str, overrides):
+        key = override_key(o)
+        hit = [k for k in OWNED_GATEWAY_KEYS if k == key or k.startswith(key + ".")]
+        if hit:
+            what = hit[0] if key == hit[0] else f"{key} (which holds {hit[0]})"
+            raise LiveEvaluationError(f"gateway.overrides: {o!r} sets {what}, which the live evaluation sets "
+                                      f"itself; {OWNED_GATEWAY_KEYS[hit[0]]}")
+
+
+def check_client(client: Mapping[str, Any]) -> None:
+    """``client.headers`` and ``client.max_concurrency`` as vLLM's client takes them, checked
+    before vLLM starts (its client raised only at the first run, minutes later)."""
+    for h in client.get("headers") or []:
+        key, eq, value = str(h).partition("=")
+        if not eq or not key.strip():
+            raise LiveEvaluationError(f"client.headers: {str(h)!r} is not KEY=VALUE")
+        if key.strip().lower() == "x-priority":  # the twin reads it as the gateway does: an integer
+            try:
+                int(value.strip())
+            except ValueError:
+                raise LiveEvaluationError(f"client.headers: {str(h)!r}: x-priority must be an integer") from None
+    mc = client.get("max_concurrency")
+    if mc is not None and (isinstance(mc, bool) or not isinstance(mc, int) or mc < 1):
+        raise LiveEvaluationError(f"client.max_concurrency must be null (open loop) or an integer >= 1, got {mc!r}")
+
+
 def _check(cfg: DictConfig) -> list[str]:
     """The run's paths. The keys and types were checked against ``schema/live_evaluate``
     (``batchpilot.schemas.LiveEvaluateApp``) at compose time; again here for a key added with
-    ``+key=...``; then what a type cannot say (known, distinct paths; at least one round)."""
+    ``+key=...``; then what a type cannot say (known, distinct paths; at least one round; the
+    client's headers and concurrency; gateway overrides that would replace the evaluation's own)."""
     try:
         check_app(LiveEvaluateApp, cfg)
         from_node(LiveScenarioConfig, cfg.live_scenario)  # its values (a schema checks types only)
@@ -477,6 +562,8 @@ def _check(cfg: DictConfig) -> list[str]:
         raise LiveEvaluationError(f"paths must be distinct names among {tuple(dict.fromkeys(known))}, got {paths}")
     if int(cfg.rounds) < 1:
         raise LiveEvaluationError(f"rounds must be >= 1, got {cfg.rounds}")
+    check_client(cfg.client)
+    check_gateway_overrides(cfg.gateway.overrides)
     try:  # the client's --goodput and every controller's objectives
         SLO(ttft_ms=cfg.slo.get("ttft_ms"), tpot_ms=cfg.slo.get("tpot_ms"), e2el_ms=cfg.slo.get("e2el_ms"))
     except ValueError as e:
@@ -546,7 +633,8 @@ def live_evaluate(cfg: DictConfig, model_dir: Path | None = None) -> dict[str, A
             jsonl = write_timed_trace([{**r, "hash_ids": [salt * HASH_STRIDE + h for h in r["hash_ids"]]}
                                        for r in records], runs_dir / f"{name}.jsonl")
             wait_until(lambda: engine_idle(vllm_url) and gateway_idle(gw), cfg.gateway.settle_timeout_s,
-                       "vLLM and the gateway idle before a run", alive=gw.exited)
+                       "vLLM and the gateway idle before a run (gateway.settle_timeout_s)", alive=gw.exited,
+                       log=gw.log_path)
             prepare_path(gw, path, cfg.gateway.settle_timeout_s, pdirs.get(path))
             sub = TimedTraceFile(records=tuple(records), chunk_tokens=tf.chunk_tokens, source=tf.source,
                                  clipped=tf.clipped, duration_s=tf.duration_s, summary=tf.summary)
@@ -566,8 +654,8 @@ def live_evaluate(cfg: DictConfig, model_dir: Path | None = None) -> dict[str, A
                 (runs_dir / f"{name}.decisions.jsonl").write_text("".join(json.dumps(d) + "\n" for d in decisions))
                 if decisions:
                     extra["mean_batch_cap"] = sum(d["batch_cap"] for d in decisions) / len(decisions)
-            wait_until(lambda: engine_idle(vllm_url), cfg.gateway.settle_timeout_s, "vLLM idle after a run",
-                       alive=gw.exited)
+            wait_until(lambda: engine_idle(vllm_url), cfg.gateway.settle_timeout_s,
+                       "vLLM idle after a run (gateway.settle_timeout_s)", alive=gw.exited, log=gw.log_path)
             extra.update(engine_row_fields(counters0, run_counters(path)))
             lane, ups = gw.lane(), gw.upstream()
             extra["acting"] = "vllm" if path == BASELINE else gw.status()["control"].get("acting", "")
@@ -699,11 +787,14 @@ def _clean(v: Any) -> Any:
 def paired_differences(rows: Sequence[Mapping[str, Any]], key: str = "request_goodput",
                        baseline: str = BASELINE) -> list[dict[str, Any]]:
     """Per scenario and path: the mean and 95 % CI of ``path - baseline`` over the rounds both
-    ran (paired by round), and the same relative to the baseline's mean."""
+    ran (paired by round), and the same relative to the baseline's mean. Nothing for a scenario
+    whose baseline did not run (no round to pair: results.md would show an empty table)."""
     out = []
     for sc in dict.fromkeys(r["scenario"] for r in rows):
         rs = [r for r in rows if r["scenario"] == sc]
         base = {r["round"]: float(r[key]) for r in rs if r["path"] == baseline}
+        if not base:
+            continue
         for path in dict.fromkeys(r["path"] for r in rs):
             if path == baseline:
                 continue

@@ -6,7 +6,9 @@ twin of the finished live run in DIR (no vLLM), added to its results.md and twin
 from __future__ import annotations
 
 import os
+import signal
 import sys
+from types import FrameType
 
 # One passive OpenMP thread per process on a small machine (the client and vLLM share the
 # cores); must be set before torch loads (docs/sim_to_real.md).
@@ -21,8 +23,23 @@ import batchpilot.schemas  # noqa: E402,F401  (stores the config schemas before 
 from batchpilot.policies.live_evaluation import LiveEvaluationError, live_evaluate  # noqa: E402
 
 
+def exit_on_sigterm() -> None:
+    """SIGTERM (``timeout``, a CI cancel, ``kill``) as ``SystemExit(143)``: its default action
+    ends the process at once, skipping the ``finally`` that stops the gateway and its vLLM. A
+    second SIGTERM while that cleanup runs is ignored (SIGKILL still works: the reaper then
+    ends the gateway)."""
+
+    def _raise(signum: int, frame: FrameType | None) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        os.write(2, b"live_evaluate: SIGTERM: stopping the gateway and vLLM\n")  # print() is not reentrant
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, _raise)
+
+
 @hydra.main(config_path="../conf", config_name="live_evaluate", version_base="1.3")
 def main(cfg: DictConfig) -> None:
+    exit_on_sigterm()
     try:
         if cfg.get("twin_of"):
             from batchpilot.policies.live_twin import twin_of
