@@ -176,8 +176,8 @@ class EvalConfig:
 
 # --- composing one workload's config ------------------------------------------------------------
 def override_key(o: str) -> str:
-    """The config key a Hydra override sets (``+a.b=1``, ``~a.b`` -> ``a.b``)."""
-    return o.split("=", 1)[0].lstrip("+~")
+    """The config key a Hydra override sets (``+a.b=1``, ``~a.b``, ``a/b@pkg=x`` -> ``a.b``)."""
+    return o.split("=", 1)[0].lstrip("+~").split("@", 1)[0].replace("/", ".").strip()
 
 
 def workload_overrides(
@@ -336,7 +336,8 @@ def engine_facts(cfg: DictConfig) -> EngineFacts:
     try:
         caps = engine.capabilities()
         shield = Shield(ShieldConfig.from_cfg(cfg.shield), engine.memory_model(), caps)
-        kv_start = shield.start_kv_dtype(str(cfg.env.kv16_dtype), str(cfg.env.kv8_dtype))
+        kv_start = shield.start_kv_dtype(str(cfg.env.kv16_dtype), str(cfg.env.kv8_dtype),
+                                         float(cfg.hardware.get("kv8_speed_factor", 1.0)))
         return EngineFacts(caps, shield.no_room_reason(), kv_start)
     finally:
         engine.close()

@@ -65,6 +65,7 @@ from batchpilot.envs.timed_trace import (
     write_timed_trace,
 )
 from batchpilot.envs.traces import TraceOptions
+from batchpilot.policies.eval_plan import override_key
 from batchpilot.policies.eval_report import _fmt, mean_ci
 from batchpilot.schemas import LiveEvaluateApp, LiveScenarioConfig, check_app, from_node
 
@@ -508,11 +509,6 @@ OWNED_GATEWAY_KEYS: dict[str, str] = {
     "slo.ttft_ms": "set live_evaluate's slo.ttft_ms instead (the client's goodput uses it too)",
     "slo.tpot_ms": "set live_evaluate's slo.tpot_ms instead (the client's goodput uses it too)",
 }
-
-
-def override_key(override: str) -> str:
-    """The key a Hydra command-line override sets (``+a.b=1``, ``~a.b``, ``a/b@pkg=x`` -> ``a.b``)."""
-    return override.split("=", 1)[0].lstrip("+~").split("@", 1)[0].replace("/", ".").strip()
 
 
 def check_gateway_overrides(overrides: Sequence[Any]) -> None:
