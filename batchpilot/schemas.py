@@ -273,6 +273,8 @@ class EnvNode:
     #: shield acting each interval, until every request is served (the gateway's loop runs until
     #: the client's last answer); false: drain at the last knobs.
     drain_controlled: bool
+    #: The start KV dtype counts as a switch at t=0 for the shield's dwell (``kv_start``).
+    start_dtype_dwell: bool
     #: Deployment randomisation (training): "model/hardware" pairs an episode draws from; the
     #: workload's load is sized per deployment. Empty = the config's model and hardware.
     deployments: list[str]
@@ -484,10 +486,9 @@ class PPOPolicyConfig:
     #: ``dtype_restart_s``); None: the KV agent is not run.
     kv_restart_s: float | None = None
     #: Start at the 8-bit KV dtype where the memory ceiling would bind at 16 bits
-    #: (``Shield.start_kv_dtype``): before any traffic a switch costs no restart. Off by
-    #: default: it gains where memory binds hard and loses where 8-bit KV reads slower
-    #: (docs/evaluation.md, "A KV dtype chosen at start-up").
-    kv_start: bool = False
+    #: (``Shield.start_kv_dtype``): before any traffic a switch costs no restart, and the
+    #: shield's dwell then runs from the start (docs/evaluation.md, "A KV dtype chosen at start-up").
+    kv_start: bool = True
     #: The SLO served, ``{"ttft": ms, "tpot": ms, "e2el": ms}`` (``build_controller`` fills it from
     #: the top config's ``slo``); None = the SLO the policy was trained at.
     slo: dict[str, float | None] | None = None

@@ -426,6 +426,8 @@ class ServingEnv(gym.Env):
         self.admission.use_slo(self.slo.ttft_ms)
         self.admission.use_token_budget(self._caps.max_num_batched_tokens)
         self.shield = Shield(self.shield_cfg, self.engine.memory_model(), self._caps, slo=self.slo, now=self.engine.now)
+        if e.get("start_dtype_dwell", False):  # the start dtype was a choice: the dwell runs from it
+            self.shield.last_dtype_switch = self.engine.now
         if self.cfg.env.get("memory_admission", True):  # per request: in flight + it within the ceiling
             why = self.shield.no_room_reason()
             if why is not None:

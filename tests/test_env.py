@@ -99,6 +99,20 @@ def test_8bit_switch_pays_off_where_kv_binds_and_charges_the_restart():
     assert env.episode_metrics()["dtype_switches"] == 1.0
 
 
+@pytest.mark.parametrize("start_dwell", [True, False])
+def test_a_chosen_start_dtype_starts_the_dwell(start_dwell: bool):
+    """``env.start_dtype_dwell`` (an evaluation sets it for a policy whose start dtype it chose,
+    ``kv_start``): the shield's dwell runs from the start, so a switch back is refused for
+    ``min_dtype_dwell_s``; without it the first switch needs no dwell."""
+    env = make("engine.kv_dtype=fp8", f"env.start_dtype_dwell={str(start_dwell).lower()}")
+    env.reset(seed=0)
+    assert env.knobs.kv_dtype == "fp8"
+    _, _, _, _, info = env.step(np.array([2, 0, 1]))  # ask for 16-bit KV
+    assert ("dtype_dwell" in info["shield"]) is start_dwell
+    if start_dwell:
+        assert info["knobs"]["kv_dtype"] == "fp8" and env.shield.num_interventions["dtype_dwell"] == 1
+
+
 def test_8bit_refused_where_it_gains_nothing():
     # Llama-3-8B on H100: max_num_seqs binds before KV does, so the restart is not worth it.
     env = make("shield.min_dtype_dwell_s=0")

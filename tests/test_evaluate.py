@@ -455,9 +455,10 @@ def test_a_residual_policy_starts_where_the_pid_it_corrects_starts() -> None:
 
 @pytest.mark.parametrize("deployment,memory_binds", [("deepseek_v3/h200", True), ("llama3_8b/h100", False)])
 def test_kv_start_starts_8bit_only_where_memory_binds(deployment: str, memory_binds: bool) -> None:
-    """``kv_start`` (off by default) starts a policy at 8-bit KV where the shield's memory
+    """``kv_start`` (on by default) starts a policy at 8-bit KV where the shield's memory
     ceiling holds fewer requests at 16 bits than the cap may reach: DeepSeek-V3 on an H200 (its
-    weights take two thirds of the budget), not Llama-3-8B on an H100. PID starts as configured."""
+    weights take two thirds of the budget), not Llama-3-8B on an H100. PID starts as configured,
+    and so does the policy with ``kv_start: false``."""
     from batchpilot.policies.eval_plan import EvalConfig, plan_workload
     from batchpilot.policies.evaluation import make_controller, policy_config, start_knobs
 
@@ -466,9 +467,9 @@ def test_kv_start_starts_8bit_only_where_memory_binds(deployment: str, memory_bi
     plan = plan_workload(user, None, ecfg, ecfg.deployments[0])
     assert plan.kv_start == ("fp8" if memory_binds else "auto")
     ppo_pol = policy_config("ppo", ecfg, plan)
-    assert ppo_pol["kv_start"] is False  # the default
+    assert ppo_pol["kv_start"] is True  # the default
     ppo = make_controller(ppo_pol, plan)
-    assert start_knobs(ppo_pol, plan, ppo).kv_dtype == "auto"  # type: ignore[union-attr]
-    started = start_knobs({**ppo_pol, "kv_start": True}, plan, ppo)
+    started = start_knobs(ppo_pol, plan, ppo)
     assert started is not None and started.kv_dtype == plan.kv_start
+    assert start_knobs({**ppo_pol, "kv_start": False}, plan, ppo).kv_dtype == "auto"  # type: ignore[union-attr]
     assert start_knobs(policy_config("pid", ecfg, plan), plan).kv_dtype == "auto"  # type: ignore[union-attr]

@@ -338,12 +338,15 @@ class Shield:
                 f"({m.budget_bytes / 1e9:.1f} GB = gpu_memory_utilization x memory); use a GPU with more "
                 f"memory, raise model.tensor_parallel, or raise shield.memory_ceiling")
 
-    def start_kv_dtype(self, kv16: str, kv8: str) -> str:
+    def start_kv_dtype(self, kv16: str, kv8: str, kv8_read_cost: float = 1.0) -> str:
         """The KV dtype to start an engine with, while a switch costs no restart: ``kv8`` when
         at the expected context (``initial_context_len`` before any traffic) the memory ceiling
         holds fewer requests at ``kv16`` than the cap may reach (``max_batch``) and more at
-        ``kv8``; else ``kv16``. Where memory does not bind, 8-bit buys nothing and costs quality."""
-        if not self.capabilities.can_run(kv8) or kv8 not in self.memory.kv_block_bytes:
+        ``kv8``; else ``kv16``. Where memory does not bind, 8-bit buys nothing and costs quality;
+        where the engine reads 8-bit KV slower (``kv8_read_cost`` > 1, e.g. an A100 without
+        native fp8) every iteration pays for room only a heavy load would use, and before any
+        traffic that load is unknown: ``kv16`` too (the KV agent may still switch later)."""
+        if kv8_read_cost > 1.0 or not self.capabilities.can_run(kv8) or kv8 not in self.memory.kv_block_bytes:
             return kv16
         at16 = self.max_feasible_batch(kv16)
         return kv8 if at16 < self.max_batch and self.max_feasible_batch(kv8) > at16 else kv16
