@@ -145,8 +145,11 @@ def start_knobs(policy: Mapping[str, Any], plan: WorkloadPlan, controller: Contr
         return None
     cap = min(int(start), plan.max_num_seqs)
     bucketing = str(policy.get("bucketing", plan.cfg.env.initial_bucketing))
-    kv = plan.kv_start if policy.get("kv_start") else str(plan.cfg.engine.get("kv_dtype", "auto"))
-    return Knobs(max(1, cap), bucketing, kv)
+    configured = str(plan.cfg.engine.get("kv_dtype", "auto"))
+    # kv_start picks only where the engine is configured at the 16-bit default: an explicit
+    # engine.kv_dtype is the user's choice for every controller.
+    chooses = bool(policy.get("kv_start")) and configured == str(plan.cfg.env.kv16_dtype)
+    return Knobs(max(1, cap), bucketing, plan.kv_start if chooses else configured)
 
 
 # --- episodes -------------------------------------------------------------------------------

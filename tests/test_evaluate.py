@@ -473,3 +473,8 @@ def test_kv_start_starts_8bit_only_where_memory_binds(deployment: str, memory_bi
     assert started is not None and started.kv_dtype == plan.kv_start
     assert start_knobs({**ppo_pol, "kv_start": False}, plan, ppo).kv_dtype == "auto"  # type: ignore[union-attr]
     assert start_knobs(policy_config("pid", ecfg, plan), plan).kv_dtype == "auto"  # type: ignore[union-attr]
+    # An explicit engine.kv_dtype is the user's choice for every controller, the policy's too.
+    user8 = [*user, "engine.kv_dtype=fp8"]
+    ecfg8 = EvalConfig.from_cfg(compose_eval(user8)[0])
+    plan8 = plan_workload(user8, None, ecfg8, ecfg8.deployments[0])
+    assert start_knobs(policy_config("ppo", ecfg8, plan8), plan8, ppo).kv_dtype == "fp8"  # type: ignore[union-attr]
