@@ -234,8 +234,10 @@ def _eval_rows(tmp: Path, extra: list[str]) -> dict[tuple[str, int], dict]:
     from batchpilot.policies.eval_plan import compose_eval
     from batchpilot.policies.evaluation import evaluate
 
+    # The agent's own switches: the policy starts at the engine's 16-bit dtype, as ppo_no_kv does
+    # (kv_start would start it at 8 bits where memory binds, leaving the agent nothing to decide).
     overrides = ["policies=[ppo,ppo_no_kv]", "workload=long_context", "seeds=[0,1]", "logger=none",
-                 "plots=false", f"out_dir={tmp}", *extra]
+                 "plots=false", f"out_dir={tmp}", "+policy_overrides.ppo.kv_start=false", *extra]
     cfg, _ = compose_eval(overrides)
     return {(r["policy"], int(r["seed"])): r for r in evaluate(cfg, overrides)}
 
