@@ -169,7 +169,7 @@ def convert_trace(path: str | Path, format: str, options: TimedTraceOptions | No
     arrays = read_trace(path, format, topts)
     records, clipped = records_from_arrays(arrays, o)
     if not records:
-        raise ValueError(f"{path}: the window holds no request ({arrays.report.summary()})")
+        raise ValueError(f"{path}: the window holds no request ({arrays.report.summary()}){trace_span(path, format, topts)}")
     duration = float(arrays.duration_s)
     if o.max_requests is not None and len(records) < len(arrays):
         duration = float(records[-1]["timestamp"])
@@ -177,6 +177,19 @@ def convert_trace(path: str | Path, format: str, options: TimedTraceOptions | No
                f"{clipped} more clipped to prompt <= {o.max_prompt_len}, output <= {o.max_output_len}")
     return TimedTraceFile(records=tuple(records), chunk_tokens=o.chunk_tokens, source=str(path), clipped=clipped,
                           duration_s=duration, summary=summary)
+
+
+def trace_span(path: str | Path, format: str, trace: TraceOptions) -> str:
+    """Where the trace's requests lie on the clock of ``start_s`` and ``duration_s`` (trace
+    seconds after its first timestamp), said after an empty window so the user can pick a
+    ``start_s`` inside it; '' when the whole trace holds no request either."""
+    whole = read_trace(path, format, replace(trace, start_s=0.0, duration_s=None, time_scale=1.0,
+                                             max_model_len=None))
+    if not len(whole):
+        return ""
+    first, last = float(whole.arrival_s[0]), float(whole.arrival_s[-1])
+    return (f"; the trace's requests arrive {first:.6g} s to {last:.6g} s after its first timestamp "
+            f"(start_s={trace.start_s:g} and duration_s count from there)")
 
 
 def write_timed_trace(records: list[dict[str, Any]] | tuple[dict[str, Any], ...], path: str | Path) -> Path:

@@ -95,6 +95,16 @@ class LiveEvaluationError(RuntimeError):
     """A configuration or start-up problem, said in one line."""
 
 
+class LiveEvaluationInterrupted(KeyboardInterrupt):
+    """Ctrl-C mid-run, after the gateway was stopped and the finished runs were written as
+    partial results (results.json meta ``complete: false``); a ``KeyboardInterrupt`` still,
+    so a caller that does not know it stops as before."""
+
+    def __init__(self, done: int, total: int, out_dir: Path) -> None:
+        super().__init__(f"interrupted after {done} of {total} runs; partial results in {out_dir}")
+        self.done, self.total, self.out_dir = done, total, out_dir
+
+
 # --- small helpers --------------------------------------------------------------------------
 def free_port() -> int:
     with socket.socket() as s:
@@ -453,11 +463,26 @@ def row_from_result(result: Mapping[str, Any], *, scenario: str, path: str, rnd:
 
 
 # --- the evaluation --------------------------------------------------------------------------
+def resolve_trace_path(trace: str) -> Path:
+    """``live_scenario.trace`` as a file: a relative path from the current folder first (what
+    a user typing ``live_scenario.trace=my.csv`` means), else from the repository root (the
+    shipped scenarios name ``data/traces/...``); the not-found error names both places."""
+    path = Path(trace).expanduser()
+    if path.is_absolute():
+        return path
+    here, repo = Path.cwd() / path, REPO_ROOT / path
+    for p in (here, repo):
+        if p.is_file():
+            return p.resolve()
+    if here.resolve() == repo.resolve():
+        raise FileNotFoundError(f"trace file not found: {here}")
+    raise FileNotFoundError(f"trace file not found: {trace} (tried {here} and {repo})")
+
+
 def scenario_trace(scenario: DictConfig) -> TimedTraceFile:
+    """The scenario's window, read as the client will replay it."""
     s = scenario
-    path = Path(str(s.trace))
-    if not path.is_absolute():
-        path = REPO_ROOT / path
+    path = resolve_trace_path(str(s.trace))
     topts = TraceOptions(time_scale=float(s.time_scale), start_s=float(s.start_s),
                          duration_s=None if s.duration_s is None else float(s.duration_s),
                          max_model_len=int(s.max_model_len), overflow="clip",
@@ -574,9 +599,23 @@ def _check(cfg: DictConfig) -> list[str]:
     return paths
 
 
+def check_out_dir(out_dir: Path) -> None:
+    """Refuse a folder that already holds a run: a rerun would overwrite results.* but leave
+    the old run's ``runs/`` logs and twin.json beside them, two runs mixed in one folder.
+    (Hydra makes ``out_dir`` itself and writes ``.hydra/`` there, so an existing folder is fine.)"""
+    runs = out_dir / "runs"
+    held = [p.name for p in (out_dir / "results.json",) if p.exists()]
+    if runs.is_dir() and any(runs.iterdir()):
+        held.append("runs/")
+    if held:
+        raise LiveEvaluationError(f"out_dir {out_dir} already holds a run ({', '.join(held)}); pick a new out_dir "
+                                  f"(twin_of={out_dir} recomputes only its simulated twin)")
+
+
 def live_evaluate(cfg: DictConfig, model_dir: Path | None = None) -> dict[str, Any]:
     """Run the live evaluation ``cfg`` (conf/live_evaluate.yaml) and write its files."""
     paths = _check(cfg)
+    check_out_dir(Path(str(cfg.out_dir)))
     speed = None
     if cfg.sim_twin and cfg.twin_speed_of:  # read before the runs: a bad folder fails now, not after them
         from batchpilot.policies.live_twin import speed_of
@@ -613,7 +652,14 @@ def live_evaluate(cfg: DictConfig, model_dir: Path | None = None) -> dict[str, A
     sized: dict[str, Any] | None = None
     salt = 0
     t_start = time.monotonic()
-    with running_gateway(cfg, scenario, model_dir, served, out_dir / "gateway.log") as gw:
+    total = sum(map(len, order))
+
+    def meta(interrupted: bool = False) -> dict[str, Any]:  # tf and load as they are now (sizing replaces them)
+        return _meta(cfg, tf, order, pdirs, load, done=len(rows), interrupted=interrupted)
+
+    with partial_on_interrupt(lambda: write_results(rows, out_dir, meta=meta(interrupted=True), plots=False),
+                              lambda: len(rows), total, out_dir), \
+            running_gateway(cfg, scenario, model_dir, served, out_dir / "gateway.log") as gw:
         vllm_url = gw.upstream()["url"]
         print(f"live_evaluate: gateway {gw.url}, vLLM {vllm_url}, up after {time.monotonic() - t_start:.0f} s",
               flush=True)
@@ -682,13 +728,14 @@ def live_evaluate(cfg: DictConfig, model_dir: Path | None = None) -> dict[str, A
                 print(f"live_evaluate: round {rnd} {path}: goodput {row['request_goodput']:.3f} req/s, "
                       f"{row['completed']}/{row['requests']} completed, {row['failed']} failed, "
                       f"preemptions {row['preemptions']:.0f}, wall {row['wall_s']:.0f} s", flush=True)
-                write_results(rows, out_dir, meta=_meta(cfg, tf, order, pdirs, load), plots=False)
-    files = write_results(rows, out_dir, meta=_meta(cfg, tf, order, pdirs, load), plots=bool(cfg.plots))
+                write_results(rows, out_dir, meta=meta(), plots=False)
+    files = write_results(rows, out_dir, meta=meta(), plots=bool(cfg.plots))
     if cfg.sim_twin:  # the same requests on the calibrated simulator (policies/live_twin.py)
         from batchpilot.policies.live_twin import header_priority, twin_of_rows, write_twin
 
         sc = sized or OmegaConf.to_container(scenario, resolve=True)  # the window the runs replayed
         assert isinstance(sc, dict)
+        sc = {**sc, "trace": tf.source}  # the file read (the simulator resolves a relative one from the repo)
         twin, match = twin_of_rows(tf, sc, {"ttft_ms": cfg.slo.ttft_ms, "tpot_ms": cfg.slo.tpot_ms}, rows,
                                    paths=paths, match=bool(cfg.twin_match),
                                    match_gateway=bool(cfg.twin_match_gateway),
@@ -705,9 +752,26 @@ def live_evaluate(cfg: DictConfig, model_dir: Path | None = None) -> dict[str, A
     return {"rows": rows, "files": files, "trace": tf}
 
 
+@contextlib.contextmanager
+def partial_on_interrupt(write: Callable[[], object], done: Callable[[], int], total: int,
+                         out_dir: Path) -> Iterator[None]:
+    """Ctrl-C inside: the finished runs written as partial results (``write``), then
+    ``LiveEvaluationInterrupted``. Outside ``running_gateway``, so its cleanup has run first."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        write()
+        raise LiveEvaluationInterrupted(done(), total, out_dir) from None
+
+
 def _meta(cfg: DictConfig, tf: TimedTraceFile, order: list[list[str]], pdirs: Mapping[str, str],
-          load: Mapping[str, float]) -> dict[str, Any]:
-    return {"scenario": OmegaConf.to_container(cfg.live_scenario, resolve=True), "trace": tf.summary,
+          load: Mapping[str, float], done: int = 0, interrupted: bool = False) -> dict[str, Any]:
+    """results.json's meta. ``complete``: every planned run is in (false while the run goes on,
+    and in what an interrupted or killed run leaves)."""
+    total = sum(map(len, order))
+    return {"complete": done == total and not interrupted, "runs_done": done, "runs_planned": total,
+            "interrupted": interrupted,
+            "scenario": OmegaConf.to_container(cfg.live_scenario, resolve=True), "trace": tf.summary,
             "requests_per_run": len(tf), "window_s": tf.duration_s, "order": order,
             "slo": {"ttft_ms": cfg.slo.ttft_ms, "tpot_ms": cfg.slo.tpot_ms},
             "warmup_requests": int(cfg.warmup.requests), "host_cpus": os.cpu_count(),
@@ -856,6 +920,16 @@ def plot_goodput(rows: Sequence[Mapping[str, Any]], out_dir: Path) -> Path:
     return p
 
 
+def _incomplete_note(meta: Mapping[str, Any]) -> list[str]:
+    """results.md's first lines when not every planned run is in (none when meta says nothing)."""
+    if meta.get("complete", True):
+        return []
+    done, total = meta.get("runs_done"), meta.get("runs_planned")
+    if meta.get("interrupted"):
+        return [f"Interrupted after {done} of {total} runs: partial results.", ""]
+    return [f"Incomplete: {done} of {total} runs so far (the run is going on, or ended before finishing).", ""]
+
+
 def write_results(rows: Sequence[Mapping[str, Any]], out_dir: Path, *, meta: Mapping[str, Any] | None = None,
                   plots: bool = True) -> dict[str, Path]:
     """results.json ({"meta", "rows", "paired_differences"}), results.csv, results.md, goodput.png."""
@@ -876,7 +950,7 @@ def write_results(rows: Sequence[Mapping[str, Any]], out_dir: Path, *, meta: Map
         w.writeheader()
         for r in clean:
             w.writerow({k: "" if v is None else v for k, v in r.items()})
-    md = ["# Live evaluation", ""]
+    md = [*_incomplete_note(meta or {}), "# Live evaluation", ""]
     if meta:
         md += [f"- trace: {meta.get('trace')}", f"- requests per run: {meta.get('requests_per_run')}, "
                f"window {float(meta.get('window_s', 0)):.1f} s; SLO {meta.get('slo')}; order {meta.get('order')}", ""]
@@ -893,7 +967,8 @@ def write_results(rows: Sequence[Mapping[str, Any]], out_dir: Path, *, meta: Map
 
 
 __all__ = [
-    "BASELINE", "GATEWAY_MODE", "LIVE_ROW_KEYS", "PATHS", "LiveEvaluationError", "live_evaluate",
+    "BASELINE", "GATEWAY_MODE", "LIVE_ROW_KEYS", "PATHS", "LiveEvaluationError", "LiveEvaluationInterrupted",
+    "live_evaluate",
     "paired_differences", "prom_values", "row_from_result", "schedule", "scenario_trace", "summary_table",
     "write_results",
 ]

@@ -20,7 +20,11 @@ import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
 import batchpilot.schemas  # noqa: E402,F401  (stores the config schemas before Hydra composes)
-from batchpilot.policies.live_evaluation import LiveEvaluationError, live_evaluate  # noqa: E402
+from batchpilot.policies.live_evaluation import (  # noqa: E402
+    LiveEvaluationError,
+    LiveEvaluationInterrupted,
+    live_evaluate,
+)
 
 
 def exit_on_sigterm() -> None:
@@ -55,6 +59,12 @@ def main(cfg: DictConfig) -> None:
     except LiveEvaluationError as e:  # a configuration or start-up problem: one line, no traceback
         print(f"live_evaluate: error: {e}", file=sys.stderr)
         sys.exit(2)
+    except LiveEvaluationInterrupted as e:  # Ctrl-C: the gateway is stopped, the partial results written
+        print(f"live_evaluate: {e}", file=sys.stderr)
+        sys.exit(130)
+    except KeyboardInterrupt:  # Ctrl-C before the runs or after them (during the twin): no traceback
+        print("live_evaluate: interrupted", file=sys.stderr)
+        sys.exit(130)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,9 @@
 """Live evaluation: what is checked before vLLM starts (client headers and concurrency, gateway
-overrides the evaluation owns, broken policy folders), timeouts said in one line with the
-gateway log's last lines, results without a baseline, a re-sorted trace said in its summary;
-and one live check that a SIGTERM to ``scripts/live_evaluate.py`` leaves no gateway or vLLM."""
+overrides the evaluation owns, broken policy folders, an out_dir holding a run, where a relative
+trace is looked for), timeouts said in one line with the gateway log's last lines, results without
+a baseline, a re-sorted trace said in its summary, an empty window said with the trace's span,
+Ctrl-C's partial results; and one live check that a SIGTERM to ``scripts/live_evaluate.py`` leaves
+no gateway or vLLM."""
 
 from __future__ import annotations
 
@@ -17,11 +19,14 @@ from pathlib import Path
 import pytest
 
 from batchpilot.config import REPO_ROOT, load_config
+from batchpilot.envs.timed_trace import TimedTraceOptions, convert_trace
 from batchpilot.envs.traces import TraceOptions, read_trace
 from batchpilot.policies.live_evaluation import (
     LiveEvaluationError,
     _check,
+    check_out_dir,
     live_evaluate,
+    resolve_trace_path,
     row_from_result,
     wait_until,
     write_results,
@@ -142,6 +147,117 @@ def test_a_resorted_trace_says_so_in_its_summary(tmp_path: Path) -> None:
     p.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.0,200,10\n"
                  "2023-11-16 18:15:47.0,300,20\n")
     assert "re-sorted" not in read_trace(p, "azure", TraceOptions()).report.summary()
+
+
+# --- R3: an empty window says where the trace's requests are --------------------------------------
+def test_an_empty_window_says_the_traces_span(tmp_path: Path) -> None:
+    p = tmp_path / "small.csv"
+    p.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.0,200,10\n"
+                 "2023-11-16 18:15:47.0,300,20\n2023-11-16 18:15:48.5,100,5\n")
+    opts = TimedTraceOptions(trace=TraceOptions(start_s=100.0, duration_s=10.0, time_scale=2.0))
+    with pytest.raises(ValueError, match=r"the window holds no request .*; the trace's requests arrive 0 s to 2.5 s "
+                                         r"after its first timestamp \(start_s=100 and duration_s count from there\)$"):
+        convert_trace(p, "azure", opts)
+
+
+# --- R5: a relative trace path: the current folder first, then the repository ---------------------
+def test_a_relative_trace_is_found_from_the_current_folder_then_the_repo(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "my.csv").write_text("x")
+    assert resolve_trace_path("my.csv") == tmp_path / "my.csv"
+    shipped = "data/traces/azure_llm_2023_conv.csv"
+    assert resolve_trace_path(shipped) == REPO_ROOT / shipped  # not here: the repository's
+    (tmp_path / "data" / "traces").mkdir(parents=True)
+    (tmp_path / shipped).write_text("x")
+    assert resolve_trace_path(shipped) == tmp_path / shipped  # here first
+    out = tmp_path / "never"
+    with pytest.raises(LiveEvaluationError, match=rf"^live_scenario 'steady': trace file not found: nope.csv "
+                                                  rf"\(tried {tmp_path}/nope.csv and {REPO_ROOT}/nope.csv\)$"):
+        live_evaluate(load_config(["live_scenario.trace=nope.csv", f"out_dir={out}"], config_name="live_evaluate"))
+    assert not out.exists()
+
+
+# --- R7: an out_dir holding a run is refused -------------------------------------------------------
+@pytest.mark.parametrize("held", ["runs/r0_pid.log", "results.json"])
+def test_an_out_dir_holding_a_run_is_refused_before_anything_starts(tmp_path: Path, held: str) -> None:
+    out = tmp_path / "old"
+    (out / held).parent.mkdir(parents=True, exist_ok=True)
+    (out / held).write_text("old run")
+    before = sorted(p.relative_to(out) for p in out.rglob("*"))
+    # A missing trace too: were the folder taken, the run would stop there, not start vLLM.
+    cfg = load_config(["live_scenario.trace=/no/such/trace.csv", f"out_dir={out}"], config_name="live_evaluate")
+    with pytest.raises(LiveEvaluationError, match=rf"^out_dir {out} already holds a run \({held.split('/')[0]}.*\); "
+                                                  r"pick a new out_dir"):
+        live_evaluate(cfg)
+    assert sorted(p.relative_to(out) for p in out.rglob("*")) == before
+
+
+def test_an_out_dir_without_a_run_is_taken(tmp_path: Path) -> None:
+    (tmp_path / ".hydra").mkdir()  # Hydra makes out_dir and writes its config there first
+    (tmp_path / "runs").mkdir()  # an empty runs/ (a run stopped before its first client) holds nothing
+    check_out_dir(tmp_path)
+    check_out_dir(tmp_path / "new")
+
+
+# --- R10: Ctrl-C leaves marked partial results, one line, exit 130 ---------------------------------
+def _rows(n: int) -> list[dict]:
+    rows = []
+    for i in range(n):
+        row = row_from_result({"completed": 10, "failed": 0, "duration": 10.0, "request_goodput": 1.0},
+                              scenario="steady", path=("vllm_direct", "pid")[i % 2], rnd=i // 2, position=i % 2,
+                              requests=10)
+        row.update(preemptions=0.0, peak_kv_usage=0.1, peak_running=3, wall_s=10.0)
+        rows.append(row)
+    return rows
+
+
+def test_partial_results_say_they_are_partial(tmp_path: Path) -> None:
+    def meta(done: int, interrupted: bool = False) -> dict:
+        return {"complete": done == 4 and not interrupted, "runs_done": done, "runs_planned": 4,
+                "interrupted": interrupted}
+
+    files = write_results(_rows(3), tmp_path, meta=meta(3, interrupted=True), plots=False)
+    assert files["md"].read_text().splitlines()[0] == "Interrupted after 3 of 4 runs: partial results."
+    assert json.loads(files["json"].read_text())["meta"]["complete"] is False
+    files = write_results(_rows(3), tmp_path, meta=meta(3), plots=False)  # a snapshot while the run goes on
+    assert files["md"].read_text().startswith("Incomplete: 3 of 4 runs so far")
+    files = write_results(_rows(4), tmp_path, meta=meta(4), plots=False)
+    assert files["md"].read_text().startswith("# Live evaluation")
+    assert json.loads(files["json"].read_text())["meta"]["complete"] is True
+
+
+_INTERRUPTED_RUN = """
+import contextlib, runpy, sys
+import batchpilot.policies.live_evaluation as le
+
+@contextlib.contextmanager
+def fake_gateway(*args, **kwargs):  # no vLLM: Ctrl-C comes while the first run waits on it
+    class Gw:
+        def upstream(self):
+            raise KeyboardInterrupt
+    try:
+        yield Gw()
+    finally:
+        print("gateway stopped", flush=True)
+
+le.running_gateway = fake_gateway
+sys.argv = [sys.argv[1], *sys.argv[2:]]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def test_ctrl_c_stops_the_gateway_marks_the_results_and_exits_130(tmp_path: Path) -> None:
+    out = tmp_path / "cut"
+    r = subprocess.run([sys.executable, "-c", _INTERRUPTED_RUN, str(SCRIPT), "paths=[vllm_direct,static]",
+                        "rounds=2", f"gateway.model={tmp_path}", f"out_dir={out}"],
+                       cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 130, r.stderr
+    assert r.stderr.strip() == f"live_evaluate: interrupted after 0 of 4 runs; partial results in {out}"
+    assert "gateway stopped" in r.stdout
+    meta = json.loads((out / "results.json").read_text())["meta"]
+    assert (meta["complete"], meta["interrupted"], meta["runs_done"], meta["runs_planned"]) == (False, True, 0, 4)
+    assert (out / "results.md").read_text().startswith("Interrupted after 0 of 4 runs")
 
 
 # --- B5: SIGTERM ends the gateway and vLLM too -------------------------------------------------------
