@@ -150,9 +150,10 @@ class ValidationSuite:
 def validation_cfg(base_cfg: DictConfig, group: str, overrides: Mapping[str, Any]) -> DictConfig:
     """``base_cfg`` with ``workload`` replaced by ``conf/workload/<group>.yaml`` + overrides and
     draining on truncation (evaluation wants every request's fate)."""
-    path = group_file("workload", group, config_dirs())
+    dirs = config_dirs()
+    path = group_file("workload", group, dirs)
     if path is None:
-        known = group_names("workload", config_dirs())
+        known = group_names("workload", dirs)
         raise ValueError(f"validation workload group {group!r} not found in conf/workload/ (known: {known})")
     cfg = OmegaConf.create(OmegaConf.to_container(base_cfg, resolve=True))
     # The group file without its defaults list (the schema it extends, workload/schema_<kind>).

@@ -161,19 +161,18 @@ class Episode:
     error: str = ""
 
 
-def episode_config(
-    plan: WorkloadPlan, knobs: Knobs | None, as_shipped: bool = False, kv_chosen: bool = False
-) -> DictConfig:
+def episode_config(plan: WorkloadPlan, knobs: Knobs | None, as_shipped: bool = False) -> DictConfig:
     """The workload's config for an evaluation episode: drain at the end, cover the workload,
     start at ``knobs``. ``as_shipped``: none of batchpilot's admission limits (long-prompt cap,
     queue length, wait deadline, per-request memory check, prefill backlog) nor its order
-    (on-time first) — vLLM's waiting queue has none. ``kv_chosen``: the start dtype was the
-    policy's choice (``kv_start``), so the shield's dwell runs from it."""
+    (on-time first) — vLLM's waiting queue has none. A start dtype other than the engine's
+    configured one was the policy's choice (``kv_start``, a static setting): the shield's dwell
+    runs from it."""
     c = copy.deepcopy(plan.cfg)
     with open_dict(c):
         c.env.drain_on_truncate = True
         c.env.episode_s = plan.episode_s
-        c.env.start_dtype_dwell = kv_chosen
+        c.env.start_dtype_dwell = knobs is not None and knobs.kv_dtype != str(c.engine.get("kv_dtype", "auto"))
         if knobs is not None:
             c.env.initial_batch_cap = knobs.batch_cap
             c.env.initial_bucketing = knobs.bucketing
@@ -266,8 +265,7 @@ def run_policy(
             f"engine cannot run: {plan.kv_why_not.get(knobs.kv_dtype)}"
         )
     as_shipped = bool(policy.get(AS_SHIPPED_KEY, False))
-    kv_chosen = bool(policy.get("kv_start")) and knobs is not None and knobs.kv_dtype != plan.cfg.engine.get("kv_dtype", "auto")
-    env = ServingEnv(cfg=episode_config(plan, knobs, as_shipped, kv_chosen))
+    env = ServingEnv(cfg=episode_config(plan, knobs, as_shipped))
     try:
         warm = plan.cfg.engine.get("warmup")
         if plan.cfg.engine.kind == "vllm" and warm and float(warm.get("seconds", 0)) > 0:

@@ -129,8 +129,9 @@ def check_training_config(cfg: DictConfig, tc: TrainConfig) -> None:
     from omegaconf.errors import OmegaConfBaseException
 
     baseline = str(tc.validation.get("baseline", "pid"))
-    if group_file("policy", baseline, config_dirs()) is None:
-        known = group_names("policy", config_dirs())
+    dirs = config_dirs()
+    if group_file("policy", baseline, dirs) is None:
+        known = group_names("policy", dirs)
         raise TrainConfigError(f"train.validation.baseline={baseline!r} is not in conf/policy; known: {known}")
     if str(cfg.engine.get("kind", "sim")) != "sim":
         return  # a live engine is started by the run itself, once

@@ -185,7 +185,7 @@ def test_one_call_per_finished_request_records_its_first_token_once() -> None:
     tel.on_abandoned("abandoned")
     snap = tel.snapshot(3.0, queue_depth=(0, 0, 0), num_running=0, num_waiting_engine=0, kv_cache_usage=0.0,
                         knobs=Knobs(8))
-    assert sorted(x for _, x in tel._ttft_window) == [0.2, 0.3, 0.4]  # each request's TTFT once
+    assert sorted(x / 1e3 for x in tel._ttft_ms) == [0.2, 0.3, 0.4]  # each request's TTFT once
     assert snap.ttft_p50_ms == pytest.approx(300.0) and snap.request_throughput == pytest.approx(2 / 3.0)
     assert not tel._first_seen
 

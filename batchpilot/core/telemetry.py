@@ -150,13 +150,13 @@ class Telemetry:
     _finished: int = 0
     _good: int = 0
     _out_tokens: int = 0
-    # (time, ttft_s, tpot_s, e2el_s, met) of finished requests; (time, prompt_len) of arrivals.
-    _window: deque = field(default_factory=deque)
-    _arrival_window: deque = field(default_factory=deque)
-    _ttft_window: deque = field(default_factory=deque)
-    # The same windows as the columns ``snapshot`` reads (latencies already in ms), each popped
-    # with its row: an interval's snapshot then sorts them as they are, where rebuilding them
-    # from the rows every interval went over each request ~window_s / interval_s times.
+    # The sliding windows: when each value came (finished requests, arrivals, first tokens), and
+    # beside those times the columns ``snapshot`` reads (latencies already in ms), popped
+    # together: an interval's snapshot sorts the columns as they are, where rebuilding them from
+    # rows every interval went over each request ~window_s / interval_s times.
+    _finish_times: deque = field(default_factory=deque)
+    _arrival_times: deque = field(default_factory=deque)
+    _ttft_times: deque = field(default_factory=deque)
     _tpot_ms: deque = field(default_factory=deque)
     _e2el_ms: deque = field(default_factory=deque)
     _met: deque = field(default_factory=deque)
@@ -171,7 +171,7 @@ class Telemetry:
     def reset(self, now: float) -> None:
         self._arrivals = self._preemptions = self._rejected = self._shield = 0
         self._finished = self._good = self._out_tokens = 0
-        for window in (self._window, self._arrival_window, self._ttft_window,
+        for window in (self._finish_times, self._arrival_times, self._ttft_times,
                        self._tpot_ms, self._e2el_ms, self._met, self._ttft_ms, self._prompt_lens):
             window.clear()
         self._first_seen.clear()
@@ -180,14 +180,14 @@ class Telemetry:
     # --- events --------------------------------------------------------------------------
     def on_arrival(self, t: float, prompt_len: int) -> None:
         self._arrivals += 1
-        self._arrival_window.append((t, prompt_len))
+        self._arrival_times.append(t)
         self._prompt_lens.append(prompt_len)
 
     def on_first_token(self, request_id: str, t: float, ttft_s: float) -> None:
         """TTFT counts when the first token comes out, not when the request ends, so a
         growing queue shows in the signal before the slow requests finish. Optional: a request
         whose first token was not reported is counted by ``on_finished``."""
-        self._ttft_window.append((t, ttft_s))
+        self._ttft_times.append(t)
         self._ttft_ms.append(ttft_s * 1e3)
         self._first_seen.add(request_id)
 
@@ -205,12 +205,12 @@ class Telemetry:
         if request_id in self._first_seen:
             self._first_seen.discard(request_id)
         else:
-            self._ttft_window.append((t, ttft_s))
+            self._ttft_times.append(t)
             self._ttft_ms.append(ttft_s * 1e3)
         met = self.slo.met(ttft_s, tpot_s, e2el_s)
         self._finished += 1
         self._good += int(met)
-        self._window.append((t, ttft_s, tpot_s, e2el_s, met))
+        self._finish_times.append(t)
         self._tpot_ms.append(tpot_s * 1e3)
         self._e2el_ms.append(e2el_s * 1e3)
         self._met.append(met)
@@ -248,21 +248,19 @@ class Telemetry:
         tokens from it); None: the ones reported through ``on_output_tokens``."""
         interval = max(now - self._last_time, 1e-9)
         horizon = now - self.window_s
-        while self._window and self._window[0][0] < horizon:
-            self._window.popleft()
+        while self._finish_times and self._finish_times[0] < horizon:
+            self._finish_times.popleft()
             self._tpot_ms.popleft()
             self._e2el_ms.popleft()
             self._met.popleft()
-        while self._arrival_window and self._arrival_window[0][0] < horizon:
-            self._arrival_window.popleft()
+        while self._arrival_times and self._arrival_times[0] < horizon:
+            self._arrival_times.popleft()
             self._prompt_lens.popleft()
-        while self._ttft_window and self._ttft_window[0][0] < horizon:
-            self._ttft_window.popleft()
+        while self._ttft_times and self._ttft_times[0] < horizon:
+            self._ttft_times.popleft()
             self._ttft_ms.popleft()
-        win = self._window
-        attainment = sum(self._met) / len(win) if win else 1.0
-        arrivals = self._arrival_window
-        mean_prompt = sum(self._prompt_lens) / len(arrivals) if arrivals else 0.0
+        attainment = sum(self._met) / len(self._met) if self._met else 1.0
+        mean_prompt = sum(self._prompt_lens) / len(self._prompt_lens) if self._prompt_lens else 0.0
         ttft_p, tpot_p, e2el_p = _p50_p99(self._ttft_ms), _p50_p99(self._tpot_ms), _p50_p99(self._e2el_ms)
         snap = Snapshot(
             time=now,
