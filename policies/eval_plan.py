@@ -238,14 +238,23 @@ class WorkloadPlan:
     no_room: str | None = None
     #: The KV dtype a policy with ``kv_start`` starts with here (``Shield.start_kv_dtype``).
     kv_start: str = "auto"
+    #: Command-line edits of the model's / hardware's fields (``hardware.memory_gb=40``), so a
+    #: result is not labelled with a file it no longer matches.
+    tweaks: tuple[str, ...] = ()
 
     @property
     def model(self) -> str:
-        return str(self.cfg.model.get("name", "?"))
+        return self._named("model")
 
     @property
     def hardware(self) -> str:
-        return str(self.cfg.hardware.get("name", "?"))
+        return self._named("hardware")
+
+    def _named(self, group: str) -> str:
+        name = str(self.cfg[group].get("name", "?"))
+        edits = [o.split("=", 1)[0].lstrip("+~").removeprefix(f"{group}.") + "=" + o.split("=", 1)[1]
+                 for o in self.tweaks if override_key(o).startswith(f"{group}.") and "=" in o]
+        return f"{name}({','.join(edits)})" if edits else name
 
     @property
     def key(self) -> str:
@@ -363,7 +372,8 @@ def plan_from_caps(
 
 
 def _plan_from_cfg(
-    cfg: DictConfig, label: str, ecfg: EvalConfig, deployment: Deployment | None, multiplier: float
+    cfg: DictConfig, label: str, ecfg: EvalConfig, deployment: Deployment | None, multiplier: float,
+    tweaks: tuple[str, ...] = (),
 ) -> WorkloadPlan:
     if multiplier != 1.0:
         with open_dict(cfg):
@@ -411,7 +421,7 @@ def _plan_from_cfg(
     return plan_from_caps(
         label, cfg, caps, duration_s=stream.duration_s, num_requests=len(stream),
         deployment=None if deployment is None else deployment.label, rate_multiplier=multiplier, windows=windows,
-        notes=notes, no_room=facts.no_room, kv_start=facts.kv_start,
+        notes=notes, no_room=facts.no_room, kv_start=facts.kv_start, tweaks=tweaks,
     )
 
 
@@ -437,7 +447,9 @@ def plan_workload(
             raise EvaluationError("workload=trace needs workload.path=FILE (and workload.format: azure, "
                                   "mooncake or burstgpt)")
         label = f"trace:{Path(str(cfg.workload.path)).stem}"
-    return _plan_from_cfg(cfg, label, ecfg, deployment, multiplier)
+    tweaks = tuple(o for o in user_overrides
+                   if override_key(o).split(".", 1)[0] in ("model", "hardware") and "." in override_key(o))
+    return _plan_from_cfg(cfg, label, ecfg, deployment, multiplier, tweaks)
 
 
 # --- load per deployment ----------------------------------------------------------------------
@@ -501,7 +513,7 @@ def plan_matrix(user: Sequence[str], ecfg: EvalConfig, log: Callable[[str], None
             plan = plan_workload(user, w, ecfg, d)
             mult, why = deployment_multiplier(ecfg.load, ref, plan, cache)
             if mult != 1.0:
-                plan = _plan_from_cfg(plan.cfg, plan.name, ecfg, d, mult)
+                plan = _plan_from_cfg(plan.cfg, plan.name, ecfg, d, mult, plan.tweaks)
             log(f"load on {plan.key}: rate x{mult:.3g} ({why})")
             plans.append(plan)
     keys = [p.key for p in plans]

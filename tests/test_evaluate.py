@@ -324,6 +324,18 @@ def test_workloads_carry_their_model_and_hardware() -> None:
     assert (plan.name, plan.model, plan.hardware) == ("mooncake", "llama3_70b", "h200")
 
 
+def test_edited_model_or_hardware_fields_show_in_the_label() -> None:
+    """A result on an H100 with 40 GB is not labelled as the 80 GB file it no longer matches."""
+    from batchpilot.policies.eval_plan import EvalConfig, plan_workload
+
+    user = ["workload=poisson", "seeds=[0]", "logger=none", "hardware.memory_gb=40", "model.max_model_len=4096"]
+    plan = plan_workload(user, None, EvalConfig.from_cfg(compose_eval(user)[0]))
+    assert (plan.model, plan.hardware) == ("llama3_8b(max_model_len=4096)", "h100(memory_gb=40)")
+    assert float(plan.cfg.hardware.memory_gb) == 40
+    plain = ["workload=poisson", "seeds=[0]", "logger=none", "hardware=a100_80gb"]
+    assert plan_workload(plain, None, EvalConfig.from_cfg(compose_eval(plain)[0])).hardware == "a100_80gb"
+
+
 def test_live_engine_runs_its_own_model_not_the_workloads() -> None:
     from batchpilot.policies.eval_plan import EvalConfig, extra_overrides
 
