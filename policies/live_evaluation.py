@@ -145,9 +145,20 @@ def wait_until(cond: Callable[[], bool], timeout_s: float, what: str, poll_s: fl
         time.sleep(poll_s)
 
 
+def engine_logs(folder: Path) -> list[Path]:
+    """The managed vLLM's logs the gateway writes into ``folder`` (``serve.log_dir``: the run's
+    ``out_dir``), one ``vllm-<port>.log`` per engine port."""
+    return sorted(folder.glob("vllm-*.log"))
+
+
 def _with_tail(msg: str, log: Path | None) -> str:
     tail = log_tail(log)
-    return f"{msg}; last lines of {log}: {tail}" if tail else msg
+    if tail:
+        msg = f"{msg}; last lines of {log}: {tail}"
+    elif log is not None and log.is_file():
+        msg = f"{msg}; see {log}"
+    engines = engine_logs(log.parent) if log is not None else []
+    return msg + (f"; vLLM's log: {', '.join(map(str, engines))}" if engines else "")
 
 
 def schedule(paths: Sequence[str], rounds: int, order: str = "rotate", seed: int = 0) -> list[list[str]]:
@@ -230,8 +241,8 @@ class GatewayProcess:
         return next(iter(ups.values()))
 
     def exited(self) -> str | None:
-        if self.proc.poll() is not None:
-            return f"the gateway exited with code {self.proc.returncode}; see {self.log_path}"
+        if self.proc.poll() is not None:  # (the error adds the log's last lines and vLLM's log)
+            return f"the gateway exited with code {self.proc.returncode}"
         return None
 
 
@@ -244,6 +255,7 @@ def running_gateway(cfg: DictConfig, scenario: DictConfig, model_dir: Path, serv
     process is gone however it ended (SIGKILL included), so no gateway or vLLM outlives it."""
     g = cfg.gateway
     port = free_port()
+    folder = log_path.parent.resolve()  # absolute: the gateway runs in the repository
     token = secrets.token_hex(16)
     vllm_args = [*g.extra_vllm_args, *scenario.vllm_args]
     overrides = [
@@ -252,7 +264,9 @@ def running_gateway(cfg: DictConfig, scenario: DictConfig, model_dir: Path, serv
         f"serve.kv_cache_space_gib={g.kv_cache_space_gib}",
         "serve.extra_vllm_args=[" + ",".join(json.dumps(str(a)) for a in vllm_args) + "]",
         "serve.control.mode=static", f"slo.ttft_ms={cfg.slo.ttft_ms}", f"slo.tpot_ms={cfg.slo.tpot_ms}",
-        f"hydra.run.dir={log_path.parent / 'gateway_hydra'}", "hydra.output_subdir=null",
+        # vLLM's logs beside gateway.log (the gateway's default is a /tmp folder nobody removes);
+        # Hydra writes nothing there (no output subdir, no job log): its run dir is only made.
+        f"serve.log_dir={folder}", f"hydra.run.dir={folder}", "hydra.output_subdir=null",
         "hydra/job_logging=none", "hydra/hydra_logging=none", *g.overrides,
     ]
     reaper = [sys.executable, "-m", "batchpilot.serving.reaper", str(os.getpid()), "--"]
@@ -381,14 +395,103 @@ class _VllmSampler:
         self._thread.join(timeout=10)
 
 
+def error_message(body: str) -> str:
+    """The message of an HTTP error body: vLLM's and the gateway's JSON (``{"error": {"message":
+    ...}}``, ``{"message": ...}``, ``{"detail": ...}``), else the text itself, on one line."""
+    text = body.strip()
+    with contextlib.suppress(ValueError):
+        data = json.loads(text)
+        if isinstance(data, dict):
+            err = data.get("error")
+            for v in (err.get("message") if isinstance(err, dict) else err, data.get("message"), data.get("detail")):
+                if v:
+                    text = v if isinstance(v, str) else json.dumps(v)
+                    break
+    return " ".join(text.split())[:300]
+
+
+class _ErrorBodies:
+    """An aiohttp session for vLLM's request functions that keeps the body of a response that
+    is not a 200: the client's functions record only the status's reason ("Bad Request") and
+    drop the body, where vLLM (or the gateway) says why. Everything else is the session's."""
+
+    def __init__(self, session: Any) -> None:
+        self._session = session
+        self.body: str | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._session, name)
+
+    def post(self, *args: Any, **kwargs: Any) -> Any:
+        outer = self
+
+        class _Ctx:
+            async def __aenter__(self) -> Any:
+                self.cm = outer._session.post(*args, **kwargs)
+                self.resp = await self.cm.__aenter__()
+                if self.resp.status != 200:
+                    with contextlib.suppress(Exception):
+                        outer.body = (await self.resp.read()).decode("utf-8", "replace")
+                return self.resp
+
+            async def __aexit__(self, *exc: Any) -> Any:
+                return await self.cm.__aexit__(*exc)
+
+        return _Ctx()
+
+
+def with_error_bodies(request_func: Callable[..., Any]) -> Callable[..., Any]:
+    """``request_func`` (one of vLLM's ``ASYNC_REQUEST_FUNCS``) whose failed outputs carry the
+    response's message after the reason: ``Bad Request: This model's maximum context length is
+    ...`` instead of ``Bad Request``."""
+    if getattr(request_func, "_with_error_bodies", False):
+        return request_func
+
+    async def wrapped(request_func_input: Any, session: Any, pbar: Any = None) -> Any:
+        s = _ErrorBodies(session)
+        out = await request_func(request_func_input=request_func_input, session=s, pbar=pbar)
+        if not out.success and s.body is not None and (msg := error_message(s.body)):
+            out.error = f"{out.error}: {msg}" if out.error else msg
+        return out
+
+    wrapped._with_error_bodies = True  # type: ignore[attr-defined]
+    return wrapped
+
+
+@contextlib.contextmanager
+def error_bodies_in_client(backend: str) -> Iterator[None]:
+    """vLLM's benchmark client, while inside, with ``with_error_bodies`` on ``backend``'s request
+    function (its table is read when a benchmark starts; put back after)."""
+    from vllm.benchmarks.lib import endpoint_request_func as erf
+
+    funcs = erf.ASYNC_REQUEST_FUNCS
+    old = funcs.get(backend)
+    if old is None:
+        yield
+        return
+    funcs[backend] = with_error_bodies(old)
+    try:
+        yield
+    finally:
+        funcs[backend] = old
+
+
 def run_client(args: Any, log_file: Path) -> dict[str, Any]:
-    """``vllm.benchmarks.serve.main`` in this process, its printout to ``log_file``."""
+    """``vllm.benchmarks.serve.main`` in this process, its printout to ``log_file``; a failed
+    request's error carries the server's message (``with_error_bodies``). The client's own
+    start-up check (one request; it raises when that fails) is a ``LiveEvaluationError`` naming
+    the log."""
     from vllm.benchmarks.serve import main as bench_main
 
     buf = io.StringIO()
     try:
-        with contextlib.redirect_stdout(buf):
+        with contextlib.redirect_stdout(buf), error_bodies_in_client(str(args.backend)):
             result = bench_main(args)
+    except ValueError as e:
+        if "Initial test run failed" not in str(e):
+            raise
+        raise LiveEvaluationError(f"vLLM's benchmark client: {' '.join(str(e).split())[:400]} "
+                                  f"(client log: {log_file})") from None
     finally:
         log_file.write_text(buf.getvalue())
     return result
@@ -458,7 +561,7 @@ def row_from_result(result: Mapping[str, Any], *, scenario: str, path: str, rnd:
         "p99_tpot_ms": float(result.get("p99_tpot_ms", math.nan)),
         "p99_e2el_ms": float(result.get("p99_e2el_ms", math.nan)),
         "duration_s": duration,
-        "first_error": str(errors[0]).strip().splitlines()[-1][:200] if errors else "",
+        "first_error": str(errors[0]).strip().splitlines()[-1][:300] if errors else "",
     }
 
 
@@ -531,6 +634,7 @@ OWNED_GATEWAY_KEYS: dict[str, str] = {
     "serve.kv_cache_space_gib": "set gateway.kv_cache_space_gib instead",
     "serve.extra_vllm_args": "set gateway.extra_vllm_args or live_scenario.vllm_args instead",
     "serve.control.mode": "drop it: each path sets the gateway's mode (paths)",
+    "serve.log_dir": "drop it: vLLM's logs are kept in out_dir, beside gateway.log",
     "slo.ttft_ms": "set live_evaluate's slo.ttft_ms instead (the client's goodput uses it too)",
     "slo.tpot_ms": "set live_evaluate's slo.tpot_ms instead (the client's goodput uses it too)",
 }
@@ -547,6 +651,41 @@ def check_gateway_overrides(overrides: Sequence[Any]) -> None:
             what = hit[0] if key == hit[0] else f"{key} (which holds {hit[0]})"
             raise LiveEvaluationError(f"gateway.overrides: {o!r} sets {what}, which the live evaluation sets "
                                       f"itself; {OWNED_GATEWAY_KEYS[hit[0]]}")
+
+
+def check_sized_count(scenario: DictConfig) -> None:
+    """``max_requests`` on a scenario sized to the machine (``load_multiple``) is refused: the
+    sizing sets the rate (load_multiple x what vLLM serves here), so a fixed count of requests
+    lasts count / rate seconds, under a second for a few dozen at the 30-75 req/s the sized
+    scenarios reach here; the gateway's control loop (a tick a second) has nothing to act on,
+    and the probe of so few requests at once is no saturated capacity either. A shorter sized
+    run shortens the window instead (``duration_s``: the run lasts as long as written)."""
+    n, m = scenario.get("max_requests"), scenario.get("load_multiple")
+    if n is None or m is None:
+        return
+    name = scenario.get("name", "?")
+    raise LiveEvaluationError(
+        f"live_scenario.max_requests={n} on a scenario sized to the machine ({name!r}: load_multiple={m:g}): "
+        f"the {n} requests would be replayed at {m:g} x what vLLM serves here, within {n} / ({m:g} x C) s "
+        f"(C: the probe's req/s; {n / (m * 30):.2g} s at 30 req/s), too short for the gateway's control loop; "
+        f"for a shorter sized run set live_scenario.duration_s (trace seconds, replayed for as long as written), "
+        f"or live_scenario.load_multiple=null to replay the first {n} requests at the written rate")
+
+
+def scenario_label(scenario: Mapping[str, Any], tf: TimedTraceFile) -> str:
+    """The scenario's name and the window its rows came from: the trace file, the trace seconds
+    and the speed (as replayed: a sized scenario's, see ``sized_window``), and a count cut, e.g.
+    ``steady (azure_llm_2023_conv.csv, trace s 0-60, x1)``. A name alone said ``steady`` for
+    whatever trace and window a run put under it."""
+    start = float(scenario.get("start_s") or 0.0)
+    dur = scenario.get("duration_s")
+    end = f"{start + float(dur):.4g}" if dur is not None else "end"
+    parts = [Path(str(tf.source or scenario.get("trace"))).name, f"trace s {start:.4g}-{end}",
+             f"x{float(scenario.get('time_scale') or 1.0):.3g}"]
+    n = scenario.get("max_requests")
+    if n is not None and len(tf) >= int(n):
+        parts.append(f"first {int(n)} requests")
+    return f"{scenario.get('name', 'scenario')} ({', '.join(parts)})"
 
 
 def check_client(client: Mapping[str, Any]) -> None:
@@ -576,6 +715,7 @@ def _check(cfg: DictConfig) -> list[str]:
         from_node(LiveScenarioConfig, cfg.live_scenario)  # its values (a schema checks types only)
     except ValueError as e:
         raise LiveEvaluationError(str(e)) from None
+    check_sized_count(cfg.live_scenario)
     paths = list(cfg.paths)
     known = (*PATHS, *policy_dirs(cfg))
     bad = [p for p in paths if p not in known]
@@ -600,9 +740,15 @@ def _check(cfg: DictConfig) -> list[str]:
 
 
 def check_out_dir(out_dir: Path) -> None:
-    """Refuse a folder that already holds a run: a rerun would overwrite results.* but leave
-    the old run's ``runs/`` logs and twin.json beside them, two runs mixed in one folder.
-    (Hydra makes ``out_dir`` itself and writes ``.hydra/`` there, so an existing folder is fine.)"""
+    """Refuse an ``out_dir`` that is not a folder (an existing file, or under one) and a folder
+    that already holds a run: a rerun would overwrite results.* but leave the old run's
+    ``runs/`` logs and twin.json beside them, two runs mixed in one folder. An existing folder
+    without a run is fine (nothing is written to it before the checks pass)."""
+    for p in (out_dir, *out_dir.parents):
+        if p.exists():
+            if not p.is_dir():
+                raise LiveEvaluationError(f"out_dir {out_dir}: {p} is a file, not a folder; pick another out_dir")
+            break
     runs = out_dir / "runs"
     held = [p.name for p in (out_dir / "results.json",) if p.exists()]
     if runs.is_dir() and any(runs.iterdir()):
@@ -631,11 +777,45 @@ def live_evaluate(cfg: DictConfig, model_dir: Path | None = None) -> dict[str, A
         tf = scenario_trace(scenario)
     except (OSError, ValueError) as e:
         raise LiveEvaluationError(f"live_scenario {scenario.get('name', '?')!r}: {e}") from None
+    order = schedule(paths, int(cfg.rounds), str(cfg.order), int(cfg.seed))
     out_dir = Path(str(cfg.out_dir))
     runs_dir = out_dir / "runs"
-    runs_dir.mkdir(parents=True, exist_ok=True)
+    try:  # the first thing written: every check has passed
+        runs_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise LiveEvaluationError(f"out_dir {out_dir}: cannot create it: {e.strerror or e}") from None
+    save_run_config(cfg, out_dir)
+    log_handler = logging.FileHandler(out_dir / "live_evaluate.log")
+    log_handler.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"))
+    logging.getLogger().addHandler(log_handler)
+    try:
+        return _live_evaluate(cfg, out_dir, order, pdirs, speed, tf, model_dir)
+    finally:
+        logging.getLogger().removeHandler(log_handler)
+        log_handler.close()
+
+
+def save_run_config(cfg: DictConfig, out_dir: Path) -> None:
+    """``out_dir/.hydra/config.yaml`` (the composed config, resolved: what ``twin_of`` reads) and,
+    under Hydra, ``overrides.yaml``: what Hydra writes itself, written here only once the checks
+    have passed, so a refused run leaves nothing behind (conf/live_evaluate.yaml has Hydra write
+    nothing)."""
+    d = out_dir / ".hydra"
+    d.mkdir(parents=True, exist_ok=True)
+    OmegaConf.save(cfg, d / "config.yaml", resolve=True)
+    from hydra.core.hydra_config import HydraConfig
+
+    if HydraConfig.initialized():
+        OmegaConf.save(HydraConfig.get().overrides.task, d / "overrides.yaml")
+
+
+def _live_evaluate(cfg: DictConfig, out_dir: Path, order: list[list[str]], pdirs: Mapping[str, str],
+                   speed: Mapping[str, Any] | None, tf: TimedTraceFile, model_dir: Path | None) -> dict[str, Any]:
+    """The run itself, into ``out_dir`` (made), after ``live_evaluate``'s checks."""
+    scenario = cfg.live_scenario
+    runs_dir = out_dir / "runs"
+    paths = list(cfg.paths)
     print(f"live_evaluate: scenario {scenario.name}: {tf.summary}", flush=True)
-    order = schedule(paths, int(cfg.rounds), str(cfg.order), int(cfg.seed))
     goodput = [f"ttft:{cfg.slo.ttft_ms}", f"tpot:{cfg.slo.tpot_ms}"]
     if model_dir is None:
         if cfg.gateway.model:
@@ -718,10 +898,11 @@ def live_evaluate(cfg: DictConfig, model_dir: Path | None = None) -> dict[str, A
         if scenario.load_multiple is not None:  # sized to this machine: a saturated probe first
             load, sized, tf = machine_load(scenario, tf, lambda recs: one_run(BASELINE, recs, "capacity_probe")[0])
 
+        label = scenario_label(sized or OmegaConf.to_container(scenario, resolve=True), tf)
         for rnd, paths_r in enumerate(order):
             for pos, path in enumerate(paths_r):
                 res, extra = one_run(path, tf.records, f"r{rnd}_{path}")
-                row = row_from_result(res, scenario=str(scenario.name), path=path, rnd=rnd, position=pos,
+                row = row_from_result(res, scenario=label, path=path, rnd=rnd, position=pos,
                                       requests=len(tf))
                 row.update(extra)
                 rows.append(row)
@@ -910,7 +1091,7 @@ def plot_goodput(rows: Sequence[Mapping[str, Any]], out_dir: Path) -> Path:
             ax.bar(i, mean, yerr=None if not math.isfinite(half) else half, capsize=4, color=f"C{i}", alpha=0.6)
             ax.plot([i] * len(vals), vals, "k.", ms=4)
         ax.set_xticks(range(len(paths)), paths)
-        ax.set_title(f"{sc}: goodput (mean ± 95 % CI, dots = rounds)", fontsize=9)
+        ax.set_title(f"{sc}\ngoodput (mean ± 95 % CI, dots = rounds)", fontsize=8)
         ax.set_ylabel("request goodput (req/s)")
         ax.grid(alpha=0.3, axis="y")
     fig.tight_layout()

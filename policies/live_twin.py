@@ -557,6 +557,8 @@ def twin_markdown(sim_rows: Sequence[Mapping[str, Any]], summary: Mapping[str, A
         lv = summary["paths"].get(r["path"], {})
         lines.append(f"| {r['path']} | " + " | ".join(
             f"{_fmt(_num(r.get(k)))} / {_fmt(_num(lv.get(f'live_{k}')))}" for k in ENGINE_KEYS) + " |")
+    if not summary["gains"]:  # one line, not a table's header with no rows
+        return "\n".join([*lines, "", no_gain_note([str(r["path"]) for r in sim_rows])]) + "\n"
     lines += ["", "| gain | simulated (req/s) | live, paired (req/s, 95 % CI) | share that survives live |",
               "|---|---:|---:|---|"]
     for g in summary["gains"]:
@@ -564,6 +566,18 @@ def twin_markdown(sim_rows: Sequence[Mapping[str, Any]], summary: Mapping[str, A
         live = "–" if not math.isfinite(lg) else (f"{lg:+.3f}" if not math.isfinite(lci) else f"{lg:+.3f} ± {lci:.3f}")
         lines.append(f"| {g['path']} − {g['over']} | {_num(g['sim_gain']):+.3f} | {live} | {g['verdict']} |")
     return "\n".join(lines) + "\n"
+
+
+def no_gain_note(paths: Sequence[str]) -> str:
+    """Why the twin has no gain to follow: each of ``GAINS`` needs both of its paths."""
+    gains = " and ".join(f"{p} − {o}" for p, o in GAINS)
+    heads = list(dict.fromkeys(p for p, _ in GAINS))
+    if not any(h in paths for h in heads):
+        lack = "no " + " or ".join(heads)
+    else:
+        lack = "neither " + " nor ".join(dict.fromkeys(o for _, o in GAINS))
+    return (f"No gain to compare with live: the twin follows {gains}, and this run's paths "
+            f"({', '.join(paths) or 'none'}) have {lack}.")
 
 
 def _clean(v: Any) -> Any:
@@ -660,6 +674,9 @@ def twin_of(out_dir: str | Path, log: Any = print, speed_from: str | Path | None
     load = res["meta"].get("load") or {}
     if load.get("load_multiple") is not None:  # sized to the machine: the window the runs replayed
         sc, tf = sized_window(scenario, tf, float(load["load_multiple"]) * float(load["capacity_req_s"]))
+    # The file read: a relative trace found in the current folder (resolve_trace_path, as the live
+    # run found it) is not looked for there by the simulator, which reads relative paths from the repo.
+    sc = {**sc, "trace": tf.source}
     if len(tf) != int(res["meta"].get("requests_per_run", len(tf))):
         raise ValueError(f"{d}: the window converts to {len(tf)} requests, the live run sent "
                          f"{res['meta'].get('requests_per_run')}")

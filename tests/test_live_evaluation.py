@@ -315,15 +315,20 @@ def test_rows_account_for_every_request_and_files_are_written(tmp_path: Path) ->
 def test_short_live_evaluation(tmp_path: Path, tiny_model_path: Path) -> None:
     from batchpilot.policies.live_evaluation import live_evaluate
 
-    n = 24
-    # The gateway ticks every 0.25 s (1 s by default): a run of 24 requests lasts about a second
-    # on a fast machine, and its decisions file must hold some ticks whatever the machine's speed.
-    cfg = load_config(["rounds=2", "paths=[vllm_direct,pid]", f"live_scenario.max_requests={n}",
+    # Sized to this machine (load_multiple) and short: `steady`'s first 15 trace seconds (24
+    # requests) at 5x, a 3 s window, replayed for as long as written at 2x what vLLM serves here
+    # (max_requests is refused on a sized scenario: a fixed count at the sized rate lasted under a
+    # second). The gateway ticks every 0.25 s (1 s by default) so that its decisions file holds
+    # some ticks whatever the machine's speed.
+    cfg = load_config(["rounds=2", "paths=[vllm_direct,pid]", "live_scenario.duration_s=15",
+                       "live_scenario.time_scale=5",
                        "live_scenario.load_multiple=2.0", "warmup.requests=6", f"out_dir={tmp_path}",
                        'gateway.overrides=["serve.control.interval_s=0.25"]'],
                       config_name="live_evaluate")
     out = live_evaluate(cfg, model_dir=tiny_model_path)
     rows = out["rows"]
+    data = json.loads((tmp_path / "results.json").read_text())
+    n = data["meta"]["requests_per_run"]
     assert [(r["round"], r["path"]) for r in rows] == [(0, "vllm_direct"), (0, "pid"), (1, "pid"), (1, "vllm_direct")]
     for r in rows:
         assert r["requests"] == n and r["accounted"], r
@@ -333,15 +338,20 @@ def test_short_live_evaluation(tmp_path: Path, tiny_model_path: Path) -> None:
         assert r["engine_iterations"] > 0 and r["mean_iteration_tokens"] > 0 and r["mean_engine_queue_ms"] >= 0
         assert r["mean_engine_ttft_ms"] > 0
         assert math.isnan(r["mean_admission_wait_ms"]) if r["path"] == "vllm_direct" else r["mean_admission_wait_ms"] >= 0
-    for name in ("results.json", "results.csv", "results.md", "goodput.png", "gateway.log"):
+        # labelled with the trace and the window replayed, not only the scenario's name
+        assert r["scenario"].startswith("steady (azure_llm_2023_conv.csv, trace s 0-"), r["scenario"]
+    for name in ("results.json", "results.csv", "results.md", "goodput.png", "gateway.log", "live_evaluate.log",
+                 ".hydra/config.yaml"):
         assert (tmp_path / name).is_file(), name
-    data = json.loads((tmp_path / "results.json").read_text())
-    assert len(data["rows"]) == 4 and data["meta"]["requests_per_run"] == n
-    # Sized to this machine: a saturated probe of the same requests, then 2x its throughput.
+    # vLLM's log is kept beside gateway.log (serve.log_dir), not in a /tmp folder left behind
+    assert list(tmp_path.glob("vllm-*.log")) and not (tmp_path / "gateway_hydra").exists()
+    assert len(data["rows"]) == 4
+    # Sized to this machine: a saturated probe of the written window's requests, then 2x its throughput.
     load = data["meta"]["load"]
-    assert load["capacity_req_s"] > 0 and load["load_multiple"] == 2.0
+    assert load["capacity_req_s"] > 0 and load["load_multiple"] == 2.0 and load["requests"] == n
     assert load["replayed_rate_req_s"] == pytest.approx(2.0 * load["capacity_req_s"], rel=1e-3)
     assert data["meta"]["window_s"] == pytest.approx(n / load["replayed_rate_req_s"], rel=1e-3)
+    assert data["meta"]["window_s"] == pytest.approx(3.0, rel=0.3)  # as long as written (15 s at 5x)
     assert (tmp_path / "runs" / "capacity_probe.jsonl").is_file()
     assert [d["path"] for d in data["paired_differences"]] == ["pid"]
     # The twin, its speed matched to the live vllm_direct runs (the two of them, nothing else).
