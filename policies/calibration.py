@@ -848,6 +848,32 @@ def write_served_profile(cfg: Any, served: Sequence[tuple[int, float]], console:
     return served_hw
 
 
+#: How to run the report on fewer workloads, for the errors that refuse a merge that keeps them all.
+WORKLOADS_HOWTO = ("to drop one: ~workloads.burst; to run only your own: ~workloads "
+                   "'+workloads={mine:[\"workload=azure_conv\"]}'")
+
+
+def check_workloads(cfg: Any, overrides: Sequence[str] = ()) -> None:
+    """``workloads`` as the command line meant it. Hydra merges a dict given on the command line
+    into the one in conf/calibrate.yaml, so ``workloads={}`` changes nothing: the report would
+    run both default workloads (minutes of vLLM each) when the user asked for none. It is refused,
+    with how to drop workloads; so is ``report=true`` with no workload left (``~workloads``)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parsed = OverridesParser.create().parse_overrides([str(o) for o in overrides])
+    for o, raw in zip(parsed, overrides):
+        if o.key_or_group == "workloads" and not o.is_delete() and o.value() == {}:
+            raise CalibrationError(f"{raw!r} keeps the default workloads {sorted(cfg.workloads or {})} "
+                                   f"(Hydra merges a dict into the one in conf/calibrate.yaml); {WORKLOADS_HOWTO}")
+    if cfg.report and not cfg.get("workloads"):
+        raise CalibrationError(f"report=true needs at least one workload, got none; {WORKLOADS_HOWTO}")
+    shares = set(cfg.get("load_vs_capacity") or {})
+    unknown = sorted(shares - set(cfg.get("workloads") or {}))
+    if cfg.report and unknown:
+        raise CalibrationError(f"load_vs_capacity names {unknown}, not among the workloads "
+                               f"{sorted(cfg.workloads)}; drop them too (~load_vs_capacity.{unknown[0]})")
+
+
 def main(cfg: Any) -> dict[str, float] | None:
     """``scripts/calibrate.py``: fit (unless ``fit=false``), then the report when ``report=true``."""
     import json
@@ -857,6 +883,12 @@ def main(cfg: Any) -> dict[str, float] | None:
     console = Console(width=160)
     if not (cfg.fit or cfg.report or cfg.served.enabled):
         raise SystemExit("calibrate: nothing to do (fit=false report=false served.enabled=false)")
+    from hydra.core.hydra_config import HydraConfig
+
+    try:  # before the fit (minutes of vLLM) and the report
+        check_workloads(cfg, list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else [])
+    except CalibrationError as e:
+        raise SystemExit(f"calibrate: error: {e}") from None
     if cfg.fit:
         run_fit(cfg, console)
     if not cfg.report:
