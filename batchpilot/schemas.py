@@ -559,6 +559,11 @@ class ControlConfig:
     #: Decisions kept for ``GET /admin/decisions`` (one per upstream and interval; 0 = none): what
     #: the loop saw and set, so a run can be compared interval by interval with its simulation.
     history_len: int = 3600
+    #: In ``policy`` mode, start a managed engine launched at ``serve.kv_dtype: auto`` at
+    #: ``serve.kv8_dtype`` where the shield's memory ceiling would hold fewer requests at 16 bits
+    #: than ``shield.max_batch`` (``Shield.start_kv_dtype``, the policy's ``kv_start`` in the
+    #: evaluation): one restart before the gateway serves, and the KV dwell runs from it.
+    kv_start: bool = True
 
     def __post_init__(self) -> None:
         if self.mode not in CONTROL_MODES:
@@ -640,6 +645,9 @@ class ServeConfig:
     kv_cache_space_gib: int = 1
     kv_dtype: str = "auto"
     kv8_dtype: str = "fp8"
+    #: The engines' time to read 8-bit KV over 16-bit (``hardware.kv8_speed_factor``: 1.1 on an
+    #: A100, which has no native fp8); above 1 ``control.kv_start`` keeps 16-bit.
+    kv8_read_cost: float = 1.0
     #: KV dtypes the operator of unmanaged upstreams says they can be switched to (the gateway
     #: only recommends a switch there); None = only the dtype each upstream runs.
     upstream_kv_dtypes: list[str] | None = None
@@ -727,6 +735,8 @@ class ServeConfig:
         for name in ("health_timeout_s", "health_grace_s", "body_timeout_s", "header_timeout_s", "startup_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"serve.{name} must be > 0, got {getattr(self, name)}")
+        if not self.kv8_read_cost > 0:
+            raise ValueError(f"serve.kv8_read_cost must be > 0 (8-bit over 16-bit read time), got {self.kv8_read_cost}")
         if self.retry_after_s < 0:
             raise ValueError(f"serve.retry_after_s must be >= 0 (seconds in Retry-After), got {self.retry_after_s}")
         if self.log_level.lower() not in LOG_LEVELS:

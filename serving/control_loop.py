@@ -257,6 +257,8 @@ class ControlLoop:
         self.events: list[str] = []  # recent notable events, newest last (admin status)
         #: One record per decision, oldest first (``decisions``; ``GET /admin/decisions``).
         self.history: deque[dict[str, Any]] = deque(maxlen=int(cfg.control.history_len))
+        #: Lane name -> the start KV dtype chosen for it (``choose_start_kv_dtype``; empty: not run).
+        self.kv_start: dict[str, str] = {}
         slo_ms = {"ttft": s.slo.ttft_ms, "tpot": s.slo.tpot_ms, "e2el": s.slo.e2el_ms}
         pid_node = dict(s.policy) if s.policy.get("kind") == "pid" else {"kind": "pid"}
         pid_node.setdefault("initial_batch_cap", cfg.control.initial_batch_cap)
@@ -459,6 +461,52 @@ class ControlLoop:
         self._note(f"operator KV dtype switch to {dtype}: {out}")
         return {"dtype": dtype, "upstreams": out, "forced": force}
 
+    async def choose_start_kv_dtype(self) -> dict[str, str]:
+        """The policy's ``kv_start`` in front of real engines, before the gateway serves: the
+        evaluation starts a PPO policy at 8-bit KV where the memory ceiling binds at 16 bits
+        (``Shield.start_kv_dtype``), and what is evaluated is what is served. Only in ``policy``
+        mode with a loaded policy, ``control.kv_start`` and engines started at ``kv_dtype: auto``
+        (an explicit dtype is the operator's). The pool that decides is known only once an
+        engine runs, so a managed one is restarted onto 8-bit (the dwell counts from it); an
+        unmanaged one is advised. Returns lane name -> what was done (for status and tests)."""
+        cfg = self.cfg
+        if not cfg.control.kv_start or self.policies.mode != "policy" or self.policies.policy is None \
+                or cfg.kv_dtype != "auto":
+            return {}
+        done: dict[str, str] = {}
+        for ln in self.gw.lanes:
+            ctl = self.lane_ctl[ln.index]
+            self._check_engine(ln)
+            shield, kv16, kv8 = ctl.shield, ln.knobs.kv_dtype, cfg.kv8_dtype
+            if not shield.memory.known:
+                done[ln.name] = "16-bit: memory budget unknown"
+                continue
+            at16, at8 = shield.max_feasible_batch(kv16), shield.max_feasible_batch(kv8)
+            room = f"the memory ceiling holds {at16} requests at 16 bits, {at8} at {kv8}, of max_batch {shield.max_batch}"
+            if shield.start_kv_dtype(kv16, kv8, cfg.kv8_read_cost) != kv8:
+                why = shield.capabilities.why_not(kv8) if at16 < shield.max_batch else None
+                if at16 < shield.max_batch:
+                    why = why or (f"the engine reads 8-bit KV slower (serve.kv8_read_cost={cfg.kv8_read_cost:g})"
+                                  if cfg.kv8_read_cost > 1.0 else f"{kv8} holds no more")
+                    self._note(f"kv_start: {ln.name} stays at 16-bit KV although {room}: {why}")
+                done[ln.name] = "16-bit" + (f": {why}" if why else "")
+                continue
+            plant = ctl.plant
+            assert plant is not None  # wired in __init__
+            if ln.upstream.managed is None:
+                self.gw.metrics.kv_recommendation.labels(ln.name, kv8).set(1)
+                self._note(f"kv_start: {room}; {ln.name} is not managed: recommend kv_cache_dtype={kv8}")
+                done[ln.name] = f"recommended {kv8}"
+                continue
+            self._note(f"kv_start: {room}; restarting {ln.name} at {kv8} before serving")
+            plant.acting = "kv_start"
+            ok = await plant.restart_onto(kv8, "kv_start")
+            done[ln.name] = kv8 if ok else f"16-bit: the restart onto {kv8} failed"
+            if not ok:
+                self._note(f"kv_start: restarting {ln.name} at {kv8} failed; it serves at 16-bit KV")
+        self.kv_start = done
+        return done
+
     # --- one decision ----------------------------------------------------------------------
     def _controller(self, lane: Lane) -> tuple[Controller, str]:
         """Who acts on ``lane`` this interval."""
@@ -634,6 +682,7 @@ class ControlLoop:
             "ticks": self.num_ticks,
             "target": dict(self.target),
             "overrides": self.overrides[-20:],
+            "kv_start": dict(self.kv_start),
             "lanes": {ln.name: {**self.lane_ctl[ln.index].last_decision, "knobs_in_force": ln.knobs.as_dict(),
                                 "queue_depths": list(ln.admission.queue_depths),
                                 "in_flight": ln.admission.num_in_flight,

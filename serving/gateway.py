@@ -150,6 +150,7 @@ class Gateway:
 
         self.quality = QualityGuard(self.cfg.quality_guard, self.metrics, api_key=self.cfg.upstream_api_key)
         self.control = ControlLoop(self)
+        await self.control.choose_start_kv_dtype()
         await self.control.start()
         self.ready = True
         log.info("gateway ready on %s:%d in front of %s%s", self.cfg.host, self.cfg.port,

@@ -12,7 +12,7 @@ from test_control_parity import _gateway, _metrics_text, recorded_trace
 
 from batchpilot.core.knobs import Knobs, Proposal
 from batchpilot.core.telemetry import FEATURE_NAMES
-from batchpilot.serving.upstream import UpstreamDown
+from batchpilot.serving.upstream import EngineInfo, UpstreamDown
 
 
 class Grow:
@@ -430,7 +430,6 @@ def test_a_restart_that_brings_back_another_kv_pool_admits_against_the_new_pool(
     from batchpilot.core.engine import Request
     from batchpilot.core.shield import Shield, ShieldConfig
     from batchpilot.serving.control_loop import upstream_engine_model
-    from batchpilot.serving.upstream import EngineInfo
 
     gw, loop = _gateway("pid", {"kind": "pid"})
     lane = gw.lanes[0]
@@ -582,3 +581,48 @@ def test_every_decision_is_kept_for_admin_decisions() -> None:
     snap = replace(loop.lane_ctl[lane.index].last_snapshot, request_goodput=float("nan"), ttft_p99_ms=float("inf"))
     rec = decision_record(9, "vllm0", 1.0, "pid", snap, Decision(knobs=Knobs(8, "fifo", "auto")))
     assert rec["goodput"] is None and rec["ttft_p99_ms"] is None and rec["batch_cap"] == 8
+
+
+def test_kv_start_in_front_of_an_engine_whose_memory_binds_at_16_bits() -> None:
+    """The evaluation starts a PPO policy at 8-bit KV where the ceiling binds at 16 bits
+    (``kv_start``); the gateway does the same before it serves, and says why when it cannot.
+    This pool (4,096 blocks of 16 tokens, 1,024-token context) holds ~51 requests at 16 bits
+    of the 256 the cap may reach: memory binds."""
+    gw, loop = _gateway("policy", {"kind": "pid"})
+    lane = gw.lanes[0]
+    shield = loop.lane_ctl[lane.index].shield
+    assert shield.max_feasible_batch("auto") < min(shield.max_batch, shield.max_feasible_batch("fp8"))
+    # Not managed, 8-bit not declared by its operator: stays 16-bit and says why.
+    out = asyncio.run(loop.choose_start_kv_dtype())
+    assert out["vllm0"].startswith("16-bit: vllm0 is not managed") and "serve.upstream_kv_dtypes" in out["vllm0"]
+    assert any("kv_start: vllm0 stays at 16-bit KV although the memory ceiling holds" in e for e in loop.events)
+    assert loop.status()["kv_start"] == out
+    # Declared: recommended (an unmanaged engine is never restarted by the gateway).
+    shield.capabilities.kv_dtypes["fp8"] = None
+    assert asyncio.run(loop.choose_start_kv_dtype()) == {"vllm0": "recommended fp8"}
+    assert gw.metrics.kv_recommendation.labels("vllm0", "fp8")._value.get() == 1
+    assert lane.knobs.kv_dtype == "auto"
+    # Hardware that reads 8-bit KV slower keeps 16-bit, and says so.
+    gw.cfg.kv8_read_cost = 1.1
+    assert "reads 8-bit KV slower (serve.kv8_read_cost=1.1)" in asyncio.run(loop.choose_start_kv_dtype())["vllm0"]
+    gw.cfg.kv8_read_cost = 1.0
+    # Not the policy's to choose: an explicit dtype, the option off, PID acting.
+    gw.cfg.kv_dtype = "bfloat16"
+    assert asyncio.run(loop.choose_start_kv_dtype()) == {}
+    gw.cfg.kv_dtype, gw.cfg.control.kv_start = "auto", False
+    assert asyncio.run(loop.choose_start_kv_dtype()) == {}
+    gw_pid, loop_pid = _gateway("pid", {"kind": "pid"})
+    loop_pid.lane_ctl[gw_pid.lanes[0].index].shield.capabilities.kv_dtypes["fp8"] = None
+    assert asyncio.run(loop_pid.choose_start_kv_dtype()) == {}
+
+
+def test_kv_start_keeps_16_bits_where_memory_does_not_bind() -> None:
+    gw, loop = _gateway("policy", {"kind": "pid"})
+    lane = gw.lanes[0]
+    lane.upstream.info = EngineInfo(model="m", max_model_len=2048, num_kv_blocks=65536, block_size=16, kv_dtype="auto")
+    loop._check_engine(lane)  # the shield takes the new pool
+    shield = loop.lane_ctl[lane.index].shield
+    shield.capabilities.kv_dtypes["fp8"] = None
+    assert asyncio.run(loop.choose_start_kv_dtype()) == {"vllm0": "16-bit"}
+    assert shield.max_feasible_batch("auto") == shield.max_batch
+    assert not any("kv_start" in e for e in loop.events)
