@@ -351,7 +351,7 @@ def test_short_live_evaluation(tmp_path: Path, tiny_model_path: Path) -> None:
     assert load["capacity_req_s"] > 0 and load["load_multiple"] == 2.0 and load["requests"] == n
     assert load["replayed_rate_req_s"] == pytest.approx(2.0 * load["capacity_req_s"], rel=1e-3)
     assert data["meta"]["window_s"] == pytest.approx(n / load["replayed_rate_req_s"], rel=1e-3)
-    assert data["meta"]["window_s"] == pytest.approx(3.0, rel=0.3)  # as long as written (15 s at 5x)
+    assert 1.5 <= data["meta"]["window_s"] <= 6.0  # about as long as written (15 trace s at 5x)
     assert (tmp_path / "runs" / "capacity_probe.jsonl").is_file()
     assert [d["path"] for d in data["paired_differences"]] == ["pid"]
     # The twin, its speed matched to the live vllm_direct runs (the two of them, nothing else).
