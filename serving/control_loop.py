@@ -486,8 +486,9 @@ class ControlLoop:
             if shield.start_kv_dtype(kv16, kv8, cfg.kv8_read_cost) != kv8:
                 why = shield.capabilities.why_not(kv8) if at16 < shield.max_batch else None
                 if at16 < shield.max_batch:
-                    why = why or (f"the engine reads 8-bit KV slower (serve.kv8_read_cost={cfg.kv8_read_cost:g})"
-                                  if cfg.kv8_read_cost > 1.0 else f"{kv8} holds no more")
+                    why = why or (f"the engine reads 8-bit KV slower (serve.kv8_read_cost={cfg.kv8_read_cost:g}) "
+                                  f"and at {kv8} memory would not bind" if cfg.kv8_read_cost > 1.0
+                                  else f"{kv8} holds no more")
                     self._note(f"kv_start: {ln.name} stays at 16-bit KV although {room}: {why}")
                 done[ln.name] = "16-bit" + (f": {why}" if why else "")
                 continue

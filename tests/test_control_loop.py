@@ -602,9 +602,14 @@ def test_kv_start_in_front_of_an_engine_whose_memory_binds_at_16_bits() -> None:
     assert asyncio.run(loop.choose_start_kv_dtype()) == {"vllm0": "recommended fp8"}
     assert gw.metrics.kv_recommendation.labels("vllm0", "fp8")._value.get() == 1
     assert lane.knobs.kv_dtype == "auto"
-    # Hardware that reads 8-bit KV slower keeps 16-bit, and says so.
+    # Hardware that reads 8-bit KV slower: 8-bit while memory binds at 8 bits too (~99 of 256
+    # here); 16-bit where 8-bit would lift the ceiling above the cap, and it says so.
     gw.cfg.kv8_read_cost = 1.1
-    assert "reads 8-bit KV slower (serve.kv8_read_cost=1.1)" in asyncio.run(loop.choose_start_kv_dtype())["vllm0"]
+    assert asyncio.run(loop.choose_start_kv_dtype()) == {"vllm0": "recommended fp8"}
+    shield.max_batch = 64
+    assert "reads 8-bit KV slower (serve.kv8_read_cost=1.1) and at fp8 memory would not bind" in \
+        asyncio.run(loop.choose_start_kv_dtype())["vllm0"]
+    shield.max_batch = 256
     gw.cfg.kv8_read_cost = 1.0
     # Not the policy's to choose: an explicit dtype, the option off, PID acting.
     gw.cfg.kv_dtype = "bfloat16"

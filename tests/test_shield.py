@@ -99,8 +99,12 @@ def test_start_kv_dtype_is_8bit_only_where_memory_binds_at_16bit():
     assert shield(ROOMY).start_kv_dtype("auto", "fp8") == "auto"
     # An 8-bit dtype this engine cannot run is never the start.
     assert shield().start_kv_dtype("auto", "fp8_e5m2") == "auto"
-    # An engine that reads 8-bit KV slower pays on every iteration for room the load may not use.
-    assert shield().start_kv_dtype("auto", "fp8", kv8_read_cost=1.1) == "auto"
+    # An engine that reads 8-bit KV slower pays on every iteration for the room: worth it where
+    # memory binds at 8 bits too (160 of 256 here), not where 8-bit lifts the ceiling above the
+    # cap (a cap of 120: the 40 requests 8-bit adds serve only a load heavier than 80).
+    assert shield().start_kv_dtype("auto", "fp8", kv8_read_cost=1.1) == "fp8"
+    assert shield(max_batch=120).start_kv_dtype("auto", "fp8") == "fp8"
+    assert shield(max_batch=120).start_kv_dtype("auto", "fp8", kv8_read_cost=1.1) == "auto"
     # Nothing fits even at 8 bits: no gain, so the engine's 16-bit dtype.
     assert shield(memory_ceiling=0.45).start_kv_dtype("auto", "fp8") == "auto"
 

@@ -342,14 +342,19 @@ class Shield:
         """The KV dtype to start an engine with, while a switch costs no restart: ``kv8`` when
         at the expected context (``initial_context_len`` before any traffic) the memory ceiling
         holds fewer requests at ``kv16`` than the cap may reach (``max_batch``) and more at
-        ``kv8``; else ``kv16``. Where memory does not bind, 8-bit buys nothing and costs quality;
-        where the engine reads 8-bit KV slower (``kv8_read_cost`` > 1, e.g. an A100 without
-        native fp8) every iteration pays for room only a heavy load would use, and before any
-        traffic that load is unknown: ``kv16`` too (the KV agent may still switch later)."""
-        if kv8_read_cost > 1.0 or not self.capabilities.can_run(kv8) or kv8 not in self.memory.kv_block_bytes:
+        ``kv8``; else ``kv16``. Where memory does not bind, 8-bit buys nothing and costs quality.
+        Where the engine reads 8-bit KV slower (``kv8_read_cost`` > 1, e.g. an A100 without
+        native fp8) every iteration pays for the room, so ``kv8`` only where the ceiling binds
+        at 8 bits too (the engine is memory-bound at either precision, and any load that fills
+        the 16-bit room fills the 8-bit one); where 8-bit would lift the ceiling above the cap,
+        the room it adds serves only loads heavier than the 16-bit room, unknown before any
+        traffic: ``kv16`` (the KV agent may still switch later)."""
+        if not self.capabilities.can_run(kv8) or kv8 not in self.memory.kv_block_bytes:
             return kv16
-        at16 = self.max_feasible_batch(kv16)
-        return kv8 if at16 < self.max_batch and self.max_feasible_batch(kv8) > at16 else kv16
+        at16, at8 = self.max_feasible_batch(kv16), self.max_feasible_batch(kv8)
+        if not at16 < self.max_batch or not at8 > at16:
+            return kv16
+        return kv16 if kv8_read_cost > 1.0 and at8 >= self.max_batch else kv8
 
     def update_memory_model(self, memory: MemoryModel) -> None:
         """After an engine restart (e.g. a new KV dtype) the block layout may differ."""
