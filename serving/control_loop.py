@@ -484,13 +484,14 @@ class ControlLoop:
             at16, at8 = shield.max_feasible_batch(kv16), shield.max_feasible_batch(kv8)
             room = f"the memory ceiling holds {at16} requests at 16 bits, {at8} at {kv8}, of max_batch {shield.max_batch}"
             if shield.start_kv_dtype(kv16, kv8, cfg.kv8_read_cost) != kv8:
-                why = shield.capabilities.why_not(kv8) if at16 < shield.max_batch else None
-                if at16 < shield.max_batch:
-                    why = why or (f"the engine reads 8-bit KV slower (serve.kv8_read_cost={cfg.kv8_read_cost:g}) "
-                                  f"and at {kv8} memory would not bind" if cfg.kv8_read_cost > 1.0
-                                  else f"{kv8} holds no more")
-                    self._note(f"kv_start: {ln.name} stays at 16-bit KV although {room}: {why}")
-                done[ln.name] = "16-bit" + (f": {why}" if why else "")
+                if at16 >= shield.max_batch:  # memory does not bind: nothing to say
+                    done[ln.name] = "16-bit"
+                    continue
+                why = shield.capabilities.why_not(kv8) or (
+                    f"the engine reads 8-bit KV slower (serve.kv8_read_cost={cfg.kv8_read_cost:g}) and at {kv8} "
+                    "memory would not bind" if cfg.kv8_read_cost > 1.0 else f"{kv8} holds no more")
+                self._note(f"kv_start: {ln.name} stays at 16-bit KV although {room}: {why}")
+                done[ln.name] = f"16-bit: {why}"
                 continue
             plant = ctl.plant
             assert plant is not None  # wired in __init__
