@@ -13,7 +13,7 @@ from omegaconf import DictConfig
 
 import batchpilot.schemas  # noqa: F401  (stores the config schemas before Hydra composes)
 from batchpilot.config import CONF_DIR
-from batchpilot.serving.gateway import ServeConfigError, serve
+from batchpilot.serving.gateway import GatewayStartFailed, ServeConfigError, serve
 
 
 @hydra.main(config_path=str(CONF_DIR), config_name="serve_app", version_base="1.3")
@@ -23,6 +23,9 @@ def main(cfg: DictConfig) -> None:
     except ServeConfigError as e:  # a configuration problem: one line, no traceback
         print(f"serve: error: {e}", file=sys.stderr)
         sys.exit(2)
+    except GatewayStartFailed as e:  # an upstream never came up: one line, its log has the rest
+        print(f"serve: error: {e}", file=sys.stderr)
+        sys.exit(3)
 
 
 if __name__ == "__main__":

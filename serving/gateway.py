@@ -164,7 +164,7 @@ class Gateway:
         if self.quality is not None:
             await self.quality.aclose()
         await self.supervisor.stop_all()
-        self.bodies.close()
+        await asyncio.to_thread(self.bodies.close, True)
 
     # --- routing ---------------------------------------------------------------------------
     def pick_lane(self) -> Lane:
@@ -224,6 +224,15 @@ async def _read_body(request: Request, cfg: ServeConfig) -> bytes:
     except ClientDisconnect:
         raise ClientGone() from None
     return b"".join(chunks)
+
+
+def _check_media_type(request: Request) -> None:
+    """A body that is not sent as JSON is refused as vLLM refuses it (its ``validate_json_request``:
+    the media type exactly ``application/json``, parameters aside), before it takes a slot in
+    admission only for vLLM to refuse it then; a form-encoded body was called "not valid JSON"."""
+    media_type = request.headers.get("content-type", "").lower().split(";", 1)[0]
+    if media_type != "application/json":
+        raise BadRequest("unsupported_media_type", "Unsupported Media Type: Only 'application/json' is allowed")
 
 
 def _too_large(size: int, cfg: ServeConfig) -> GatewayError:
@@ -301,6 +310,7 @@ async def _proxy(request: Request, path: str, chat: bool) -> Response:
     t_arrival = time.monotonic()
     deadline = t_arrival + cfg.request_timeout_s
     raw = await _read_body(request, cfg)
+    _check_media_type(request)
     parsed = await gw.bodies.inspect(raw, chat, max(gw.max_model_len(ln) for ln in gw.lanes))
     body, raw = parsed.body, parsed.raw
     priority = _priority(request, cfg)
@@ -660,6 +670,13 @@ def build_app(settings: AppSettings) -> FastAPI:
                 # uvicorn is already stopping: it shuts down as soon as start-up returns. Raising
                 # here instead would print "Application startup failed" and a traceback.
                 log.warning("%s", e)
+            except UpstreamDown as e:
+                # An engine that never came up (a bad vLLM flag, a missing model, an unmanaged
+                # upstream that does not answer): ``serve`` reports it in one line and exits.
+                start_failed = getattr(app.state, "start_failed", None)
+                if start_failed is None:
+                    raise
+                start_failed(str(e))
             yield
         finally:
             await gw.stop()
@@ -756,6 +773,45 @@ class ServeConfigError(ValueError):
     prints it in one line)."""
 
 
+class GatewayStartFailed(RuntimeError):
+    """The gateway could not start serving: an upstream never came up. The message says why in
+    one line (``scripts/serve.py`` prints it; the engine's log has the rest)."""
+
+
+def _looks_like_a_path(model: str) -> bool:
+    """Whether ``serve.model`` names a folder rather than a Hugging Face id (``org/name``)."""
+    return model.startswith(("/", "./", "../", "~")) or model.count("/") > 1
+
+
+def _check_model(cfg: ServeConfig) -> None:
+    """A ``serve.model`` folder that is not there fails here, not after vLLM has started and
+    died on it (a 20-second wait, then its traceback)."""
+    if cfg.model and _looks_like_a_path(cfg.model) and not Path(cfg.model).expanduser().is_dir():
+        raise ValueError(f"serve.model={cfg.model!r}: no such folder (a model folder with config.json; "
+                         "null = the built-in tiny model)")
+
+
+def bind_listener(host: str, port: int) -> Any:
+    """The gateway's listening socket, bound (not yet listening: a client connecting while the
+    upstreams start is refused, as before) before anything starts, so a port in use or a host
+    that does not resolve fails at once in one line. uvicorn binds only after the lifespan has
+    started the engines: the gateway waited a minute for vLLM, logged "gateway ready", then
+    failed to bind. Made as uvicorn's own ``Config.bind_socket`` makes it."""
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family=family, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        why = exc.strerror or str(exc)
+        raise ServeConfigError(f"cannot listen on {host}:{port} (serve.host, serve.port): {why}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
 def serve(cfg: Any) -> None:
     """Run the gateway until interrupted (``scripts/serve.py``)."""
     import uvicorn
@@ -767,8 +823,11 @@ def serve(cfg: Any) -> None:
         check_app(ServeApp, cfg)  # a key added with +key=... (the rest was checked at compose)
         settings = AppSettings.from_cfg(cfg)
         ShieldConfig.from_cfg(settings.shield)
+        _check_model(settings.serve)
     except ValueError as e:
         raise ServeConfigError(str(e)) from None
+    sock = bind_listener(settings.serve.host, settings.serve.port)
+    settings.serve.port = sock.getsockname()[1]  # serve.port=0: the port the system chose
     logging.basicConfig(level=settings.serve.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per upstream call otherwise
@@ -782,4 +841,16 @@ def serve(cfg: Any) -> None:
     # uvicorn takes SIGINT/SIGTERM during start-up but acts on them only once the lifespan has
     # started: the lifespan watches this instead of waiting out serve.startup_timeout_s.
     app.state.stop_requested = lambda: server.should_exit
-    server.run()
+    failures: list[str] = []
+
+    def start_failed(message: str) -> None:
+        failures.append(message)
+        server.should_exit = True  # uvicorn shuts down as soon as start-up returns
+
+    app.state.start_failed = start_failed
+    try:
+        server.run(sockets=[sock])
+    finally:
+        sock.close()
+    if failures:
+        raise GatewayStartFailed(failures[0])

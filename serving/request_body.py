@@ -166,6 +166,8 @@ def _lenient_int(key: str, v: Any) -> int | None:
     """An integer field as pydantic's lax mode reads it (what vLLM accepts), else a 400."""
     if v is None or _is_int(v):
         return v
+    if isinstance(v, bool):  # pydantic's lax mode: true is 1, false is 0
+        return int(v)
     if isinstance(v, float) and v.is_integer():
         return int(v)
     if isinstance(v, str):
@@ -173,6 +175,13 @@ def _lenient_int(key: str, v: Any) -> int | None:
             return int(v.strip())
         except ValueError:
             pass
+        try:  # "8.0" is 8 too ("8.5" is refused, as there)
+            f = float(v.strip())
+        except ValueError:
+            pass
+        else:
+            if f.is_integer():
+                return int(f)
     raise BadRequest("invalid_field", f"'{key}' must be an integer, got {v!r}", param=key)
 
 
@@ -180,7 +189,7 @@ def _lenient_bool(key: str, v: Any) -> bool | None:
     """A boolean field as pydantic's lax mode reads it, else a 400."""
     if v is None or isinstance(v, bool):
         return v
-    if _is_int(v) and v in (0, 1):
+    if isinstance(v, (int, float)) and v in (0, 1):  # 0, 1, 0.0 and 1.0, as there
         return bool(v)
     if isinstance(v, str) and v.strip().lower() in _TRUE | _FALSE:
         return v.strip().lower() in _TRUE
@@ -282,9 +291,12 @@ class BodyInspector:
                                              initializer=_worker_init, initargs=(os.getpid(),))
             self._pool.submit(int)  # the pool forks its workers at its first task
 
-    def close(self) -> None:
+    def close(self, wait: bool = False) -> None:
+        """Shut the pool down; ``wait``: until its workers and manager thread have ended (the
+        gateway's stop: a pool still shutting down as the interpreter exits races CPython's own
+        exit hook, which then printed "Exception ignored ... Bad file descriptor")."""
         if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool.shutdown(wait=wait, cancel_futures=True)
             self._pool = None
 
     async def inspect(self, raw: bytes, chat: bool, max_prompt_tokens: int) -> Parsed:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -217,6 +218,30 @@ class ManagedVLLM:
                 pass
 
 
+#: Lines of a failed engine's log that name the failure: an exception (``OSError: ...``) or an
+#: argparse refusal (``vllm_launch.py: error: unrecognized arguments: ...``).
+_ERROR_LINE = re.compile(r"(\b[A-Za-z_.]*(Error|Exception)\b: \S| error: \S)")
+#: vLLM's log lines below error level, which may quote an error they only warn about.
+_NOT_ERROR = re.compile(r"\b(DEBUG|INFO|WARNING)\b")
+
+
+def last_error_line(path: Path, limit: int = 400, tail_bytes: int = 65536) -> str | None:
+    """The last line of the log at ``path`` that names an error (vLLM's own "See root cause
+    above" summary skipped), shortened to ``limit`` characters; None without one."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - tail_bytes))
+            lines = f.read().decode(errors="replace").splitlines()
+    except OSError:
+        return None
+    for line in reversed(lines):
+        line = line.strip()
+        if _ERROR_LINE.search(line) and "root cause above" not in line and not _NOT_ERROR.search(line):
+            return line if len(line) <= limit else line[: limit - 3] + "..."
+    return None
+
+
 def _open_log(path: Path) -> int:
     """A file descriptor appending to ``path``, never through a symlink (a predictable /tmp
     path opened through links let another user point the log anywhere)."""
@@ -299,19 +324,30 @@ class Upstream:
 
     async def wait_ready(self, timeout_s: float) -> None:
         """Poll /health until it answers 200 (raises ``UpstreamDown`` after ``timeout_s`` or
-        when a managed process exits)."""
+        when a managed process exits). The error says why in one line: a managed process's own
+        last error line from its log (an unknown vLLM flag, a model that is not there), an
+        unmanaged one's last probe answer ("connection refused"); the first failed probe of
+        an unmanaged upstream is logged, so a gateway waiting for one says what it waits for."""
         deadline = time.monotonic() + timeout_s
+        why: str | None = None
         while time.monotonic() < deadline:
             if self.managed is not None and self.managed.proc is not None and self.managed.proc.poll() is not None:
+                where = self.managed.log_path
+                cause = last_error_line(where) if where else None
                 raise UpstreamDown(
-                    f"vllm serve for {self.name} exited with code {self.managed.proc.returncode} "
-                    f"during start-up (see {self.managed.log_path or 'its output'})"
+                    f"vllm serve for {self.name} exited with code {self.managed.proc.returncode} during start-up"
+                    + (f": {cause}" if cause else "") + f" (log: {where or 'its output'})"
                 )
             if await self.check_health(timeout_s=1.0):
                 self.info = await self.fetch_info()
                 return
+            if self.managed is None and why is None:
+                why = await self.probe(1.0) or "not healthy yet"
+                log.info("waiting up to %.0f s for upstream %s at %s: %s", timeout_s, self.name, self.url, why)
             await asyncio.sleep(0.25)
-        raise UpstreamDown(f"upstream {self.name} not healthy after {timeout_s:.0f} s")
+        last = await self.probe(1.0) if self.managed is None else None
+        raise UpstreamDown(f"upstream {self.name} at {self.url} not healthy after {timeout_s:.0f} s"
+                           + (f" (last probe: {last})" if last else ""))
 
     async def fetch_info(self) -> EngineInfo:
         r = await self.client.get("/v1/models", timeout=5.0)
