@@ -137,6 +137,9 @@ class Gateway:
         self.bodies = BodyInspector(cfg.max_num_seqs, cfg.body_workers)
         self.control = None  # the ControlLoop, set in the lifespan (needs running upstreams)
         self.quality = None
+        #: A stop was asked for (SIGTERM, Ctrl-C): nothing new is admitted; requests in flight
+        #: get ``DRAIN_S`` to finish (``drain_on_stop``).
+        self.draining = False
 
     # --- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
@@ -362,6 +365,9 @@ async def _forward(gw: Gateway, lane: Lane, req: EngineRequest, bucket: int, bod
     """Wait for a slot, call the upstream, answer (or start relaying the stream)."""
     cfg = gw.cfg
     t_arrival = req.arrival_time
+    if gw.draining:
+        raise Refused("shutting_down", "the gateway is shutting down; retry later", status=503,
+                      retry_after=cfg.retry_after_s)
     await lane.acquire(req, deadline)
     admitted[0] = True
     stream = bool(body.get("stream"))
@@ -380,7 +386,7 @@ async def _forward(gw: Gateway, lane: Lane, req: EngineRequest, bucket: int, bod
                       retry_after=cfg.retry_after_s) from None
     except Http1Error as exc:
         timer.finish(ok=False)
-        _upstream_failed(lane, exc)
+        _upstream_failed(lane, exc, gw.draining)
     except BaseException:
         timer.finish(ok=False)
         raise
@@ -402,7 +408,7 @@ async def _forward(gw: Gateway, lane: Lane, req: EngineRequest, bucket: int, bod
         timer.finish(ok=False)  # a no-op when the stream ended normally (finished already)
         resp.aclose()
 
-    return SlotStream(_relay(resp, timer, lane, deadline, cfg.request_timeout_s), on_close, status_code=200,
+    return SlotStream(_relay(resp, timer, lane, deadline, cfg.request_timeout_s, gw), on_close, status_code=200,
                       headers=resp_headers)
 
 
@@ -437,8 +443,12 @@ async def _send_until(lane: Lane, path: str, headers: list[tuple[str, str]], raw
             raise
 
 
-def _upstream_failed(lane: Lane, exc: Exception) -> None:
-    """An in-flight request lost its upstream: fail fast and mark the lane unhealthy."""
+def _upstream_failed(lane: Lane, exc: Exception, draining: bool = False) -> None:
+    """An in-flight request lost its upstream: fail fast and mark the lane unhealthy (or, while
+    the gateway stops, it was ended by the stop: 503 to retry elsewhere)."""
+    if draining:
+        raise Refused("shutting_down", f"the gateway is shutting down; the request was ended after "
+                      f"{DRAIN_S:g} s of grace; retry later", status=503, retry_after=lane.retry_after_s) from None
     if isinstance(exc, (httpx.ConnectError,)) or getattr(exc, "connect", False):
         lane.upstream.healthy = False
         raise Refused("upstream_down", f"upstream {lane.name} refused the connection: {exc}",
@@ -448,7 +458,7 @@ def _upstream_failed(lane: Lane, exc: Exception) -> None:
 
 
 async def _relay(resp: Http1Response, timer: "_Timer", lane: Lane, deadline: float,
-                 idle_s: float) -> AsyncIterator[bytes]:
+                 idle_s: float, gw: Gateway | None = None) -> AsyncIterator[bytes]:
     """Relay SSE chunks as they come; the slot is freed however the stream ends (and an
     unfinished upstream stream is closed, so vLLM aborts it). A stream that keeps sending is
     never cut: past the request's deadline it ends only once no chunk came for ``idle_s``
@@ -474,7 +484,11 @@ async def _relay(resp: Http1Response, timer: "_Timer", lane: Lane, deadline: flo
                          "timeout", 503)
     except Http1Error as exc:
         # Headers are gone already: end the stream with an SSE error event, as vLLM does.
-        yield _sse_error(f"upstream {lane.name} failed mid-stream: {exc}", "upstream_error", 502)
+        if gw is not None and gw.draining:
+            yield _sse_error(f"the gateway is shutting down; the stream was ended after {DRAIN_S:g} s of grace",
+                             "shutting_down", 503)
+        else:
+            yield _sse_error(f"upstream {lane.name} failed mid-stream: {exc}", "upstream_error", 502)
     finally:
         timer.finish(ok=ok)
         resp.aclose()
@@ -656,6 +670,37 @@ class GatewayStopped(RuntimeError):
     """A stop was asked for before the gateway finished starting."""
 
 
+#: Seconds requests in flight get to finish once a stop is asked for (SIGTERM, Ctrl-C); then
+#: their upstream calls are closed and they end in the gateway's error form (a stream with an
+#: SSE error event and ``[DONE]``). uvicorn's own grace (``DRAIN_S`` + 4 s) is never reached:
+#: when it was, uvicorn cancelled the streams, each client's answer was cut mid-chunk and each
+#: cancellation logged a 50-line "Exception in ASGI application".
+DRAIN_S = 4.0
+
+
+async def drain_on_stop(gw: Gateway, stop_requested: Callable[[], bool], poll_s: float = 0.1) -> None:
+    """Once ``stop_requested`` says so: refuse what is queued (503 ``shutting_down``, so a
+    client or balancer retries elsewhere) and what arrives, give requests in flight ``DRAIN_S``
+    to finish, then end the rest by closing their upstream calls (vLLM aborts them)."""
+    while not stop_requested():
+        await asyncio.sleep(poll_s)
+    gw.draining = True
+    for ln in gw.lanes:
+        ln.fail_all_waiting("shutting_down", "the gateway is shutting down; retry later")
+
+    def in_flight() -> int:
+        return sum(ln.admission.num_in_flight for ln in gw.lanes)
+
+    if in_flight():
+        log.info("stopping: %d request(s) in flight get up to %g s to finish", in_flight(), DRAIN_S)
+    deadline = time.monotonic() + DRAIN_S
+    while in_flight() and time.monotonic() < deadline:
+        await asyncio.sleep(poll_s)
+    ended = sum(ln.upstream.pool.abort_busy() for ln in gw.lanes)
+    if ended:
+        log.warning("stopping: ended %d request(s) still in flight after %g s", ended, DRAIN_S)
+
+
 def build_app(settings: AppSettings) -> FastAPI:
     """The gateway app. The lifespan starts upstreams, health and control loops."""
 
@@ -677,7 +722,15 @@ def build_app(settings: AppSettings) -> FastAPI:
                 if start_failed is None:
                     raise
                 start_failed(str(e))
-            yield
+            stop_requested = getattr(app.state, "stop_requested", None)
+            drain = asyncio.ensure_future(drain_on_stop(gw, stop_requested)) if stop_requested else None
+            try:
+                yield
+            finally:
+                if drain is not None:
+                    drain.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await drain
         finally:
             await gw.stop()
 
@@ -834,7 +887,7 @@ def serve(cfg: Any) -> None:
     app = build_app(settings)
     server = uvicorn.Server(uvicorn.Config(
         app, host=settings.serve.host, port=settings.serve.port, log_level=settings.serve.log_level,
-        access_log=False, timeout_graceful_shutdown=5, http=with_head_timeout(settings.serve.header_timeout_s),
+        access_log=False, timeout_graceful_shutdown=int(DRAIN_S) + 4, http=with_head_timeout(settings.serve.header_timeout_s),
         # Longer than clients' idle pools keep connections: a server-side close racing a
         # client's reuse of the connection shows up as a reset at the client.
         timeout_keep_alive=75))

@@ -133,6 +133,7 @@ class Http1Response:
         if self._closed:
             return
         self._closed = True
+        self._pool._busy.discard(self._writer)
         if self._parse.keep_alive and not self._parse.trailing:
             self._pool._release(self._reader, self._writer)
         else:
@@ -143,6 +144,7 @@ class Http1Response:
         if self._closed:
             return
         self._closed = True
+        self._pool._busy.discard(self._writer)
         self._writer.close()
 
 
@@ -159,6 +161,8 @@ class Http1Pool:
         self.host, self.port, self.max_idle = host, port, max_idle
         self.keepalive_expiry_s = keepalive_expiry_s
         self._idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter, float]] = []
+        #: Connections with a request on them (taken, not yet released or closed).
+        self._busy: set[asyncio.StreamWriter] = set()
         self._host_header = f"{host}:{port}".encode()
 
     def _release(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -183,6 +187,15 @@ class Http1Pool:
             w.close()
         self._idle.clear()
 
+    def abort_busy(self) -> int:
+        """Close every connection with a request on it (the gateway's stop, once its grace is
+        over): each waiting call fails with ``Http1Error`` and vLLM aborts what it generated.
+        Returns how many were closed."""
+        busy, self._busy = self._busy, set()
+        for w in busy:
+            w.close()
+        return len(busy)
+
     async def _connect(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         try:
             return await asyncio.open_connection(self.host, self.port, limit=1 << 20)
@@ -199,6 +212,7 @@ class Http1Pool:
         head.append(b"\r\n")
         payload = b"".join(head) + body
         reader, writer = self._reusable() or await self._connect()
+        self._busy.add(writer)
         try:
             writer.write(payload)
             parse = _Parse()
@@ -211,13 +225,16 @@ class Http1Pool:
                 parser.feed_data(data)
             return Http1Response(self, reader, writer, parse, parser)
         except httptools.HttpParserUpgrade:
+            self._busy.discard(writer)
             writer.close()
             raise Http1Error(f"upstream {self.host}:{self.port} switched protocols (101); not supported",
                              connect=False) from None
         except (OSError, httptools.HttpParserError) as exc:
+            self._busy.discard(writer)
             writer.close()
             raise Http1Error(f"upstream {self.host}:{self.port} failed: {exc!r}", connect=False) from None
         except BaseException:
+            self._busy.discard(writer)
             writer.close()
             raise
 

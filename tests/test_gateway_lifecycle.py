@@ -1,6 +1,7 @@
-"""The gateway's start as a new user meets it (no vLLM): what cannot work fails at once, in one
-line, before an engine is started; an engine that never comes up is reported in one line that
-names its own error; a body not sent as JSON is refused as vLLM refuses it.
+"""The gateway's start and stop as a new user meets them (no vLLM): what cannot work fails at
+once, in one line, before an engine is started; an engine that never comes up is reported in
+one line that names its own error; a body not sent as JSON is refused as vLLM refuses it; a
+stop lets requests in flight finish for a grace period and ends the rest cleanly.
 
 Found by a new-user probe of ``scripts/serve.py`` (2026-12-04): with its port in use the
 gateway started vLLM, waited a minute for it, logged "gateway ready", then failed to bind; a
@@ -9,12 +10,20 @@ that said only "exited with code 2 (see <log>)"."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import json
+import signal
 import socket
 import subprocess
 import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from batchpilot.config import REPO_ROOT
@@ -115,8 +124,6 @@ def test_the_error_line_of_a_failed_engines_log(tmp_path: Path) -> None:
 
 # --- bodies as vLLM reads them ----------------------------------------------------------------
 def _body(**fields: Any) -> bytes:
-    import json
-
     return json.dumps({"prompt": "hi", **fields}).encode()
 
 
@@ -151,8 +158,6 @@ async def test_a_body_not_sent_as_json_is_refused_as_vllm_refuses_it(
         content_type: str | None, monkeypatch: pytest.MonkeyPatch) -> None:
     """vLLM answers 400 "Unsupported Media Type" unless the media type is application/json; the
     gateway answers the same before the request takes a slot (the upstream is never called)."""
-    import httpx
-
     from batchpilot.serving.gateway import AppSettings, Gateway, build_app
     from batchpilot.serving.settings import ServeConfig
     from batchpilot.serving.upstream import EngineInfo
@@ -178,3 +183,116 @@ async def test_a_body_not_sent_as_json_is_refused_as_vllm_refuses_it(
     # The media type is compared as vLLM compares it (case and parameters aside): that body gets
     # as far as the JSON check.
     assert ok.status_code == 400 and ok.json()["error"]["reason"] == "invalid_json"
+
+
+# --- a stop with requests in flight ------------------------------------------------------------
+class _SlowVLLM(BaseHTTPRequestHandler):
+    """Enough of vLLM for the gateway, answering a completion after ``max_tokens`` x 50 ms: a
+    stream one event per 50 ms then ``[DONE]``, a plain answer all at once at the end."""
+
+    protocol_version = "HTTP/1.1"
+    step_s = 0.05
+
+    def _answer(self, body: bytes, ctype: str = "application/json") -> None:
+        self.send_response(200)
+        self.send_header("content-type", ctype)
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self) -> None:  # noqa: N802
+        if self.path.startswith("/v1/models"):
+            self._answer(json.dumps({"data": [{"id": "slow", "max_model_len": 2048}]}).encode())
+        else:
+            self._answer(b"" if self.path.startswith("/metrics") else b"{}", "text/plain")
+
+    def do_POST(self) -> None:  # noqa: N802
+        body = json.loads(self.rfile.read(int(self.headers.get("content-length") or 0)) or b"{}")
+        n = int(body.get("max_tokens") or 1)
+        try:
+            if not body.get("stream"):
+                time.sleep(n * self.step_s)
+                self._answer(json.dumps({"choices": [{"index": 0, "text": "x" * n}]}).encode())
+                return
+            self.send_response(200)
+            self.send_header("content-type", "text/event-stream")
+            self.send_header("transfer-encoding", "chunked")
+            self.end_headers()
+            for i in range(n + 1):
+                event = b"data: [DONE]\n\n" if i == n else b'data: {"choices": [{"index": 0, "text": "x"}]}\n\n'
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(event), event))
+                self.wfile.flush()
+                time.sleep(self.step_s)
+            self.wfile.write(b"0\r\n\r\n")
+        except OSError:  # the gateway closed the connection: the request is aborted
+            self.close_connection = True
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+def _events(text: str) -> list[str]:
+    return [line[6:] for line in text.splitlines() if line.startswith("data: ")]
+
+
+def test_a_stop_lets_requests_finish_then_ends_the_rest_cleanly(tmp_path: Path) -> None:
+    """SIGTERM with three requests in flight, in front of an upstream that never tires (no
+    vLLM): a stream that ends within the grace ends whole; an endless stream ends with an SSE
+    error event (``shutting_down``) and ``[DONE]``, its chunked body complete; an endless plain
+    request gets 503 ``shutting_down``. The gateway exits with no traceback in its log (uvicorn
+    used to cancel such requests after 5 s: cut bodies, one 50-line "Exception in ASGI
+    application" each)."""
+    from batchpilot.serving.gateway import DRAIN_S
+
+    upstream = ThreadingHTTPServer(("127.0.0.1", 0), _SlowVLLM)
+    upstream.daemon_threads = True
+    threading.Thread(target=upstream.serve_forever, daemon=True).start()
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = tmp_path / "gateway.log"
+    cmd = [sys.executable, str(REPO_ROOT / "scripts" / "serve.py"), f"hydra.run.dir={tmp_path}",
+           "hydra.output_subdir=null", f"serve.upstreams=[http://127.0.0.1:{upstream.server_port}]",
+           f"serve.port={port}", "serve.tokenizer=chars", "serve.startup_timeout_s=60"]
+    with log.open("wb") as out:
+        proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT)
+    short = int((DRAIN_S / 4) / _SlowVLLM.step_s)  # ends a quarter of the grace in
+    endless = 2000  # 100 s: past any grace (the most a request may ask for: max_model_len)
+
+    async def scenario() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=url, timeout=120) as c:
+            deadline = time.monotonic() + 120
+            while True:
+                assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+                with contextlib.suppress(httpx.HTTPError):
+                    if (await c.get("/readyz", timeout=2)).status_code == 200:
+                        break
+                await asyncio.sleep(0.1)
+            calls = [c.post("/v1/completions", json={"prompt": "a", "max_tokens": endless, "stream": True}),
+                     c.post("/v1/completions", json={"prompt": "b", "max_tokens": endless}),
+                     c.post("/v1/completions", json={"prompt": "c", "max_tokens": short, "stream": True})]
+            tasks = [asyncio.ensure_future(call) for call in calls]
+            while "batchpilot:in_flight" not in (text := (await c.get("/metrics")).text) or \
+                    'in_flight{upstream="vllm0"} 3.0' not in text:
+                assert time.monotonic() < deadline and not any(t.done() for t in tasks), text[-2000:]
+                await asyncio.sleep(0.05)
+            proc.send_signal(signal.SIGTERM)
+            return list(await asyncio.gather(*tasks))
+
+    try:
+        stream, plain, short_stream = asyncio.run(scenario())
+        assert proc.wait(timeout=60) in (0, -signal.SIGTERM)  # uvicorn raises the SIGTERM again once stopped
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        upstream.shutdown()
+        upstream.server_close()
+    text = log.read_text()
+    events = _events(stream.text)
+    assert stream.status_code == 200 and events[-1] == "[DONE]", stream.text[-500:]
+    assert json.loads(events[-2])["error"]["reason"] == "shutting_down", events[-2]
+    assert plain.status_code == 503 and plain.json()["error"]["reason"] == "shutting_down", plain.text
+    assert plain.headers.get("retry-after") is not None
+    assert _events(short_stream.text) == ['{"choices": [{"index": 0, "text": "x"}]}'] * short + ["[DONE]"]
+    assert "ended 2 request(s) still in flight" in text, text[-3000:]
+    assert "Traceback" not in text and "Exception in ASGI application" not in text, text[-3000:]
