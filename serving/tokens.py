@@ -45,7 +45,7 @@ def _texts(body: dict[str, Any], chat: bool) -> list[str] | list[int]:
             if isinstance(c, str):
                 out.append(c)
             elif isinstance(c, list):  # content parts
-                out.extend(p.get("text", "") for p in c if isinstance(p, dict))
+                out.extend(p["text"] for p in c if isinstance(p, dict) and isinstance(p.get("text"), str))
         return out
     p = body["prompt"]
     if isinstance(p, str):
@@ -125,12 +125,17 @@ class PromptCounter:
                 return await tokenize(await asyncio.to_thread(_encode, req))
             return await tokenize(req)
         if self.mode == "local":
-            if not texts:
-                enc = []
-            elif text.total_chars > OFF_LOOP_CHARS:
-                enc = await asyncio.to_thread(self.tokenizer.encode_batch, texts, add_special_tokens=False)
-            else:
-                enc = self.tokenizer.encode_batch(texts, add_special_tokens=False)
+            try:
+                if not texts:
+                    enc = []
+                elif text.total_chars > OFF_LOOP_CHARS:
+                    enc = await asyncio.to_thread(self.tokenizer.encode_batch, texts, add_special_tokens=False)
+                else:
+                    enc = self.tokenizer.encode_batch(texts, add_special_tokens=False)
+            except TypeError as exc:
+                # Text the tokenizer cannot take: a lone surrogate ("\ud800", valid JSON but not
+                # UTF-8) was a 500 here; vLLM, whose tokenizer raises the same, answers 400.
+                raise ValueError(f"{exc}") from None
             lens = [len(e.ids) for e in enc]
         else:
             lens = [len(t) // 4 + 1 for t in texts]

@@ -296,3 +296,28 @@ def test_a_stop_lets_requests_finish_then_ends_the_rest_cleanly(tmp_path: Path) 
     assert _events(short_stream.text) == ['{"choices": [{"index": 0, "text": "x"}]}'] * short + ["[DONE]"]
     assert "ended 2 request(s) still in flight" in text, text[-3000:]
     assert "Traceback" not in text and "Exception in ASGI application" not in text, text[-3000:]
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("chat, body", [
+    (False, {"prompt": "a\ud800b"}),  # a lone surrogate: valid JSON (\\ud800), not UTF-8
+    (True, {"messages": [{"role": "user", "content": "a\udfffb"}]}),
+])
+async def test_a_prompt_the_tokenizer_cannot_take_is_a_400_not_a_500(tiny_model_path: Path, chat: bool,
+                                                                     body: dict[str, Any]) -> None:
+    """vLLM answers such a prompt 400 (its tokenizer raises TypeError); the gateway's local
+    tokenizer raised the same TypeError, which became a 500 ``internal_error``. Now a
+    ``ValueError``, which the gateway answers 400 ``invalid_prompt``."""
+    from batchpilot.serving.tokens import PromptCounter
+
+    async def no_upstream(_: Any) -> int:
+        raise AssertionError("the local tokenizer counts")
+
+    counter = PromptCounter("auto", str(tiny_model_path))
+    assert counter.mode == "local"
+    with pytest.raises(ValueError, match="TextEncodeInput"):
+        await counter.count(body, chat, no_upstream)
+    # Content parts whose text is not a string are not counted (vLLM refuses them itself).
+    parts = {"messages": [{"role": "user", "content": [{"type": "text", "text": 5}, {"type": "text", "text": "hi"}]}]}
+    assert await counter.count(parts, True, no_upstream) == await counter.count(
+        {"messages": [{"role": "user", "content": "hi"}]}, True, no_upstream)
