@@ -119,7 +119,13 @@ def test_many_concurrent_clients_each_get_their_own_answer(gw: RunningGateway) -
 
     direct, through = asyncio.run(run())
     assert len(set(direct)) > len(prompts) // 2  # the prompts really have different answers
-    assert [i for i, (d, t) in enumerate(zip(direct, through)) if d != t] == []
+    # None gets another client's answer. A batch of another shape may still tip one of this
+    # random model's near-even logits (not seen here, but CPUs differ), so an answer that is no
+    # one's is tolerated for a few; another prompt's answer never.
+    swapped = [i for i, t in enumerate(through) if t != direct[i] and t in set(direct) - {direct[i]}]
+    assert swapped == [], [(i, prompts[i], through[i]) for i in swapped]
+    differ = [i for i, (d, t) in enumerate(zip(direct, through)) if d != t]
+    assert len(differ) <= len(prompts) // 20, [(i, direct[i], through[i]) for i in differ]
 
 
 def _vllm_sum(url: str, name: str) -> float:
