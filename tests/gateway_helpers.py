@@ -7,9 +7,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
@@ -98,8 +100,11 @@ def running_gateway(*overrides: str, timeout_s: float = 420.0,
     that vLLM did not start (and exits)."""
     port = free_port()
     log_path = f"/tmp/batchpilot-gateway-{port}.log"
+    # The engines' logs in a folder of this run's, removed when it passes (the gateway's default,
+    # a fresh /tmp folder per start, is kept for the operator: hundreds piled up under tests).
+    engine_logs = tempfile.mkdtemp(prefix=f"batchpilot-test-engines-{port}-")
     cmd = [sys.executable, str(REPO_ROOT / "scripts" / "serve.py"), "serve.managed=true", f"serve.port={port}",
-           "serve.kv_cache_space_gib=1", "hydra.run.dir=/tmp/batchpilot-hydra",
+           f"serve.log_dir={engine_logs}", "serve.kv_cache_space_gib=1", "hydra.run.dir=/tmp/batchpilot-hydra",
            "hydra.output_subdir=null", "hydra/job_logging=none", "hydra/hydra_logging=none", *overrides]
     proc_env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", BATCHPILOT_ADMIN_TOKEN=TOKEN,
                     BATCHPILOT_TRUSTED_KEYS=TRUSTED_KEY, **(env or {}))
@@ -126,6 +131,7 @@ def running_gateway(*overrides: str, timeout_s: float = 420.0,
             text = f.read()
         for marker in ("unexpected error on", "Exception in ASGI application"):
             assert marker not in text, f"the gateway failed internally ({marker!r}); see {log_path}"
+        shutil.rmtree(engine_logs, ignore_errors=True)
 
 
 @dataclass
