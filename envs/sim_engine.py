@@ -35,6 +35,7 @@ import functools
 import heapq
 import math
 from collections import OrderedDict, deque
+from heapq import heappop, heappush
 from typing import Any
 
 from batchpilot.core.engine import (
@@ -115,6 +116,11 @@ class SimEngine(Engine):
         #: Requests on their way in (``ingress_latency_s``): (engine time they arrive, seq), in order.
         self._inbound: deque[tuple[float, _Seq]] = deque()
         self._running: dict[str, _Seq] = {}
+        # The frozen config's values the hot paths read, as plain attributes.
+        self._bs = self.cfg.block_size
+        self._mnbt = self.cfg.max_num_batched_tokens
+        self._pc = bool(self.cfg.enable_prefix_caching)
+        self._mml = self.model.max_model_len
         self._configure(self.cfg.kv_dtype)
 
     @classmethod
@@ -206,12 +212,12 @@ class SimEngine(Engine):
         if request.prompt_len < 1 or request.output_len < 1:
             raise RequestRejected(rid, "invalid_length", f"prompt_len={request.prompt_len} and output_len="
                                   f"{request.output_len} must both be >= 1")
-        mml = self.model.max_model_len
+        mml = self._mml
         if request.prompt_len >= mml:  # as vLLM: a prompt must leave room for one output token
             raise RequestRejected(rid, "prompt_too_long", f"prompt_len={request.prompt_len} >= max_model_len={mml}")
         # vLLM stops a request at max_model_len: the output is clipped, not rejected.
         out = max(1, min(request.output_len, mml - request.prompt_len))
-        need = -(-(request.prompt_len + out) // self.cfg.block_size)
+        need = -(-(request.prompt_len + out) // self._bs)
         if need > self._total_blocks:
             raise RequestRejected(rid, "exceeds_kv_capacity", f"needs {need} KV blocks, the cache has "
                                   f"{self._total_blocks}; use a smaller request or an 8-bit KV dtype")
@@ -286,25 +292,28 @@ class SimEngine(Engine):
         agg = self._take_pending()
         if self._now < self._down_until:  # restarting: time passes, nothing runs
             self.idle_until(min(t_end, self._down_until))
+        finished, first_tokens, inbound = agg.finished, agg.first_tokens, self._inbound
+        nfin = nft = 0
         while self._now < t_end:
-            if self._inbound:
+            if inbound:
                 self._take_inbound()
-            if self._partial is None and self._n_dec and not self._can_admit():
-                t_in = self._inbound[0][0] if self._inbound else t_end
-                self._fast_forward(min(t_end, t_in), stop_on_finish, agg)
+            if self._partial is None and self._n_dec and (not self._waiting or not self._can_admit()):
+                self._fast_forward(min(t_end, inbound[0][0]) if inbound else t_end, stop_on_finish, agg)
                 if self._now >= t_end:
                     break
-            nfin = len(agg.finished)
-            nft = len(agg.first_tokens)
+            if stop_on_finish:
+                nfin = len(finished)
+            if stop_on_first_token:
+                nft = len(first_tokens)
             if not self._iterate(agg):
-                if self._inbound and self._inbound[0][0] < t_end:
-                    self.idle_until(self._inbound[0][0])  # idle until the next request is in
+                if inbound and inbound[0][0] < t_end:
+                    self.idle_until(inbound[0][0])  # idle until the next request is in
                     continue
                 self.idle_until(t_end)
                 break
-            if stop_on_finish and len(agg.finished) > nfin:
+            if stop_on_finish and len(finished) > nfin:
                 break
-            if stop_on_first_token and len(agg.first_tokens) > nft:
+            if stop_on_first_token and len(first_tokens) > nft:
                 break
         agg.duration = self._now - agg.start_time
         return agg
@@ -313,7 +322,7 @@ class SimEngine(Engine):
     def _take_pending(self) -> StepResult:
         """The result to fill: a fresh one, or what a draining restart produced."""
         if self._pending is None:
-            return StepResult(start_time=self._now, duration=0.0)
+            return StepResult(self._now, 0.0)  # (start_time, duration)
         agg, self._pending = self._pending, None
         return agg
 
@@ -344,6 +353,10 @@ class SimEngine(Engine):
 
     def _release(self, seq: _Seq, held: int) -> None:
         """Give back a request's ``held`` blocks (private ones freed, shared ones de-referenced)."""
+        if not seq.shared:  # nothing shared: all private
+            self._free += held
+            seq.held = 0
+            return
         bph = self._bph
         self._free += held - len(seq.shared) * bph
         cache, ev = self._cache, self._evictable
@@ -365,7 +378,7 @@ class SimEngine(Engine):
     def _preempt(self, seq: _Seq) -> None:
         """Recompute-preempt ``seq``: free its KV, put it at the front of the waiting queue."""
         if seq.decoding:
-            held = -(-(seq.base + self._it - 1) // self.cfg.block_size)  # KV after the last iteration
+            held = -(-(seq.base + self._it - 1) // self._bs)  # KV after the last iteration
             self._leave_decode(seq)
         else:
             held = seq.held
@@ -392,10 +405,10 @@ class SimEngine(Engine):
 
     def _admission_need(self, seq: _Seq, budget: int) -> tuple[int, int, int]:
         """(hits, chunk, blocks still needed beyond what is available) for admitting ``seq``."""
-        hits = self._lookup(seq) if self.cfg.enable_prefix_caching else 0
+        hits = self._lookup(seq) if self._pc and seq.req.prefix_hashes else 0
         start = hits * 512
         chunk = min(seq.prompt + seq.gen - start, budget)
-        new = -(-(start + chunk) // self.cfg.block_size) - hits * self._bph
+        new = -(-(start + chunk) // self._bs) - hits * self._bph
         avail = self._free + len(self._evictable) * self._bph
         if hits:  # hit entries that sit in the evictable pool stop being available once shared
             ev = self._evictable
@@ -405,7 +418,7 @@ class SimEngine(Engine):
     def _can_admit(self) -> bool:
         if not self._waiting or self._draining or len(self._running) >= self._max_active:
             return False
-        budget = self.cfg.max_num_batched_tokens - self._n_dec
+        budget = self._mnbt - self._n_dec
         if budget <= 0:
             return False
         return self._admission_need(self._waiting[0], budget)[2] <= 0
@@ -428,20 +441,25 @@ class SimEngine(Engine):
     def _schedule_running(self, budget: int) -> tuple[int, list[tuple[_Seq, int, int]], bool]:
         """Allocate this iteration's blocks for the running requests, preempting from the back
         when blocks run out. Returns (budget left, [(partial, chunk, prior)], preempted?)."""
-        bs = self.cfg.block_size
+        bs = self._bs
         j = self._it
         p = self._partial
-        need = self._cnt[(-j) % bs] if self._n_dec else 0
-        pchunk = pneed = 0
-        if p is not None:
-            pchunk = min(p.prompt + p.gen - p.computed, budget - self._n_dec)
+        n_dec = self._n_dec
+        need = self._cnt[(-j) % bs] if n_dec else 0
+        if p is None:
+            if need <= self._free:  # the common case: plain free blocks suffice
+                self._free -= need
+                return budget - n_dec, [], False
+            if need <= self._available():
+                self._take_blocks(need)
+                return budget - n_dec, [], False
+        else:
+            pchunk = min(p.prompt + p.gen - p.computed, budget - n_dec)
             pneed = -(-(p.computed + pchunk) // bs) - p.held
-        if need + pneed <= self._available():
-            self._take_blocks(need + pneed)
-            sched = [(p, pchunk, p.computed)] if p is not None else []
-            if p is not None:
+            if need + pneed <= self._available():
+                self._take_blocks(need + pneed)
                 p.held += pneed
-            return budget - self._n_dec - pchunk, sched, False
+                return budget - n_dec - pchunk, [(p, pchunk, p.computed)], False
         # Slow path: vLLM's running loop with preemption of the most recently admitted.
         order = list(self._running.values())
         avail = self._available()
@@ -481,27 +499,36 @@ class SimEngine(Engine):
 
     def _iterate(self, agg: StepResult) -> bool:
         """Run one iteration into ``agg``; False when there is nothing to run."""
-        cfg = self.cfg
         if self._inbound:
             self._take_inbound()
-        if not self._running and not self._can_admit():
+        running = self._running
+        if not running and not self._can_admit():
             return False
-        bs = cfg.block_size
+        bs = self._bs
+        pc = self._pc
         j = self._it
         self._pending_preempted = agg.preempted
-        left, prefills, preempted = self._schedule_running(cfg.max_num_batched_tokens)
+        left, prefills, preempted = self._schedule_running(self._mnbt)
         n = self._n_dec  # decoders scheduled (after any preemption)
         # Admit waiting requests (not in an iteration that preempted).
         if not preempted and not self._draining:
-            waiting, running = self._waiting, self._running
-            while waiting and left > 0 and len(running) < self._max_active:
+            waiting, max_active = self._waiting, self._max_active
+            while waiting and left > 0 and len(running) < max_active:
                 seq = waiting[0]
-                hits, chunk, short = self._admission_need(seq, left)
-                if short > 0:
-                    break
+                if pc and seq.req.prefix_hashes:
+                    hits, chunk, short = self._admission_need(seq, left)
+                    if short > 0:
+                        break
+                else:  # ``_admission_need`` without prefix hits (computed and held are 0 here)
+                    hits = 0
+                    chunk = seq.prompt + seq.gen
+                    if chunk > left:
+                        chunk = left
+                    if -(-chunk // bs) > self._free + len(self._evictable) * self._bph:
+                        break
                 waiting.popleft()
                 running[seq.rid] = seq
-                if cfg.enable_prefix_caching:
+                if pc:
                     self._pc_queries += seq.prompt + seq.gen
                 if hits:
                     self._pc_hits += hits * 512
@@ -513,7 +540,10 @@ class SimEngine(Engine):
                     seq.computed = hits * 512
                     seq.held = hits * self._bph
                 new = -(-(seq.computed + chunk) // bs) - seq.held
-                self._take_blocks(new)
+                if new <= self._free:
+                    self._free -= new
+                else:
+                    self._take_blocks(new)
                 seq.held += new
                 prefills.append((seq, chunk, seq.computed))
                 left -= chunk
@@ -533,7 +563,7 @@ class SimEngine(Engine):
         out_tokens = n
         for seq, c, prior in prefills:
             seq.computed = prior + c
-            if self.cfg.enable_prefix_caching and seq.req.prefix_hashes and not seq.reg_done:
+            if pc and seq.req.prefix_hashes and not seq.reg_done:
                 self._register(seq)
             total = seq.prompt + seq.gen
             if seq.computed < total:
@@ -557,15 +587,20 @@ class SimEngine(Engine):
             self._sum_base += seq.base
             self._cnt[seq.phase] += 1
             self._hseq += 1
-            heapq.heappush(self._heap, (j + seq.out - seq.gen, self._hseq, seq.epoch, seq))
+            heappush(self._heap, (j + seq.out - seq.gen, self._hseq, seq.epoch, seq))
         # Decoders: finishes at this iteration.
         heap = self._heap
         while heap and heap[0][0] <= j:
-            f, _, ep, seq = heapq.heappop(heap)
+            f, _, ep, seq = heappop(heap)
             if ep != seq.epoch:
                 continue
             seq.gen = seq.out
-            self._leave_decode(seq)
+            # _leave_decode, inline
+            self._n_dec -= 1
+            self._sum_base -= seq.base
+            self._cnt[seq.phase] -= 1
+            seq.epoch += 1
+            seq.decoding = False
             self._finish(seq, -(-(seq.base + j) // bs), t, agg)
         agg.num_iterations += 1
         agg.num_prefill_tokens += ptok
@@ -576,7 +611,11 @@ class SimEngine(Engine):
         return True
 
     def _finish(self, seq: _Seq, held: int, t: float, agg: StepResult) -> None:
-        self._release(seq, held)
+        if seq.shared:
+            self._release(seq, held)
+        else:  # _release without shared blocks
+            self._free += held
+            seq.held = 0
         del self._running[seq.rid]
         self._ids.discard(seq.rid)
         r = seq.req
@@ -591,9 +630,11 @@ class SimEngine(Engine):
     def _fast_forward(self, t_end: float, stop_on_finish: bool, agg: StepResult) -> None:
         """Run, in closed form, the pure-decode iterations before the next event: a finish,
         block exhaustion, or the first iteration starting at or after ``t_end``."""
-        self._clean_heap()
-        j, n, bs = self._it, self._n_dec, self.cfg.block_size
-        k_fin = self._heap[0][0] - j if self._heap else 1 << 62  # iterations before the finishing one
+        heap = self._heap
+        while heap and heap[0][2] != heap[0][3].epoch:
+            heappop(heap)
+        j, n, bs = self._it, self._n_dec, self._bs
+        k_fin = heap[0][0] - j if heap else 1 << 62  # iterations before the finishing one
         if k_fin <= 0:
             return
         a, b = self._st.decode_coeffs(n)
@@ -602,32 +643,27 @@ class SimEngine(Engine):
         if a0 >= D:
             return  # the first iteration already reaches t_end: plain stepping is cheaper
         bn = b * n
-
-        def span(k: int) -> float:
-            return k * a0 + bn * (k * (k - 1) / 2.0)
-
+        # span(k) = k * a0 + bn * (k * (k - 1) / 2.0): the time of iterations 0..k-1 (written
+        # out below where it is evaluated).
         # Smallest k with span(k) >= D: iterations 0..k-1 start before t_end.
         if bn > 0:
             q = a0 - bn / 2.0
             k_time = max(0, math.ceil((-q + math.sqrt(q * q + 2.0 * bn * D)) / bn))
         else:
             k_time = max(0, math.ceil(D / a0))
-        while k_time > 0 and span(k_time - 1) >= D:
+        while k_time > 0 and (k_time - 1) * a0 + bn * ((k_time - 1) * (k_time - 2) / 2.0) >= D:
             k_time -= 1
-        while span(k_time) < D:
+        while k_time * a0 + bn * (k_time * (k_time - 1) / 2.0) < D:
             k_time += 1
         K = min(k_fin, k_time)
         # Blocks: the decode set needs cnt[(-(j+m)) % bs] blocks at iteration j+m.
         cnt = self._cnt
         r = (-j) % bs  # cyc[m] = cnt[(r - m) % bs]: cnt read backwards from r, wrapping round
         cyc = cnt[r::-1] + cnt[:r:-1]
-        avail = self._available()
-
-        def need(k: int) -> int:
-            qk, rk = divmod(k, bs)
-            return qk * n + sum(cyc[:rk])
-
-        if need(K) > avail:
+        avail = self._free + len(self._evictable) * self._bph
+        qk, rk = divmod(K, bs)
+        need = qk * n + sum(cyc[:rk])  # blocks for iterations 0..K-1
+        if need > avail:
             c = avail // n
             rem = avail - c * n
             m = 0
@@ -635,10 +671,17 @@ class SimEngine(Engine):
                 rem -= cyc[m]
                 m += 1
             K = c * bs + m
-        if K <= 0:
+            if K <= 0:
+                return
+            qk, rk = divmod(K, bs)
+            need = qk * n + sum(cyc[:rk])
+        elif K <= 0:
             return
-        self._take_blocks(need(K))
-        self._now += span(K)
+        if need <= self._free:
+            self._free -= need
+        else:
+            self._take_blocks(need)
+        self._now += K * a0 + bn * (K * (K - 1) / 2.0)
         self._it = j + K
         agg.num_iterations += K
         agg.num_decode_tokens += n * K

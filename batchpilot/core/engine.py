@@ -112,6 +112,22 @@ class StepResult:
     #: Ids of requests preempted (by recompute) during these iterations.
     preempted: list[str] = field(default_factory=list)
 
+    def __init__(self, start_time: float, duration: float, num_iterations: int = 0, num_prefill_tokens: int = 0,
+                 num_decode_tokens: int = 0, first_tokens: list[tuple[str, float, float]] | None = None,
+                 num_output_tokens: int = 0, finished: list[FinishedRequest] | None = None,
+                 preempted: list[str] | None = None) -> None:
+        # Written out (the dataclass keeps it): the simulator makes one per ``advance_until``
+        # call, and the generated one's default factories cost a call each.
+        self.start_time = start_time
+        self.duration = duration
+        self.num_iterations = num_iterations
+        self.num_prefill_tokens = num_prefill_tokens
+        self.num_decode_tokens = num_decode_tokens
+        self.first_tokens = [] if first_tokens is None else first_tokens
+        self.num_output_tokens = num_output_tokens
+        self.finished = [] if finished is None else finished
+        self.preempted = [] if preempted is None else preempted
+
 
 @dataclass(frozen=True, slots=True)
 class IterationShape:
