@@ -496,39 +496,49 @@ class ServingEnv(gym.Env):
 
     def _take_arrivals(self, now: float) -> None:
         adm = self.admission
-        for req in self.stream.pop_until(now):
-            self.telemetry.on_arrival(req.arrival_time, req.prompt_len)
-            rej = adm.submit(req, now)
-            if rej is not None:
-                self._on_rejected(rej)
+        stream = self.stream
+        if stream.next_arrival_time <= now:
+            on_arrival = self.telemetry.on_arrival
+            for req in stream.pop_until(now):
+                on_arrival(req.arrival_time, req.prompt_len)
+                rej = adm.submit(req, now)
+                if rej is not None:
+                    self._on_rejected(rej)
         if adm.expires:
             for rej in adm.expire(now):
                 self._on_rejected(rej)
         for req in adm.admit(now):
-            self._admission_wait_s += now - req.arrival_time
-            try:
-                self.engine.add_request(req)
-            except RequestRejected as exc:
-                adm.on_finished(req.request_id)
-                self._on_rejected(exc)
+            self._to_engine(req, now)
         for rej in adm.take_rejections():  # no longer fits even alone (the memory model moved)
             self._on_rejected(rej)
 
+    def _to_engine(self, req: Any, now: float) -> None:
+        """Hand a request admission let in at ``now`` to the engine."""
+        self._admission_wait_s += now - req.arrival_time
+        try:
+            self.engine.add_request(req)
+        except RequestRejected as exc:
+            self.admission.on_finished(req.request_id)
+            self._on_rejected(exc)
+
     def _account(self, res: StepResult) -> None:
         tel, adm = self.telemetry, self.admission
-        for rid, arrival, first in res.first_tokens:
-            tel.on_first_token(rid, first, first - arrival)
-            since_admission = adm.on_first_token(rid, first)
-            if since_admission is not None:
-                self._engine_ttft_s += since_admission
-                self._num_engine_ttft += 1
+        if res.first_tokens:
+            for rid, arrival, first in res.first_tokens:
+                tel.on_first_token(rid, first, first - arrival)
+                since_admission = adm.on_first_token(rid, first)
+                if since_admission is not None:
+                    self._engine_ttft_s += since_admission
+                    self._num_engine_ttft += 1
         tel.on_output_tokens(res.num_output_tokens)
         self._iterations += res.num_iterations
         self._iteration_tokens += res.num_prefill_tokens + res.num_decode_tokens
-        for fr in res.finished:
-            tel.on_finished(fr.request_id, fr.finish_time, fr.ttft, fr.tpot, fr.e2el)
-            adm.on_finished(fr.request_id)
-            self._finished.append(fr)
+        if res.finished:
+            finished = self._finished
+            for fr in res.finished:
+                tel.on_finished(fr.request_id, fr.finish_time, fr.ttft, fr.tpot, fr.e2el)
+                adm.on_finished(fr.request_id)
+                finished.append(fr)
         if res.preempted:
             tel.on_preemptions(len(res.preempted))
             self._preemptions += len(res.preempted)

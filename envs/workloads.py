@@ -405,8 +405,15 @@ class RequestStream:
         """All not-yet-popped requests arriving at or before ``t``, in arrival order."""
         if self.next_arrival_time > t:  # the common case in a busy loop: nothing new yet
             return []
-        end = max(bisect.bisect_right(self._t_list, t), self._next)
-        out = [self._request(i) for i in range(self._next, end)]
+        t_list = self._t_list
+        end = max(bisect.bisect_right(t_list, t), self._next)
+        # ``_request``, inline (one call less per request).
+        rows, prefix, hashes, block_tokens = self._rows, self.id_prefix, self.prefix_hashes, self.prefix_block_tokens
+        out = []
+        for i in range(self._next, end):
+            prompt_len, output_len, priority = rows[i]
+            out.append(Request(f"{prefix}{i}", t_list[i], prompt_len, output_len, priority,
+                               hashes[i] if hashes is not None else (), block_tokens))
         self._next = end
         return out
 
@@ -416,15 +423,11 @@ class RequestStream:
 
     def _request(self, i: int) -> Request:
         prompt_len, output_len, priority = self._rows[i]
-        return Request(
-            request_id=f"{self.id_prefix}{i}",
-            arrival_time=self._t_list[i],
-            prompt_len=prompt_len,
-            output_len=output_len,
-            priority=priority,
-            prefix_hashes=self.prefix_hashes[i] if self.prefix_hashes is not None else (),
-            prefix_block_tokens=self.prefix_block_tokens,
-        )
+        # Positional, in Request's field order (request_id, arrival_time, prompt_len,
+        # output_len, priority, prefix_hashes, prefix_block_tokens): cheaper than keywords.
+        return Request(f"{self.id_prefix}{i}", self._t_list[i], prompt_len, output_len, priority,
+                       self.prefix_hashes[i] if self.prefix_hashes is not None else (),
+                       self.prefix_block_tokens)
 
     @classmethod
     def merge(cls, streams: Sequence["RequestStream"], **kwargs: Any) -> "RequestStream":

@@ -56,6 +56,7 @@ import heapq
 import math
 from collections import Counter
 from dataclasses import dataclass
+from heapq import heappop, heappush
 from typing import Any, Protocol, Sequence
 
 from batchpilot.config import from_node
@@ -234,8 +235,9 @@ class _Bucket:
     def push(self, e: _Entry) -> None:
         r = e.request
         self.num_waiting += 1
-        self._push(self.heaps[e.late][e.is_long], (r.priority, r.arrival_time, e.seq, e), e.late)
-        if not e.late:
+        late = e.late
+        self._push(self.heaps[late][e.is_long], (r.priority, r.arrival_time, e.seq, e), late)
+        if not late:
             self._push(self.newest[e.is_long], (r.priority, -r.arrival_time, -e.seq, e), False)
 
     def mark_late(self, e: _Entry) -> None:
@@ -249,7 +251,7 @@ class _Bucket:
         """Push, and drop the dead entries once they outnumber the waiting ones: entries leave
         lazily, and a heap that is not read (the newest-first one while nobody is late) would
         otherwise keep every request it ever held. Amortised O(1) a push."""
-        heapq.heappush(h, item)
+        heappush(h, item)
         if len(h) > 2 * self.num_waiting + 32:
             h[:] = [t for t in h if t[3].alive and t[3].late == late]
             heapq.heapify(h)
@@ -257,17 +259,24 @@ class _Bucket:
     def head(self, allow_long: bool, newest: bool = False) -> _Entry | None:
         """The next live entry, or None: by priority, then on time before late, then arrival
         (the on-time ones newest first with ``newest``). Skips (and drops) dead entries and the
-        on-time entries of those gone late; ``pop`` removes the rest lazily."""
+        on-time entries of those gone late; ``pop`` removes the rest lazily. The late heaps are
+        not read while none of this bucket's waiting requests is late (they hold only dead
+        entries then, dropped when read later or when a push compacts them)."""
         best, best_key = None, None
-        for late in (0, 1):
-            for kind in (0, 1) if allow_long else (0,):
-                h = self.newest[kind] if newest and not late else self.heaps[late][kind]
-                while h and (not h[0][3].alive or h[0][3].late != late):
-                    heapq.heappop(h)
-                if h:
-                    key = (h[0][0], late, h[0][1], h[0][2])
-                    if best_key is None or key < best_key:
-                        best, best_key = h[0][3], key
+        kinds = (0, 1) if allow_long else (0,)
+        for late in (0, 1) if self.num_late else (0,):
+            heaps = self.newest if newest and not late else self.heaps[late]
+            for kind in kinds:
+                h = heaps[kind]
+                while h:
+                    top = h[0]
+                    e = top[3]
+                    if e.alive and e.late == late:
+                        key = (top[0], late, top[1], top[2])
+                        if best_key is None or key < best_key:
+                            best, best_key = e, key
+                        break
+                    heappop(h)
         return best
 
     def pop(self, e: _Entry) -> None:
@@ -444,33 +453,49 @@ class Admission:
         """Queue a request; returns a Rejection when it cannot wait (full bucket, or shed
         priority while the breaker sheds). Raises ValueError on a duplicate id (a bug)."""
         rid = req.request_id
-        if rid in self._waiting or rid in self._in_flight:
+        waiting = self._waiting
+        if rid in waiting or rid in self._in_flight:
             raise ValueError(f"request {rid!r} is already in admission")
         self.num_submitted += 1
-        if self.cfg.adapt_boundaries:
+        cfg = self.cfg
+        if cfg.adapt_boundaries:
             self._adapt(req)
         if self.max_priority_kept is not None and req.priority > self.max_priority_kept:
             return self._reject(req, "shed_low_priority", now)
-        seqs = _num_seqs(req)
-        blocks = self._blocks(req, seqs) if self._memory is not None else 0
-        if self._memory is not None and not self._memory.fits(blocks, seqs, self.kv_dtype):
-            return self._reject(req, "too_large_for_memory", now)
-        bucket = self.bucket_of(req.prompt_len)
-        if self._buckets[bucket].num_waiting >= self.cfg.max_queue_len:
+        seqs = getattr(req, "num_seqs", 1)
+        if type(seqs) is not int or seqs < 1:
+            seqs = _num_seqs(req)
+        memory = self._memory
+        if memory is not None:
+            blocks = int(memory.request_blocks(req.prompt_len, int(getattr(req, "output_len", 0)), seqs))  # _blocks
+            if not memory.fits(blocks, seqs, self.kv_dtype):
+                return self._reject(req, "too_large_for_memory", now)
+        else:
+            blocks = 0
+        prompt_len = req.prompt_len
+        bucket = 0  # bucket_of, inline
+        for b in self._boundaries:
+            if prompt_len < b:
+                break
+            bucket += 1
+        queue = self._buckets[bucket]
+        if queue.num_waiting >= cfg.max_queue_len:
             return self._reject(req, "queue_full", now)
-        if self._buckets[bucket].num_waiting == 0:
+        if queue.num_waiting == 0:
             # A bucket that was idle rejoins at the current virtual time: no banked credit.
             self._pass[bucket] = max(self._pass[bucket], self._vtime)
-        e = _Entry(req, bucket, req.prompt_len > self.cfg.long_prompt_threshold, self._seq, seqs, blocks)
-        self._seq += 1
-        self._buckets[bucket].push(e)
-        self._waiting[rid] = e
-        if self.cfg.max_wait_s is not None:
-            heapq.heappush(self._expiry, (req.arrival_time, e.seq, e))
-        if self.deadline_s is not None and req.priority > self.cfg.deadline_max_priority_kept:
-            heapq.heappush(self._deadlines, (req.arrival_time, e.seq, e))
+        seq = self._seq
+        e = _Entry(req, bucket, prompt_len > cfg.long_prompt_threshold, seq, seqs, blocks)
+        self._seq = seq + 1
+        queue.push(e)
+        waiting[rid] = e
+        arrival = req.arrival_time
+        if cfg.max_wait_s is not None:
+            heappush(self._expiry, (arrival, seq, e))
+        if self.deadline_s is not None and req.priority > cfg.deadline_max_priority_kept:
+            heappush(self._deadlines, (arrival, seq, e))
         if self.late_after_s is not None:
-            heapq.heappush(self._lateness, (req.arrival_time, e.seq, e))
+            heappush(self._lateness, (arrival, seq, e))
         return None
 
     def admit(self, now: float) -> list[Any]:
@@ -478,46 +503,53 @@ class Admission:
         order; the caller hands them to the engine. (Call ``expire`` first if stale requests must
         not run; with ``memory`` set, collect ``take_rejections`` after.)"""
         out: list[Any] = []
+        waiting = self._waiting
+        if not waiting:  # nothing to admit, nothing to mark late (the late heaps drop dead entries when next read)
+            return out
         self._mark_late(now)
         hold = self.prefill_hold_tokens
-        while self.num_seqs_in_flight < self.batch_cap and self._waiting:
+        in_flight, memory, max_num_long = self._in_flight, self._memory, self.cfg.max_num_long
+        while self.num_seqs_in_flight < self.batch_cap and waiting:
             if hold is not None and self.prefill_tokens_in_flight >= hold:
                 break  # the engine has an iteration of prefill ahead of it: the rest wait here
-            allow_long = self.num_long_in_flight < self.cfg.max_num_long
-            e = self._choose(allow_long)
+            e = self._choose(self.num_long_in_flight < max_num_long)
             if e is None:
                 break  # only long prompts wait and the long cap is full
             seqs, blocks = e.seqs, e.blocks
-            if self._in_flight and self.num_seqs_in_flight + seqs > self.batch_cap:
+            if in_flight and self.num_seqs_in_flight + seqs > self.batch_cap:
                 break  # it waits for room (alone it may exceed the cap, or it could never run)
-            if self._memory is not None and not self._memory.fits(
+            if memory is not None and not memory.fits(
                     self.kv_blocks_in_flight + blocks, self.num_seqs_in_flight + seqs, self.kv_dtype):
-                if self._in_flight:
+                if in_flight:
                     break  # it waits for memory to free up
                 self._drop(e)  # alone it no longer fits (the model moved since it was queued)
                 self._late.append(self._reject(e.request, "too_large_for_memory", now))
                 continue
-            self._buckets[e.bucket].pop(e)
-            self._vtime = self._pass[e.bucket]
-            self._pass[e.bucket] += self._stride[e.bucket]
+            bucket, req = e.bucket, e.request
+            self._buckets[bucket].pop(e)
+            self._vtime = self._pass[bucket]
+            self._pass[bucket] += self._stride[bucket]
             e.alive = False
-            del self._waiting[e.request.request_id]
-            self._in_flight[e.request.request_id] = (e.is_long, seqs, blocks, e.request)
+            rid = req.request_id
+            del waiting[rid]
+            in_flight[rid] = (e.is_long, seqs, blocks, req)
             self.num_seqs_in_flight += seqs
             self.kv_blocks_in_flight += blocks
             self.num_long_in_flight += e.is_long
-            if getattr(e.request, "reports_first_token", True):
-                self._awaiting_first[e.request.request_id] = (e.request.prompt_len, now)
-                self.prefill_tokens_in_flight += e.request.prompt_len
+            if getattr(req, "reports_first_token", True):
+                self._awaiting_first[rid] = (req.prompt_len, now)
+                self.prefill_tokens_in_flight += req.prompt_len
             self.num_admitted += 1
-            out.append(e.request)
+            out.append(req)
         return out
 
     def on_finished(self, request_id: str) -> None:
         """Free the slot of a request that left the engine (finished, failed, cancelled or
         disconnected). Raises KeyError for an id that is not in flight (a bug)."""
         is_long, seqs, blocks, _ = self._in_flight.pop(request_id)
-        self.on_first_token(request_id)
+        entry = self._awaiting_first.pop(request_id, None)  # on_first_token(request_id), inline
+        if entry is not None:
+            self.prefill_tokens_in_flight -= entry[0]
         self.num_seqs_in_flight -= seqs
         self.kv_blocks_in_flight -= blocks
         self.num_long_in_flight -= is_long
@@ -636,14 +668,20 @@ class Admission:
             return
         limit, heap = now - (self.late_after_s - self.late_margin_s), self._lateness
         while heap and (not heap[0][2].alive or heap[0][0] <= limit):
-            _, _, e = heapq.heappop(heap)
+            _, _, e = heappop(heap)
             if e.alive:
                 self._buckets[e.bucket].mark_late(e)
 
     def _choose(self, allow_long: bool) -> _Entry | None:
-        newest = self.cfg.newest_first_when_late and self.num_late_waiting > 0
+        buckets = self._buckets
+        newest = False
+        if self.cfg.newest_first_when_late:
+            for b in buckets:
+                if b.num_late:
+                    newest = True
+                    break
         # The head of each bucket that has one, in bucket order (an entry knows its bucket).
-        heads = [h for b in self._buckets if b.num_waiting and (h := b.head(allow_long, newest)) is not None]
+        heads = [h for b in buckets if b.num_waiting and (h := b.head(allow_long, newest)) is not None]
         if len(heads) <= 1:  # none, or one bucket to serve: every mode picks it
             return heads[0] if heads else None
         on_time = [h for h in heads if not h.late]

@@ -410,9 +410,14 @@ class Shield:
     def fits(self, kv_blocks: int, num_seqs: int, kv_dtype: str) -> bool:
         """Whether ``kv_blocks`` for ``num_seqs`` sequences stay within the memory ceiling
         (admission asks this with what is in flight plus the candidate)."""
-        if kv_dtype not in self.memory.kv_block_bytes:
+        m = self.memory
+        block_bytes = m.kv_block_bytes
+        if kv_dtype not in block_bytes:
             return False
-        return self.blocks_fraction(kv_blocks, num_seqs, kv_dtype) <= self.cfg.memory_ceiling
+        # ``blocks_fraction``, inline (admission asks twice per request), the same arithmetic.
+        kv = kv_blocks * self.kv_calibration * block_bytes[kv_dtype]
+        overhead = self.cfg.overhead_frac * m.budget_bytes * math.sqrt(max(num_seqs, 0))
+        return (m.weights_bytes + m.activation_bytes + kv + overhead) / m.budget_bytes <= self.cfg.memory_ceiling
 
     def predict_fraction(self, knobs: Knobs, snap: Snapshot | None = None) -> float:
         """``predicted_fraction`` at these knobs (``snap`` is accepted for symmetry; the

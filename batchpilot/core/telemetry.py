@@ -112,6 +112,20 @@ OBS_LOW, OBS_HIGH = 0.0, 10.0
 #: The fixed scales of the log features (``FEATURES``), computed once.
 _LOG1P_QUEUE = np.log1p(1024.0)
 _LOG1P_PREEMPTIONS = np.log1p(100.0)
+_KV_DTYPES_8BIT: Collection[str] | None = None  # core.engine's, imported at the first observation
+#: ``np.log1p`` of the small counts the observation reads (queue depths, preemptions, the model
+#: length), by value: the same numpy scalars, without a ufunc call each for the common values.
+_LOG1P_CACHE: dict[int, np.floating] = {}
+
+
+def _log1p_int(n: int) -> np.floating:
+    """``np.log1p(n)`` (the very value), memoised for plain ints under 2**20."""
+    if type(n) is int and 0 <= n < 1 << 20:
+        v = _LOG1P_CACHE.get(n)
+        if v is None:
+            v = _LOG1P_CACHE[n] = np.log1p(n)
+        return v
+    return np.log1p(n)
 
 
 def _p50_p99(values: Collection[float]) -> tuple[float, float]:
@@ -321,14 +335,18 @@ def observation_from_snapshot(
     e2el_ref = slo.e2el_ms or (ttft_ref + 256 * tpot_ref)
     q = list(snap.queue_depth) + [0] * max(0, 3 - len(snap.queue_depth))
     onehot = [float(snap.knobs.bucketing == m) for m in BUCKETING_MODES]
-    from batchpilot.core.engine import KV_DTYPES_8BIT  # local: keeps this module light
+    global _KV_DTYPES_8BIT
+    if _KV_DTYPES_8BIT is None:
+        from batchpilot.core.engine import KV_DTYPES_8BIT  # local: keeps this module light
+
+        _KV_DTYPES_8BIT = KV_DTYPES_8BIT
 
     vec = [
         snap.arrival_rate / rate_scale,
-        np.log1p(snap.mean_prompt_len) / np.log1p(max_model_len),
-        np.log1p(q[0]) / _LOG1P_QUEUE,
-        np.log1p(q[1]) / _LOG1P_QUEUE,
-        np.log1p(sum(q[2:])) / _LOG1P_QUEUE,
+        np.log1p(snap.mean_prompt_len) / _log1p_int(max_model_len),
+        _log1p_int(q[0]) / _LOG1P_QUEUE,
+        _log1p_int(q[1]) / _LOG1P_QUEUE,
+        _log1p_int(sum(q[2:])) / _LOG1P_QUEUE,
         snap.num_running / max_num_seqs,
         snap.num_waiting_engine / max_num_seqs,
         snap.kv_cache_usage,
@@ -341,10 +359,10 @@ def observation_from_snapshot(
         snap.e2el_p50_ms / e2el_ref,
         snap.e2el_p99_ms / e2el_ref,
         snap.slo_attainment,
-        np.log1p(snap.preemptions) / _LOG1P_PREEMPTIONS,
+        _log1p_int(snap.preemptions) / _LOG1P_PREEMPTIONS,
         snap.knobs.batch_cap / max_num_seqs,
         *onehot,
-        float(snap.knobs.kv_dtype in KV_DTYPES_8BIT),
+        float(snap.knobs.kv_dtype in _KV_DTYPES_8BIT),
         min(snap.time_since_dtype_switch_s / 600.0, 1.0),
         min(float(snap.shield_interventions), 1.0),
     ]
@@ -352,4 +370,4 @@ def observation_from_snapshot(
     # NaN reads 0; the clip sends +-inf to the bounds (what np.nan_to_num(posinf=OBS_HIGH,
     # neginf=OBS_LOW) did first, at twice the cost of the whole rest of this line).
     obs[np.isnan(obs)] = 0.0
-    return np.clip(obs, OBS_LOW, OBS_HIGH)
+    return obs.clip(OBS_LOW, OBS_HIGH)  # np.clip's own ufunc, without its dispatch layers
