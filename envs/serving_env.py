@@ -498,12 +498,22 @@ class ServingEnv(gym.Env):
         adm = self.admission
         stream = self.stream
         if stream.next_arrival_time <= now:
+            arrivals = stream.pop_until(now)
             on_arrival = self.telemetry.on_arrival
-            for req in stream.pop_until(now):
+            if len(arrivals) == 1:  # alone: admission may take it at once (the same as submit, then admit)
+                req = arrivals[0]
                 on_arrival(req.arrival_time, req.prompt_len)
-                rej = adm.submit(req, now)
+                rej, admitted = adm.submit_or_admit(req, now)
                 if rej is not None:
                     self._on_rejected(rej)
+                if admitted:
+                    self._to_engine(req, now)
+            else:
+                for req in arrivals:
+                    on_arrival(req.arrival_time, req.prompt_len)
+                    rej = adm.submit(req, now)
+                    if rej is not None:
+                        self._on_rejected(rej)
         if adm.expires:
             for rej in adm.expire(now):
                 self._on_rejected(rej)

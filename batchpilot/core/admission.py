@@ -498,6 +498,64 @@ class Admission:
             heappush(self._lateness, (arrival, seq, e))
         return None
 
+    def submit_or_admit(self, req: AdmissibleRequest, now: float) -> tuple[Rejection | None, bool]:
+        """``submit(req, now)``, and when nothing else waits and ``admit(now)`` would take it at
+        once, take it: returns (the rejection or None, whether it was admitted). The state after
+        is the one ``submit`` then ``admit`` leave (counters, virtual times, submit order), so a
+        caller that hands an admitted request to its engine before calling ``admit`` as usual
+        sees the same; the request never enters a queue (the common case below saturation,
+        where the queues' heaps cost more than the rest of admission). Otherwise it is plain
+        ``submit`` and the caller's ``admit`` decides."""
+        cfg = self.cfg
+        hold = self.prefill_hold_tokens
+        if (self._waiting or cfg.max_wait_s is not None or self.deadline_s is not None or cfg.adapt_boundaries
+                or self.max_priority_kept is not None or self.num_seqs_in_flight >= self.batch_cap
+                or (hold is not None and self.prefill_tokens_in_flight >= hold)):
+            return self.submit(req, now), False
+        prompt_len = req.prompt_len
+        is_long = prompt_len > cfg.long_prompt_threshold
+        in_flight = self._in_flight
+        rid = req.request_id
+        if (is_long and self.num_long_in_flight >= cfg.max_num_long) or rid in in_flight:
+            return self.submit(req, now), False
+        seqs = getattr(req, "num_seqs", 1)
+        if type(seqs) is not int or seqs < 1:
+            seqs = _num_seqs(req)
+        if in_flight and self.num_seqs_in_flight + seqs > self.batch_cap:
+            return self.submit(req, now), False
+        memory = self._memory
+        if memory is not None:
+            blocks = int(memory.request_blocks(prompt_len, int(getattr(req, "output_len", 0)), seqs))  # _blocks
+            if not (memory.fits(blocks, seqs, self.kv_dtype) and memory.fits(
+                    self.kv_blocks_in_flight + blocks, self.num_seqs_in_flight + seqs, self.kv_dtype)):
+                return self.submit(req, now), False
+        else:
+            blocks = 0
+        # submit: counted, in an empty bucket (never full: max_queue_len >= 1) that rejoins at the
+        # virtual time, the next submit number taken.
+        self.num_submitted += 1
+        bucket = 0  # bucket_of, inline
+        for b in self._boundaries:
+            if prompt_len < b:
+                break
+            bucket += 1
+        passes = self._pass
+        passes[bucket] = max(passes[bucket], self._vtime)
+        self._seq += 1
+        # admit: it is the only one waiting, so every bucketing mode picks it; late or not, it
+        # leaves no trace once admitted.
+        self._vtime = passes[bucket]
+        passes[bucket] += self._stride[bucket]
+        in_flight[rid] = (is_long, seqs, blocks, req)
+        self.num_seqs_in_flight += seqs
+        self.kv_blocks_in_flight += blocks
+        self.num_long_in_flight += is_long
+        if getattr(req, "reports_first_token", True):
+            self._awaiting_first[rid] = (prompt_len, now)
+            self.prefill_tokens_in_flight += prompt_len
+        self.num_admitted += 1
+        return None, True
+
     def admit(self, now: float) -> list[Any]:
         """Pop as many waiting requests as the caps (count and memory) allow, in bucketing
         order; the caller hands them to the engine. (Call ``expire`` first if stale requests must
