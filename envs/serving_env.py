@@ -485,7 +485,7 @@ class ServingEnv(gym.Env):
             # While requests wait, come back when a slot frees or a prompt leaves the engine's
             # prefill backlog (either may let one in).
             waiting = adm.num_waiting > 0
-            res = eng.advance_until(t_next, stop_on_finish=waiting or stop_when_served, stop_on_first_token=waiting)
+            res = eng.advance_until(t_next, waiting or stop_when_served, waiting)  # (stop_on_finish, stop_on_first_token)
             self._account(res)
 
     def _requests_left(self) -> bool:

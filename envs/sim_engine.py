@@ -289,7 +289,10 @@ class SimEngine(Engine):
         return agg
 
     def advance_until(self, t_end: float, stop_on_finish: bool = False, stop_on_first_token: bool = False) -> StepResult:
-        agg = self._take_pending()
+        if self._pending is None:  # _take_pending, inline
+            agg = StepResult(self._now, 0.0)
+        else:
+            agg, self._pending = self._pending, None
         if self._now < self._down_until:  # restarting: time passes, nothing runs
             self.idle_until(min(t_end, self._down_until))
         finished, first_tokens, inbound = agg.finished, agg.first_tokens, self._inbound

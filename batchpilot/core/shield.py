@@ -427,11 +427,20 @@ class Shield:
     def max_feasible_batch(self, kv_dtype: str) -> int:
         """Largest cap in [0, max_batch] whose prediction is within the ceiling (0: none)."""
         lo, hi = 0, self.max_batch
-        if self.predicted_fraction(hi, kv_dtype) <= self.cfg.memory_ceiling:
+        ceiling = self.cfg.memory_ceiling
+        if self.predicted_fraction(hi, kv_dtype) <= ceiling:
             return hi
+        # predicted_fraction(mid) <= ceiling, its arithmetic inline and in the same order (the
+        # search runs every interval): only the operands that do not depend on mid are hoisted.
+        m = self.memory
+        blocks_per_req = max(1, math.ceil(self.context_len / m.block_size))
+        calibration, block_bytes, budget = self.kv_calibration, m.kv_block_bytes[kv_dtype], m.budget_bytes
+        fixed = m.weights_bytes + m.activation_bytes
+        overhead_per_root = self.cfg.overhead_frac * budget
         while hi - lo > 1:  # invariant: lo feasible (or 0), hi infeasible
             mid = (lo + hi) // 2
-            if self.predicted_fraction(mid, kv_dtype) <= self.cfg.memory_ceiling:
+            kv = mid * blocks_per_req * calibration * block_bytes
+            if (fixed + kv + overhead_per_root * math.sqrt(max(mid, 0))) / budget <= ceiling:
                 lo = mid
             else:
                 hi = mid
