@@ -27,6 +27,25 @@ def _direct(gw: RunningGateway) -> str:
     return next(iter(gw.status()["upstreams"].values()))["url"]
 
 
+def _streamed(chunks: list[dict[str, Any]]) -> dict[str, Any]:
+    """A stream as its client reads it: each choice's text (a chat's content) joined, its finish
+    reason, the usage, the model. Not its chunks: vLLM's server sends the tokens generated since
+    its last send together, so one answer comes in other chunks from run to run (a CI run here:
+    ' ke' then '\x19...' through the gateway, ' ke\x19' directly)."""
+    text: dict[int, str] = {}
+    finish: dict[int, str] = {}
+    usage = None
+    for c in chunks:
+        for ch in c["choices"]:
+            i = ch["index"]
+            piece = ch["text"] if "text" in ch else (ch.get("delta") or {}).get("content")
+            text[i] = text.get(i, "") + (piece or "")
+            if ch.get("finish_reason"):
+                finish[i] = ch["finish_reason"]
+        usage = c.get("usage") or usage
+    return {"text": text, "finish_reason": finish, "usage": usage, "model": sorted({c["model"] for c in chunks})}
+
+
 def _same(d: Any) -> Any:
     """An answer without what differs between two calls by design (ids, timestamps)."""
     if isinstance(d, dict):
@@ -38,7 +57,8 @@ def _same(d: Any) -> Any:
 
 def test_the_openai_sdk_gets_what_vllm_answers(gw: RunningGateway) -> None:
     """Completions and chat, streamed and not, n > 1, logprobs, stop strings, max_tokens left
-    out, usage in streams: the same objects through the gateway as from vLLM directly."""
+    out, usage in streams: the same objects (a stream: the same text, finish reason and usage)
+    through the gateway as from vLLM directly."""
     import openai
 
     vllm = _direct(gw)
@@ -69,7 +89,7 @@ def test_the_openai_sdk_gets_what_vllm_answers(gw: RunningGateway) -> None:
 
     def answer(c: openai.OpenAI, call: Callable[[openai.OpenAI], Any]) -> Any:
         r = call(c)
-        return [_same(x.model_dump()) for x in r] if isinstance(r, list) else _same(r.model_dump())
+        return _streamed([x.model_dump() for x in r]) if isinstance(r, list) else _same(r.model_dump())
 
     for name, call in cases:
         # vLLM first (its prefix cache then holds the prompt), then the gateway, then vLLM again:
