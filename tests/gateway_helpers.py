@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -14,6 +15,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler
 from typing import Any, Callable, Iterator
 
 import httpx
@@ -207,3 +209,31 @@ async def burst(url: str, n: int, rate: float, body: dict[str, Any], *, stream_e
             tasks.append(asyncio.create_task(one_request(client, url, body, stream=stream, timeout_s=timeout_s)))
         res.outcomes = list(await asyncio.gather(*tasks))
     return res
+
+
+class FakeVLLM(BaseHTTPRequestHandler):
+    """Just enough of vLLM's API for the gateway to start in front of it."""
+
+    protocol_version = "HTTP/1.1"
+
+    def _answer(self, body: bytes, ctype: str = "application/json") -> None:
+        self.send_response(200)
+        self.send_header("content-type", ctype)
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self) -> None:  # noqa: N802
+        if self.path.startswith("/v1/models"):
+            self._answer(json.dumps({"data": [{"id": "fake", "max_model_len": 2048}]}).encode())
+        elif self.path.startswith("/metrics"):
+            self._answer(b"", "text/plain")
+        else:
+            self._answer(b"{}")
+
+    def do_POST(self) -> None:  # noqa: N802
+        self.rfile.read(int(self.headers.get("content-length") or 0))
+        self._answer(b'{"count": 1}')
+
+    def log_message(self, *args: Any) -> None:
+        pass

@@ -19,12 +19,13 @@ import subprocess
 import sys
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+from gateway_helpers import FakeVLLM
 
 from batchpilot.config import REPO_ROOT
 from batchpilot.serving.request_body import inspect_body
@@ -186,25 +187,11 @@ async def test_a_body_not_sent_as_json_is_refused_as_vllm_refuses_it(
 
 
 # --- a stop with requests in flight ------------------------------------------------------------
-class _SlowVLLM(BaseHTTPRequestHandler):
+class _SlowVLLM(FakeVLLM):
     """Enough of vLLM for the gateway, answering a completion after ``max_tokens`` x 50 ms: a
     stream one event per 50 ms then ``[DONE]``, a plain answer all at once at the end."""
 
-    protocol_version = "HTTP/1.1"
     step_s = 0.05
-
-    def _answer(self, body: bytes, ctype: str = "application/json") -> None:
-        self.send_response(200)
-        self.send_header("content-type", ctype)
-        self.send_header("content-length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def do_GET(self) -> None:  # noqa: N802
-        if self.path.startswith("/v1/models"):
-            self._answer(json.dumps({"data": [{"id": "slow", "max_model_len": 2048}]}).encode())
-        else:
-            self._answer(b"" if self.path.startswith("/metrics") else b"{}", "text/plain")
 
     def do_POST(self) -> None:  # noqa: N802
         body = json.loads(self.rfile.read(int(self.headers.get("content-length") or 0)) or b"{}")

@@ -22,13 +22,13 @@ import sys
 import tempfile
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, Iterator
 
 import httpx
 import pytest
-from gateway_helpers import stop_process
+from gateway_helpers import FakeVLLM, stop_process
 
 from batchpilot.serving import request_body
 from batchpilot.serving.errors import BadRequest
@@ -598,34 +598,6 @@ def test_the_upstream_api_key_comes_from_the_environment_or_a_file_never_the_con
         up.pool.close()
 
 
-class _FakeVLLM(BaseHTTPRequestHandler):
-    """Just enough of vLLM's API for the gateway to start in front of it."""
-
-    protocol_version = "HTTP/1.1"
-
-    def _answer(self, body: bytes, ctype: str = "application/json") -> None:
-        self.send_response(200)
-        self.send_header("content-type", ctype)
-        self.send_header("content-length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def do_GET(self) -> None:  # noqa: N802
-        if self.path.startswith("/v1/models"):
-            self._answer(json.dumps({"data": [{"id": "fake", "max_model_len": 2048}]}).encode())
-        elif self.path.startswith("/metrics"):
-            self._answer(b"", "text/plain")
-        else:
-            self._answer(b"{}")
-
-    def do_POST(self) -> None:  # noqa: N802
-        self.rfile.read(int(self.headers.get("content-length") or 0))
-        self._answer(b'{"count": 1}')
-
-    def log_message(self, *args: Any) -> None:
-        pass
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("source", ["env", "file"])
@@ -637,7 +609,7 @@ def test_a_serve_runs_config_dump_and_command_line_hold_no_token(tmp_path: Path,
     from batchpilot.config import REPO_ROOT
 
     token = f"tok-{os.urandom(12).hex()}"
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _FakeVLLM)
+    server = ThreadingHTTPServer(("127.0.0.1", 0), FakeVLLM)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     env = {k: v for k, v in os.environ.items() if k not in ("BATCHPILOT_ADMIN_TOKEN", "BATCHPILOT_TRUSTED_KEYS")}
     port = free_port()
