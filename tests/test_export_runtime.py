@@ -22,6 +22,7 @@ sb3 = pytest.importorskip("stable_baselines3")
 sb3c = pytest.importorskip("sb3_contrib")
 from sb3_contrib import MaskablePPO  # noqa: E402
 from stable_baselines3 import PPO  # noqa: E402
+from stable_baselines3.common.logger import Logger  # noqa: E402
 from stable_baselines3.common.vec_env import DummyVecEnv, VecNormalize  # noqa: E402
 
 from batchpilot.policies.export import parity_mismatches, torch_logits  # noqa: E402
@@ -78,7 +79,11 @@ def _make(
         policy_kwargs=kwargs, device="cpu",
     )
     if learn:
+        # No log folder: without a logger of its own SB3 makes an empty /tmp/SB3-<date> per
+        # learn() (policies/training.py sb3_logger, logger=none, does the same).
+        model.set_logger(Logger(folder=None, output_formats=[]))
         model.learn(learn)
+        assert model.logger.get_dir() is None, model.logger.get_dir()
     venv.training = False
     return model, venv
 
