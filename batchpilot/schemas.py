@@ -668,6 +668,10 @@ class ServeConfig:
     #: Queueing plus the upstream until its answer (a stream: its first chunk) must fit in this;
     #: a stream then ends only after this long without a chunk.
     request_timeout_s: float = 60.0
+    #: Seconds requests in flight get to finish once a stop is asked for (SIGTERM, Ctrl-C);
+    #: then their upstream calls are closed and they end in the gateway's error form (503 /
+    #: an SSE ``shutting_down`` event). 0: end them at once.
+    drain_s: float = 4.0
     retry_after_s: int = 1
     #: Request bodies above this are refused with 413 (before they are read when declared).
     max_body_bytes: int = 8 * 1024 * 1024
@@ -737,6 +741,9 @@ class ServeConfig:
                 raise ValueError(f"serve.{name} must be > 0, got {getattr(self, name)}")
         if not self.kv8_read_cost > 0:
             raise ValueError(f"serve.kv8_read_cost must be > 0 (8-bit over 16-bit read time), got {self.kv8_read_cost}")
+        if not (math.isfinite(self.drain_s) and self.drain_s >= 0):
+            raise ValueError(f"serve.drain_s must be a number of seconds >= 0 (how long requests in flight get to "
+                             f"finish at a stop; 0 = end them at once), got {self.drain_s}")
         if self.retry_after_s < 0:
             raise ValueError(f"serve.retry_after_s must be >= 0 (seconds in Retry-After), got {self.retry_after_s}")
         if self.log_level.lower() not in LOG_LEVELS:

@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import tempfile
 import time
 import uuid
@@ -138,7 +139,7 @@ class Gateway:
         self.control = None  # the ControlLoop, set in the lifespan (needs running upstreams)
         self.quality = None
         #: A stop was asked for (SIGTERM, Ctrl-C): nothing new is admitted; requests in flight
-        #: get ``DRAIN_S`` to finish (``drain_on_stop``).
+        #: get ``serve.drain_s`` to finish (``drain_on_stop``).
         self.draining = False
 
     # --- lifecycle -------------------------------------------------------------------------
@@ -386,7 +387,7 @@ async def _forward(gw: Gateway, lane: Lane, req: EngineRequest, bucket: int, bod
                       retry_after=cfg.retry_after_s) from None
     except Http1Error as exc:
         timer.finish(ok=False)
-        _upstream_failed(lane, exc, gw.draining)
+        _upstream_failed(lane, exc, gw.draining, gw.cfg.drain_s)
     except BaseException:
         timer.finish(ok=False)
         raise
@@ -443,12 +444,12 @@ async def _send_until(lane: Lane, path: str, headers: list[tuple[str, str]], raw
             raise
 
 
-def _upstream_failed(lane: Lane, exc: Exception, draining: bool = False) -> None:
+def _upstream_failed(lane: Lane, exc: Exception, draining: bool = False, drain_s: float = 0.0) -> None:
     """An in-flight request lost its upstream: fail fast and mark the lane unhealthy (or, while
-    the gateway stops, it was ended by the stop: 503 to retry elsewhere)."""
+    the gateway stops, it was ended by the stop after ``drain_s``: 503 to retry elsewhere)."""
     if draining:
         raise Refused("shutting_down", f"the gateway is shutting down; the request was ended after "
-                      f"{DRAIN_S:g} s of grace; retry later", status=503, retry_after=lane.retry_after_s) from None
+                      f"{drain_s:g} s of grace; retry later", status=503, retry_after=lane.retry_after_s) from None
     if isinstance(exc, (httpx.ConnectError,)) or getattr(exc, "connect", False):
         lane.upstream.healthy = False
         raise Refused("upstream_down", f"upstream {lane.name} refused the connection: {exc}",
@@ -485,7 +486,7 @@ async def _relay(resp: Http1Response, timer: "_Timer", lane: Lane, deadline: flo
     except Http1Error as exc:
         # Headers are gone already: end the stream with an SSE error event, as vLLM does.
         if gw is not None and gw.draining:
-            yield _sse_error(f"the gateway is shutting down; the stream was ended after {DRAIN_S:g} s of grace",
+            yield _sse_error(f"the gateway is shutting down; the stream was ended after {gw.cfg.drain_s:g} s of grace",
                              "shutting_down", 503)
         else:
             yield _sse_error(f"upstream {lane.name} failed mid-stream: {exc}", "upstream_error", 502)
@@ -670,18 +671,24 @@ class GatewayStopped(RuntimeError):
     """A stop was asked for before the gateway finished starting."""
 
 
-#: Seconds requests in flight get to finish once a stop is asked for (SIGTERM, Ctrl-C); then
-#: their upstream calls are closed and they end in the gateway's error form (a stream with an
-#: SSE error event and ``[DONE]``). uvicorn's own grace (``DRAIN_S`` + 4 s) is never reached:
+#: Seconds uvicorn's own grace at a stop adds to ``serve.drain_s``; that grace is never reached:
 #: when it was, uvicorn cancelled the streams, each client's answer was cut mid-chunk and each
 #: cancellation logged a 50-line "Exception in ASGI application".
-DRAIN_S = 4.0
+UVICORN_GRACE_MARGIN_S = 4
+
+
+def uvicorn_graceful_shutdown_s(drain_s: float) -> int:
+    """uvicorn's ``timeout_graceful_shutdown`` for a gateway that drains ``drain_s``: past the
+    drain, so the gateway always ends its requests itself (in its error form) before uvicorn
+    would cancel them."""
+    return math.ceil(drain_s) + UVICORN_GRACE_MARGIN_S
 
 
 async def drain_on_stop(gw: Gateway, stop_requested: Callable[[], bool], poll_s: float = 0.1) -> None:
     """Once ``stop_requested`` says so: refuse what is queued (503 ``shutting_down``, so a
-    client or balancer retries elsewhere) and what arrives, give requests in flight ``DRAIN_S``
-    to finish, then end the rest by closing their upstream calls (vLLM aborts them)."""
+    client or balancer retries elsewhere) and what arrives, give requests in flight
+    ``serve.drain_s`` to finish, then end the rest by closing their upstream calls (vLLM
+    aborts them; their clients get the gateway's error form)."""
     while not stop_requested():
         await asyncio.sleep(poll_s)
     gw.draining = True
@@ -691,14 +698,15 @@ async def drain_on_stop(gw: Gateway, stop_requested: Callable[[], bool], poll_s:
     def in_flight() -> int:
         return sum(ln.admission.num_in_flight for ln in gw.lanes)
 
+    drain_s = gw.cfg.drain_s
     if in_flight():
-        log.info("stopping: %d request(s) in flight get up to %g s to finish", in_flight(), DRAIN_S)
-    deadline = time.monotonic() + DRAIN_S
+        log.info("stopping: %d request(s) in flight get up to %g s to finish (serve.drain_s)", in_flight(), drain_s)
+    deadline = time.monotonic() + drain_s
     while in_flight() and time.monotonic() < deadline:
         await asyncio.sleep(poll_s)
     ended = sum(ln.upstream.pool.abort_busy() for ln in gw.lanes)
     if ended:
-        log.warning("stopping: ended %d request(s) still in flight after %g s", ended, DRAIN_S)
+        log.warning("stopping: ended %d request(s) still in flight after %g s", ended, drain_s)
 
 
 def build_app(settings: AppSettings) -> FastAPI:
@@ -887,7 +895,8 @@ def serve(cfg: Any) -> None:
     app = build_app(settings)
     server = uvicorn.Server(uvicorn.Config(
         app, host=settings.serve.host, port=settings.serve.port, log_level=settings.serve.log_level,
-        access_log=False, timeout_graceful_shutdown=int(DRAIN_S) + 4, http=with_head_timeout(settings.serve.header_timeout_s),
+        access_log=False, timeout_graceful_shutdown=uvicorn_graceful_shutdown_s(settings.serve.drain_s),
+        http=with_head_timeout(settings.serve.header_timeout_s),
         # Longer than clients' idle pools keep connections: a server-side close racing a
         # client's reuse of the connection shows up as a reset at the client.
         timeout_keep_alive=75))

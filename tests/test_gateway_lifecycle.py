@@ -78,6 +78,19 @@ def test_an_upstream_that_never_comes_up_ends_the_gateway_in_one_line(tmp_path: 
     assert "Traceback" not in out and "Exception ignored" not in out and "startup failed" not in out, out[-3000:]
 
 
+def test_a_negative_drain_is_refused_in_one_line(tmp_path: Path) -> None:
+    done = _serve(tmp_path, "serve.upstreams=[http://127.0.0.1:9]", "serve.drain_s=-1", f"serve.port={free_port()}")
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert done.stderr.strip() == ("serve: error: serve.drain_s must be a number of seconds >= 0 (how long requests in "
+                                   "flight get to finish at a stop; 0 = end them at once), got -1.0"), done.stderr[-3000:]
+    from batchpilot.serving.settings import ServeConfig
+
+    for bad in (float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="serve.drain_s must be a number of seconds >= 0"):
+            ServeConfig.from_cfg({"upstreams": ["http://127.0.0.1:9"], "drain_s": bad})
+    assert ServeConfig.from_cfg({"upstreams": ["http://127.0.0.1:9"], "drain_s": 0}).drain_s == 0
+
+
 class _DyingEngine(ManagedVLLM):
     """A "vllm serve" that fails as vLLM does on a mistyped flag: usage, then one error line."""
 
@@ -228,9 +241,9 @@ def test_a_stop_lets_requests_finish_then_ends_the_rest_cleanly(tmp_path: Path) 
     error event (``shutting_down``) and ``[DONE]``, its chunked body complete; an endless plain
     request gets 503 ``shutting_down``. The gateway exits with no traceback in its log (uvicorn
     used to cancel such requests after 5 s: cut bodies, one 50-line "Exception in ASGI
-    application" each)."""
-    from batchpilot.serving.gateway import DRAIN_S
-
+    application" each). The grace is ``serve.drain_s``, here 2 s (the default is 4): the
+    endless requests are ended no sooner, and the log and their answers say so."""
+    drain_s = 2.0
     upstream = ThreadingHTTPServer(("127.0.0.1", 0), _SlowVLLM)
     upstream.daemon_threads = True
     threading.Thread(target=upstream.serve_forever, daemon=True).start()
@@ -239,10 +252,11 @@ def test_a_stop_lets_requests_finish_then_ends_the_rest_cleanly(tmp_path: Path) 
     log = tmp_path / "gateway.log"
     cmd = [sys.executable, str(REPO_ROOT / "scripts" / "serve.py"), f"hydra.run.dir={tmp_path}",
            "hydra.output_subdir=null", f"serve.upstreams=[http://127.0.0.1:{upstream.server_port}]",
-           f"serve.port={port}", "serve.tokenizer=chars", "serve.startup_timeout_s=60"]
+           f"serve.port={port}", "serve.tokenizer=chars", "serve.startup_timeout_s=60", f"serve.drain_s={drain_s}"]
     with log.open("wb") as out:
         proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT)
-    short = int((DRAIN_S / 4) / _SlowVLLM.step_s)  # ends a quarter of the grace in
+    short = int((drain_s / 4) / _SlowVLLM.step_s)  # ends a quarter of the grace in
+    stopped_after: list[float] = []
     endless = 2000  # 100 s: past any grace (the most a request may ask for: max_model_len)
 
     async def scenario() -> list[httpx.Response]:
@@ -263,7 +277,10 @@ def test_a_stop_lets_requests_finish_then_ends_the_rest_cleanly(tmp_path: Path) 
                 assert time.monotonic() < deadline and not any(t.done() for t in tasks), text[-2000:]
                 await asyncio.sleep(0.05)
             proc.send_signal(signal.SIGTERM)
-            return list(await asyncio.gather(*tasks))
+            t_stop = time.monotonic()
+            answers = list(await asyncio.gather(*tasks))
+            stopped_after.append(time.monotonic() - t_stop)
+            return answers
 
     try:
         stream, plain, short_stream = asyncio.run(scenario())
@@ -281,7 +298,10 @@ def test_a_stop_lets_requests_finish_then_ends_the_rest_cleanly(tmp_path: Path) 
     assert plain.status_code == 503 and plain.json()["error"]["reason"] == "shutting_down", plain.text
     assert plain.headers.get("retry-after") is not None
     assert _events(short_stream.text) == ['{"choices": [{"index": 0, "text": "x"}]}'] * short + ["[DONE]"]
-    assert "ended 2 request(s) still in flight" in text, text[-3000:]
+    assert f"request(s) in flight get up to {drain_s:g} s to finish (serve.drain_s)" in text, text[-3000:]
+    assert f"ended 2 request(s) still in flight after {drain_s:g} s" in text, text[-3000:]
+    assert f"ended after {drain_s:g} s of grace" in plain.json()["error"]["message"], plain.text
+    assert stopped_after[0] >= drain_s, stopped_after  # the endless ones got the whole grace
     assert "Traceback" not in text and "Exception in ASGI application" not in text, text[-3000:]
 
 
