@@ -37,7 +37,7 @@ from batchpilot.core.knobs import Knobs
 from batchpilot.core.telemetry import SLO, Telemetry
 from batchpilot.serving.errors import BadRequest, ClientGone, GatewayError, Refused
 from batchpilot.serving.http1 import Http1Error, Http1Response
-from batchpilot.serving.http_server import with_head_timeout
+from batchpilot.serving.http_server import GatewayServer, with_head_timeout
 from batchpilot.serving.lanes import Lane
 from batchpilot.serving.prom import CONTENT_TYPE, GatewayMetrics, bucket_name
 from batchpilot.serving.request_body import OFF_LOOP_BYTES, BodyInspector, with_model
@@ -141,6 +141,8 @@ class Gateway:
         #: A stop was asked for (SIGTERM, Ctrl-C): nothing new is admitted; requests in flight
         #: get ``serve.drain_s`` to finish (``drain_on_stop``).
         self.draining = False
+        #: A second stop signal came (``hurry``): no more grace for requests or engines.
+        self.hurried = False
 
     # --- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
@@ -160,6 +162,18 @@ class Gateway:
         log.info("gateway ready on %s:%d in front of %s%s", self.cfg.host, self.cfg.port,
                  ", ".join(ln.upstream.url for ln in self.lanes),
                  f" (engine logs in {self.log_dir})" if self.log_dir else "")
+
+    def hurry(self) -> None:
+        """A second stop signal (Ctrl-C pressed again while the gateway drains or stops): the
+        requests still in flight are ended now (``drain_on_stop`` watches ``hurried``) and the
+        managed engines are killed instead of given vLLM's shutdown (``ManagedVLLM.hurry``).
+        The stop then goes on as usual, so nothing is left running and no task is cancelled
+        mid-answer (uvicorn's own "force quit" skipped the engines' stop and printed a traceback
+        for each request cut). Runs in the signal handler: it only sets flags and sends signals."""
+        self.hurried = True
+        for ln in self.lanes:
+            if ln.upstream.managed is not None:
+                ln.upstream.managed.hurry()
 
     async def stop(self) -> None:
         self.ready = False
@@ -387,7 +401,7 @@ async def _forward(gw: Gateway, lane: Lane, req: EngineRequest, bucket: int, bod
                       retry_after=cfg.retry_after_s) from None
     except Http1Error as exc:
         timer.finish(ok=False)
-        _upstream_failed(lane, exc, gw.draining, gw.cfg.drain_s)
+        _upstream_failed(lane, exc, _stop_cut(gw) if gw.draining else None)
     except BaseException:
         timer.finish(ok=False)
         raise
@@ -444,12 +458,17 @@ async def _send_until(lane: Lane, path: str, headers: list[tuple[str, str]], raw
             raise
 
 
-def _upstream_failed(lane: Lane, exc: Exception, draining: bool = False, drain_s: float = 0.0) -> None:
+def _stop_cut(gw: Gateway) -> str:
+    """When a stop ended a request in flight, for its client's error message."""
+    return "at the gateway's second stop signal" if gw.hurried else f"after {gw.cfg.drain_s:g} s of grace"
+
+
+def _upstream_failed(lane: Lane, exc: Exception, stop_cut: str | None = None) -> None:
     """An in-flight request lost its upstream: fail fast and mark the lane unhealthy (or, while
-    the gateway stops, it was ended by the stop after ``drain_s``: 503 to retry elsewhere)."""
-    if draining:
-        raise Refused("shutting_down", f"the gateway is shutting down; the request was ended after "
-                      f"{drain_s:g} s of grace; retry later", status=503, retry_after=lane.retry_after_s) from None
+    the gateway stops, it was ended by the stop, ``stop_cut`` says when: 503 to retry elsewhere)."""
+    if stop_cut is not None:
+        raise Refused("shutting_down", f"the gateway is shutting down; the request was ended {stop_cut}; "
+                      "retry later", status=503, retry_after=lane.retry_after_s) from None
     if isinstance(exc, (httpx.ConnectError,)) or getattr(exc, "connect", False):
         lane.upstream.healthy = False
         raise Refused("upstream_down", f"upstream {lane.name} refused the connection: {exc}",
@@ -486,7 +505,7 @@ async def _relay(resp: Http1Response, timer: "_Timer", lane: Lane, deadline: flo
     except Http1Error as exc:
         # Headers are gone already: end the stream with an SSE error event, as vLLM does.
         if gw is not None and gw.draining:
-            yield _sse_error(f"the gateway is shutting down; the stream was ended after {gw.cfg.drain_s:g} s of grace",
+            yield _sse_error(f"the gateway is shutting down; the stream was ended {_stop_cut(gw)}",
                              "shutting_down", 503)
         else:
             yield _sse_error(f"upstream {lane.name} failed mid-stream: {exc}", "upstream_error", 502)
@@ -701,12 +720,13 @@ async def drain_on_stop(gw: Gateway, stop_requested: Callable[[], bool], poll_s:
     drain_s = gw.cfg.drain_s
     if in_flight():
         log.info("stopping: %d request(s) in flight get up to %g s to finish (serve.drain_s)", in_flight(), drain_s)
-    deadline = time.monotonic() + drain_s
-    while in_flight() and time.monotonic() < deadline:
+    t0 = time.monotonic()
+    while in_flight() and time.monotonic() < t0 + drain_s and not gw.hurried:
         await asyncio.sleep(poll_s)
     ended = sum(ln.upstream.pool.abort_busy() for ln in gw.lanes)
     if ended:
-        log.warning("stopping: ended %d request(s) still in flight after %g s", ended, drain_s)
+        after = f"{time.monotonic() - t0:.1f} s, at a second stop signal" if gw.hurried else f"{drain_s:g} s"
+        log.warning("stopping: ended %d request(s) still in flight after %s", ended, after)
 
 
 def build_app(settings: AppSettings) -> FastAPI:
@@ -893,13 +913,24 @@ def serve(cfg: Any) -> None:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per upstream call otherwise
     app = build_app(settings)
-    server = uvicorn.Server(uvicorn.Config(
+
+    hurried: list[bool] = []
+
+    def hurry() -> None:  # a second stop signal (GatewayServer): no more grace
+        if not hurried:  # one line, however often the key is pressed
+            hurried.append(True)
+            log.warning("second stop signal: ending the requests in flight and the engines now")
+        gw: Gateway | None = getattr(app.state, "gateway", None)
+        if gw is not None:
+            gw.hurry()
+
+    server = GatewayServer(uvicorn.Config(
         app, host=settings.serve.host, port=settings.serve.port, log_level=settings.serve.log_level,
         access_log=False, timeout_graceful_shutdown=uvicorn_graceful_shutdown_s(settings.serve.drain_s),
         http=with_head_timeout(settings.serve.header_timeout_s),
         # Longer than clients' idle pools keep connections: a server-side close racing a
         # client's reuse of the connection shows up as a reset at the client.
-        timeout_keep_alive=75))
+        timeout_keep_alive=75), on_hurry=hurry)
     # uvicorn takes SIGINT/SIGTERM during start-up but acts on them only once the lifespan has
     # started: the lifespan watches this instead of waiting out serve.startup_timeout_s.
     app.state.stop_requested = lambda: server.should_exit
@@ -912,6 +943,10 @@ def serve(cfg: Any) -> None:
     app.state.start_failed = start_failed
     try:
         server.run(sockets=[sock])
+    except KeyboardInterrupt:
+        # Ctrl-C: uvicorn stopped in order (drain, engines), then raised the signal again, which
+        # ends asyncio's run this way. The normal end of a gateway, as ``uvicorn.run`` takes it.
+        pass
     finally:
         sock.close()
     if failures:

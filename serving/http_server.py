@@ -1,4 +1,5 @@
-"""The gateway's HTTP server protocol: uvicorn's httptools protocol with a deadline on request
+"""The gateway's HTTP server: uvicorn's, with a second stop signal that hurries the stop instead
+of forcing it (``GatewayServer``), and uvicorn's httptools protocol with a deadline on request
 heads. uvicorn times out idle keep-alive connections but not a request whose head never
 completes: 500 connections sending a header byte now and then were held open indefinitely.
 (Request bodies have their own deadline in the handler, ``serve.body_timeout_s``.)"""
@@ -6,8 +7,35 @@ completes: 500 connections sending a header byte now and then were held open ind
 from __future__ import annotations
 
 import asyncio
+from types import FrameType
+from typing import Callable
 
+import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+
+class GatewayServer(uvicorn.Server):
+    """``uvicorn.Server`` whose second stop signal calls ``on_hurry`` instead of forcing an exit.
+
+    The first SIGINT or SIGTERM is uvicorn's: the server stops accepting, the gateway drains
+    (``serve.drain_s``), the lifespan stops the engines. uvicorn takes a second Ctrl-C as "force
+    quit": it skipped the lifespan's shutdown (the engines were left to their reapers) and raised
+    the signal twice once the loop ended, so the tasks still answering were cancelled as the loop
+    closed, each printing a traceback, and then ``KeyboardInterrupt``'s own. Here a second signal
+    (either kind, and any after it) calls ``on_hurry`` (the gateway ends its requests and kills
+    its engines at once) and the same orderly stop goes on, now in seconds. Only the first
+    signal is raised again at the end, as uvicorn does (SIGTERM: the process ends by it;
+    SIGINT: ``KeyboardInterrupt`` out of ``run``, which ``serve`` takes as the normal end)."""
+
+    def __init__(self, config: uvicorn.Config, on_hurry: Callable[[], None]) -> None:
+        super().__init__(config)
+        self.on_hurry = on_hurry
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if not self.should_exit:
+            super().handle_exit(sig, frame)
+            return
+        self.on_hurry()
 
 
 class HeadDeadlineProtocol(HttpToolsProtocol):

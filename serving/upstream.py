@@ -119,6 +119,8 @@ class ManagedVLLM:
         self.num_starts = 0
         self._lock = threading.Lock()
         self._closed = False
+        #: How long ``close`` lets vLLM shut down before SIGKILL (0 once ``hurry`` was called).
+        self._close_grace_s = 10.0
 
     @property
     def url(self) -> str:
@@ -181,7 +183,21 @@ class ManagedVLLM:
         """Stop for good: a start still under way finishes first and is stopped; later ones fail."""
         with self._lock:
             self._closed = True
-        self.stop()
+        self.stop(self._close_grace_s)
+
+    def hurry(self) -> None:
+        """No more grace (a second Ctrl-C): ``close`` kills the group at once instead of waiting
+        for vLLM's own shutdown, and a ``close`` already under way is cut short (its group is
+        killed here). Takes no lock, so it can run in a signal handler while ``close`` holds it;
+        a running engine that is not being closed is left alone (the supervisor would restart
+        it)."""
+        self._close_grace_s = 0.0
+        p = self.proc
+        if self._closed and p is not None:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
 
     def stop(self, grace_s: float = 10.0) -> None:
         """SIGTERM the process group, SIGKILL after ``grace_s``."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -303,6 +304,145 @@ def test_a_stop_lets_requests_finish_then_ends_the_rest_cleanly(tmp_path: Path) 
     assert f"ended after {drain_s:g} s of grace" in plain.json()["error"]["message"], plain.text
     assert stopped_after[0] >= drain_s, stopped_after  # the endless ones got the whole grace
     assert "Traceback" not in text and "Exception in ASGI application" not in text, text[-3000:]
+
+
+def test_a_second_ctrl_c_ends_the_gateway_at_once_without_a_traceback(tmp_path: Path) -> None:
+    """Ctrl-C twice, the second while two endless requests keep the drain waiting (its grace,
+    ``serve.drain_s``, is 60 s here): the gateway ends them and exits within seconds, says so in
+    one log line, prints no traceback and leaves no process of its own behind. uvicorn took the
+    second Ctrl-C as "force quit": the lifespan's stop (the engines) was skipped and each
+    request still answering, then ``KeyboardInterrupt`` itself, printed a traceback."""
+    import psutil
+
+    upstream = ThreadingHTTPServer(("127.0.0.1", 0), _SlowVLLM)
+    upstream.daemon_threads = True
+    threading.Thread(target=upstream.serve_forever, daemon=True).start()
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = tmp_path / "gateway.log"
+    cmd = [sys.executable, str(REPO_ROOT / "scripts" / "serve.py"), f"hydra.run.dir={tmp_path}",
+           "hydra.output_subdir=null", f"serve.upstreams=[http://127.0.0.1:{upstream.server_port}]",
+           f"serve.port={port}", "serve.tokenizer=chars", "serve.startup_timeout_s=60", "serve.drain_s=60",
+           "serve.body_workers=1"]
+    with log.open("wb") as out:
+        proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT)
+    children: list[psutil.Process] = []
+    took: list[float] = []
+
+    async def scenario() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=url, timeout=120) as c:
+            deadline = time.monotonic() + 120
+            while True:
+                assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+                with contextlib.suppress(httpx.HTTPError):
+                    if (await c.get("/readyz", timeout=2)).status_code == 200:
+                        break
+                await asyncio.sleep(0.1)
+            children.extend(psutil.Process(proc.pid).children(recursive=True))  # the body worker
+            tasks = [asyncio.ensure_future(c.post("/v1/completions", json={"prompt": "a", "max_tokens": 2000,
+                                                                           "stream": True})),
+                     asyncio.ensure_future(c.post("/v1/completions", json={"prompt": "b", "max_tokens": 2000}))]
+            while 'in_flight{upstream="vllm0"} 2.0' not in (text := (await c.get("/metrics")).text):
+                assert time.monotonic() < deadline and not any(t.done() for t in tasks), text[-2000:]
+                await asyncio.sleep(0.05)
+            proc.send_signal(signal.SIGINT)
+            while "get up to 60 s to finish" not in log.read_text():  # draining: the grace has begun
+                assert time.monotonic() < deadline and not any(t.done() for t in tasks), log.read_text()[-3000:]
+                await asyncio.sleep(0.05)
+            proc.send_signal(signal.SIGINT)
+            t_second = time.monotonic()
+            answers = list(await asyncio.gather(*tasks))
+            took.append(time.monotonic() - t_second)
+            return answers
+
+    try:
+        stream, plain = asyncio.run(scenario())
+        code = proc.wait(timeout=30)  # far less than the 60 s grace
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        upstream.shutdown()
+        upstream.server_close()
+    text = log.read_text()
+    assert code == 0, text[-3000:]  # Ctrl-C is the gateway's normal end (as uvicorn's own command)
+    assert took[0] < 20, took  # not the 60 s grace
+    assert "Traceback" not in text and "Exception" not in text and "KeyboardInterrupt" not in text, text[-3000:]
+    assert text.count("second stop signal: ending the requests in flight and the engines now") == 1, text[-3000:]
+    assert "ended 2 request(s) still in flight after" in text and "at a second stop signal" in text, text[-3000:]
+    assert "Application shutdown complete" in text, text[-3000:]  # the lifespan's stop ran (engines, workers)
+    events = _events(stream.text)
+    assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["reason"] == "shutting_down", events[-3:]
+    assert "at the gateway's second stop signal" in json.loads(events[-2])["error"]["message"], events[-2]
+    assert plain.status_code == 503 and plain.json()["error"]["reason"] == "shutting_down", plain.text
+    assert children, "the gateway's body worker was not found"
+    gone, alive = psutil.wait_procs(children, timeout=10)
+    assert not alive, [p.pid for p in alive]
+
+
+class _SlowToStop(ManagedVLLM):
+    """A "vllm serve" that ignores SIGTERM (a vLLM slow to shut down): only SIGKILL ends it."""
+
+    def command(self) -> list[str]:
+        return [sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                "print('up', flush=True); time.sleep(120)"]
+
+
+def test_a_second_ctrl_c_kills_the_engines_being_stopped(tmp_path: Path) -> None:
+    """The gateway's stop gives each engine 10 s of vLLM's own shutdown before SIGKILL; after a
+    second Ctrl-C (``Gateway.hurry``) a stop under way kills the group at once, and a stop yet
+    to come does not wait at all. A running engine that is not being stopped is left alone."""
+    from batchpilot.serving.gateway import AppSettings, Gateway
+    from batchpilot.serving.settings import ServeConfig
+    from batchpilot.serving.upstream import ManagedVLLM as Real
+
+    gw = Gateway(AppSettings(serve=ServeConfig.from_cfg({"managed": True, "num_managed": 2, "model": str(tmp_path),
+                                                         "tokenizer": "chars", "log_dir": str(tmp_path / "logs")})))
+    engines = [ln.upstream.managed for ln in gw.lanes]
+    assert all(isinstance(e, Real) for e in engines)
+    for e in engines:
+        e.__class__ = _SlowToStop  # the same engine, started as the fake
+    try:
+        for e in engines:
+            e.start()
+        for e in engines:
+            assert e.log_path is not None
+            _wait_for(lambda e=e: "up" in e.log_path.read_text(), 30, f"{e.url} started")
+        groups = [e.pid for e in engines]
+        closing = threading.Thread(target=engines[0].close)
+        closing.start()
+        closing.join(1.0)
+        assert closing.is_alive()  # waiting out vLLM's shutdown grace (10 s)
+        gw.hurry()
+        closing.join(5.0)
+        assert not closing.is_alive(), "the stop under way was not cut short"
+        assert engines[1].alive()  # not being stopped: left alone
+        t0 = time.monotonic()
+        engines[1].close()  # a stop after the hurry: no grace
+        assert time.monotonic() - t0 < 5.0
+        for pgid in groups:  # the killed engine's child is reaped by init a moment later
+            _wait_for(lambda pgid=pgid: _group_gone(pgid), 10, f"process group {pgid} gone")
+    finally:
+        for e in engines:
+            e.kill()
+            e.close()
+        for ln in gw.lanes:
+            ln.upstream.pool.close()
+
+
+def _group_gone(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def _wait_for(cond: Any, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, f"not reached after {timeout_s:g} s: {what}"
+        time.sleep(0.05)
 
 
 @pytest.mark.anyio
