@@ -78,7 +78,8 @@ class AdmissibleRequest(Protocol):
 
 class MemoryCheck(Protocol):
     """The per-request memory check (``core.shield.Shield`` is one): the KV blocks a request
-    holds at its end, and whether a total of blocks and sequences stays within the ceiling."""
+    holds at its end, and whether a total of blocks and sequences stays within the ceiling.
+    ``fits`` is monotone: a total it accepts stays accepted with fewer blocks or sequences."""
 
     def request_blocks(self, prompt_len: int, output_len: int, num_seqs: int = 1) -> int: ...
 
@@ -526,8 +527,9 @@ class Admission:
         memory = self._memory
         if memory is not None:
             blocks = int(memory.request_blocks(prompt_len, int(getattr(req, "output_len", 0)), seqs))  # _blocks
-            if not (memory.fits(blocks, seqs, self.kv_dtype) and memory.fits(
-                    self.kv_blocks_in_flight + blocks, self.num_seqs_in_flight + seqs, self.kv_dtype)):
+            # Beside what is in flight within the ceiling, it fits alone too (``fits`` is monotone);
+            # otherwise ``submit`` asks about it alone.
+            if not memory.fits(self.kv_blocks_in_flight + blocks, self.num_seqs_in_flight + seqs, self.kv_dtype):
                 return self.submit(req, now), False
         else:
             blocks = 0

@@ -405,7 +405,8 @@ class Shield:
         """KV blocks a request holds at its end: each of its sequences at prompt + output
         tokens (no sharing between them assumed: the worst case)."""
         tokens = max(int(prompt_len), 0) + max(int(output_len), 0)
-        return max(1, int(num_seqs)) * max(1, math.ceil(tokens / self.memory.block_size))
+        per_seq = max(1, math.ceil(tokens / self.memory.block_size))
+        return per_seq if num_seqs == 1 else max(1, int(num_seqs)) * per_seq  # one per request, mostly
 
     def fits(self, kv_blocks: int, num_seqs: int, kv_dtype: str) -> bool:
         """Whether ``kv_blocks`` for ``num_seqs`` sequences stay within the memory ceiling
