@@ -699,7 +699,9 @@ class ServeConfig:
     #: every upstream call (clients' own ``Authorization`` is never forwarded), and managed
     #: engines are started with it. None and no variable: no key.
     upstream_api_key_file: str | None = None
-    #: Folder for the managed engines' logs; None = a private temporary folder (mode 0700).
+    #: Folder for the managed engines' logs (``vllm-<port>.log``); None = ``engines/`` in the Hydra
+    #: run's folder of ``scripts/serve.py`` (outside a Hydra app, ``<tmp>/batchpilot-engines-<uid>``),
+    #: private (mode 0700; ``serving.gateway.default_engine_log_dir``).
     log_dir: str | None = None
     log_level: str = "info"
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)

@@ -18,6 +18,8 @@ import contextlib
 import json
 import logging
 import math
+import os
+import stat
 import tempfile
 import time
 import uuid
@@ -80,6 +82,56 @@ class AppSettings:
         )
 
 
+#: The managed engines' log folder inside the Hydra run's folder when ``serve.log_dir`` is unset.
+ENGINE_LOG_SUBDIR = "engines"
+
+
+def hydra_run_dir() -> Path | None:
+    """The output folder of the Hydra run this process is (``scripts/serve.py``: by default
+    ``outputs/<date>/<time>/``, beside Hydra's ``serve.log`` and ``.hydra/``); None outside one."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return None
+    return Path(HydraConfig.get().runtime.output_dir)
+
+
+def default_engine_log_dir(run_dir: Path | None) -> Path:
+    """Where managed engines log when ``serve.log_dir`` is unset: a folder only this user can
+    enter (mode 0700), one ``vllm-<port>.log`` per engine.
+
+    In a Hydra app (``scripts/serve.py``; ``run_dir`` from ``hydra_run_dir``) it is
+    ``<run_dir>/engines``: the run's output folder, where its user looks, gone when the run is.
+
+    Outside one (a test or a library caller building a ``Gateway``) it is one folder per user,
+    ``<tmp>/batchpilot-engines-<uid>``, reused by every such gateway. Not a fresh ``mkdtemp``
+    folder per start, the old default: nobody removed them and hundreds piled up in /tmp. Not
+    the working directory (logs would land wherever the caller runs, a repository for the
+    tests), nor the home directory (kept forever; the system cleans its temporary folder). A
+    name in /tmp is predictable and another user could make it first, to read or swap the logs:
+    the folder is used only if it is a real folder (not a link) owned by this user, and is set
+    to mode 0700; otherwise this raises, naming ``serve.log_dir``. ``<run_dir>/engines`` is
+    checked the same way."""
+    if run_dir is not None:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        path = run_dir / ENGINE_LOG_SUBDIR
+    else:
+        path = Path(tempfile.gettempdir()) / f"batchpilot-engines-{os.getuid()}"
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+        what = "a link" if stat.S_ISLNK(st.st_mode) else "not a folder" if not stat.S_ISDIR(st.st_mode) else \
+            f"a folder of another user's (uid {st.st_uid})"
+        raise ValueError(f"serve.log_dir is unset and its default, {path}, is {what}: remove it or set "
+                         "serve.log_dir to a folder for the engines' logs")
+    if stat.S_IMODE(st.st_mode) != 0o700:
+        os.chmod(path, 0o700)
+    return path
+
+
 def default_model_dir() -> str:
     from batchpilot.core.tiny_model import build_tiny_model
 
@@ -103,10 +155,18 @@ class Gateway:
             name = cfg.served_model_name or Path(self.model_dir).name
             # Several CPU engines on one machine: give each its own cores (ignored on GPUs).
             cores = cpu_core_groups(cfg.num_managed) if cfg.num_managed > 1 else [None]
-            self.log_dir = Path(cfg.log_dir) if cfg.log_dir else Path(tempfile.mkdtemp(prefix="batchpilot-"))
-            self.log_dir.mkdir(mode=0o700, parents=True, exist_ok=True)  # private when it is created here
+            # scripts/serve.py sets log_dir to its run's folder when unset (serve); this fallback is
+            # for a gateway built outside a Hydra app (default_engine_log_dir says why there).
+            shared = not cfg.log_dir
+            if cfg.log_dir:
+                self.log_dir = Path(cfg.log_dir).expanduser()
+                self.log_dir.mkdir(mode=0o700, parents=True, exist_ok=True)  # private when it is created here
+            else:
+                self.log_dir = default_engine_log_dir(None)
             for i in range(cfg.num_managed):
                 port = cfg.managed_port_base + i if cfg.managed_port_base else free_port()
+                if shared:  # an earlier gateway's log on this port: its error lines are not this engine's
+                    (self.log_dir / f"vllm-{port}.log").unlink(missing_ok=True)
                 proc = ManagedVLLM(
                     self.model_dir, port, served_model_name=name, max_model_len=cfg.max_model_len,
                     max_num_seqs=cfg.max_num_seqs, kv_dtype=cfg.kv_dtype,
@@ -905,6 +965,8 @@ def serve(cfg: Any) -> None:
         settings = AppSettings.from_cfg(cfg)
         ShieldConfig.from_cfg(settings.shield)
         _check_model(settings.serve)
+        if settings.serve.managed and not settings.serve.log_dir:  # the engines' logs: in the run's folder
+            settings.serve.log_dir = str(default_engine_log_dir(hydra_run_dir()))
     except ValueError as e:
         raise ServeConfigError(str(e)) from None
     sock = bind_listener(settings.serve.host, settings.serve.port)

@@ -79,6 +79,45 @@ def test_an_upstream_that_never_comes_up_ends_the_gateway_in_one_line(tmp_path: 
     assert "Traceback" not in out and "Exception ignored" not in out and "startup failed" not in out, out[-3000:]
 
 
+def test_managed_engines_log_into_the_runs_folder(tmp_path: Path) -> None:
+    """``scripts/serve.py serve.managed=true`` with no ``serve.log_dir``: the engine's log is
+    ``engines/vllm-<port>.log`` in the Hydra run's folder (private), and nothing is made in the
+    temporary folder (the old default, a fresh ``mkdtemp`` folder per start, piled up there).
+    Stopped as soon as the engine is launched: no vLLM start-up is waited for."""
+    import re
+    import stat
+
+    run, tmp, model = tmp_path / "run", tmp_path / "tmp", tmp_path / "model"
+    tmp.mkdir()
+    model.mkdir()  # a folder, so the gateway launches its engine; it is stopped before vLLM reads it
+    out = tmp_path / "gateway.out"
+    cmd = [sys.executable, str(REPO_ROOT / "scripts" / "serve.py"), "serve.managed=true", f"serve.model={model}",
+           "serve.tokenizer=chars", f"serve.port={free_port()}", f"hydra.run.dir={run}"]
+    with out.open("wb") as f:
+        proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=f, stderr=subprocess.STDOUT,
+                                env=dict(os.environ, TMPDIR=str(tmp)))
+    try:
+        _wait_for(lambda: "started vllm serve pid=" in out.read_text() or proc.poll() is not None, 120,
+                  "the gateway launching its engine")
+        text = out.read_text()
+        assert proc.poll() is None, text[-3000:]
+        started = re.search(r"started vllm serve pid=(\d+) on http://127.0.0.1:(\d+)", text)
+        assert started is not None, text[-3000:]
+        pid, port = int(started[1]), started[2]
+        engines = run / "engines"
+        assert (engines / f"vllm-{port}.log").is_file(), sorted(p.name for p in run.rglob("*"))
+        assert stat.S_IMODE(engines.stat().st_mode) == 0o700
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+        _wait_for(lambda: _group_gone(pid), 30, "the engine's process group gone")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert not [p.name for p in tmp.iterdir() if p.name.startswith("batchpilot")], sorted(os.listdir(tmp))
+    assert "Traceback" not in out.read_text(), out.read_text()[-3000:]
+
+
 def test_a_negative_drain_is_refused_in_one_line(tmp_path: Path) -> None:
     done = _serve(tmp_path, "serve.upstreams=[http://127.0.0.1:9]", "serve.drain_s=-1", f"serve.port={free_port()}")
     assert done.returncode == 2, done.stderr[-3000:]

@@ -527,31 +527,66 @@ def test_the_engine_log_is_opened_without_following_links_and_private(tmp_path: 
     assert (tmp_path / "vllm-8003.log").read_text() == "first\nsecond\n"
 
 
-def test_the_default_engine_log_folder_is_private_and_unpredictable(tmp_path: Path) -> None:
-    """No ``serve.log_dir``: a fresh ``mkdtemp`` folder per gateway (mode 0700, a random name),
-    never a fixed /tmp path another user could prepare. A configured one is created private."""
-    settings = AppSettings(serve=ServeConfig.from_cfg({"managed": True, "model": str(tmp_path), "tokenizer": "chars"}))
-    dirs = []
-    try:
-        for _ in range(2):
-            gw = Gateway(settings)
-            dirs.append(gw.log_dir)
-            for ln in gw.lanes:
-                ln.upstream.pool.close()
-        a, b = dirs
-        assert a != b and a.name != b.name and a.parent == b.parent == Path(tempfile.gettempdir())
-        for d in dirs:
-            st = d.stat()
-            assert stat.S_ISDIR(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o700 and st.st_uid == os.getuid()
-            assert gw.lanes[0].upstream.managed.log_path.parent in dirs
-        configured = tmp_path / "logs" / "engines"
-        gw = Gateway(AppSettings(serve=ServeConfig.from_cfg(
-            {"managed": True, "model": str(tmp_path), "tokenizer": "chars", "log_dir": str(configured)})))
-        gw.lanes[0].upstream.pool.close()
-        assert gw.log_dir == configured and stat.S_IMODE(configured.stat().st_mode) == 0o700
-    finally:
-        for d in dirs:
-            shutil.rmtree(d, ignore_errors=True)
+def test_the_default_engine_log_folder_is_the_runs_or_one_per_user(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """No ``serve.log_dir``: ``engines/`` in the Hydra run's folder (``scripts/serve.py``; its
+    own test is in test_gateway_lifecycle), else one folder per user in the temporary folder,
+    reused by every gateway (a fresh ``mkdtemp`` folder per start piled up in /tmp by the
+    hundred). Private (0700), and refused when it is a link, not a folder or another user's: its
+    name is predictable. A leftover log of an earlier gateway on the same port is removed (its
+    error lines would be taken for the new engine's). A configured folder is created private."""
+    from batchpilot.serving.gateway import default_engine_log_dir
+
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))
+    model = tmp_path / "model"
+    model.mkdir()
+    base = {"managed": True, "model": str(model), "tokenizer": "chars"}
+
+    def build(**cfg: Any) -> Gateway:
+        gw = Gateway(AppSettings(serve=ServeConfig.from_cfg({**base, **cfg})))
+        for ln in gw.lanes:
+            ln.upstream.pool.close()
+        return gw
+
+    shared = tmp / f"batchpilot-engines-{os.getuid()}"
+    for _ in range(3):
+        gw = build()
+        assert gw.log_dir == shared and gw.lanes[0].upstream.managed.log_path.parent == shared
+    assert os.listdir(tmp) == [shared.name]  # one folder, however many starts
+    st = shared.stat()
+    assert stat.S_ISDIR(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o700 and st.st_uid == os.getuid()
+    old = shared / "vllm-18000.log"
+    old.write_text("OSError: an earlier engine's failure\n")
+    gw = build(managed_port_base=18000)
+    assert gw.lanes[0].upstream.managed.log_path == old and not old.exists()
+
+    run = tmp_path / "outputs" / "run"  # Hydra's run folder
+    assert default_engine_log_dir(run) == run / "engines"
+    assert stat.S_IMODE((run / "engines").stat().st_mode) == 0o700
+    (run / "engines").chmod(0o755)  # ours but open: closed again
+    assert default_engine_log_dir(run) == run / "engines"
+    assert stat.S_IMODE((run / "engines").stat().st_mode) == 0o700
+
+    shutil.rmtree(shared)
+    shared.symlink_to(tmp_path / "elsewhere")  # prepared by someone else
+    with pytest.raises(ValueError, match=r"default, .*batchpilot-engines-\d+, is a link: remove it or set serve.log_dir"):
+        build()
+    shared.unlink()
+    shared.write_text("")
+    with pytest.raises(ValueError, match="is not a folder"):
+        default_engine_log_dir(None)
+    uid = os.getuid()
+    (tmp / f"batchpilot-engines-{uid + 1}").mkdir(mode=0o700)  # made by this test: uid's, not uid+1's
+    with monkeypatch.context() as m:
+        m.setattr(os, "getuid", lambda: uid + 1)
+        with pytest.raises(ValueError, match=rf"is a folder of another user's \(uid {uid}\)"):
+            default_engine_log_dir(None)
+
+    configured = tmp_path / "logs" / "engines"
+    gw = build(log_dir=str(configured))
+    assert gw.log_dir == configured and stat.S_IMODE(configured.stat().st_mode) == 0o700
 
 
 # --- the admin token stays out of the config dump and the command line -------------------------------
