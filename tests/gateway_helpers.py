@@ -14,11 +14,14 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler
+from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import httpx
+import pytest
 
 from batchpilot.config import REPO_ROOT
 from batchpilot.serving.upstream import free_port
@@ -94,20 +97,25 @@ def stop_process(proc: subprocess.Popen) -> None:
 
 
 @contextlib.contextmanager
-def running_gateway(*overrides: str, timeout_s: float = 420.0,
-                    env: dict[str, str] | None = None) -> Iterator[RunningGateway]:
+def running_gateway(*overrides: str, timeout_s: float = 420.0, env: dict[str, str] | None = None,
+                    request: pytest.FixtureRequest | None = None) -> Iterator[RunningGateway]:
     """``scripts/serve.py serve.managed=true`` on a free port, plus ``overrides`` (and ``env``
     added to its environment). ``timeout_s`` (for /readyz) is longer than the gateway's own
     ``serve.startup_timeout_s`` (300 s): on a slow machine the gateway, not the test, decides
-    that vLLM did not start (and exits)."""
+    that vLLM did not start (and exits).
+
+    The gateway's output (``gateway.log``) and its engines' logs (``engines/``, the gateway's
+    default in its Hydra run folder) are in one temporary folder per gateway, removed when the
+    test passes, kept otherwise and named in the failure (``/tmp/batchpilot-gateway-<port>.log``
+    files used to be left behind by the dozen per CI run). A fixture shared by several tests
+    passes its ``request``: a test that failed while the gateway ran keeps the folder too, named
+    in a warning at the end of the run."""
     port = free_port()
-    log_path = f"/tmp/batchpilot-gateway-{port}.log"
-    # The engines' logs in a folder of this run's, removed when it passes (the gateway's default,
-    # a fresh /tmp folder per start, is kept for the operator: hundreds piled up under tests).
-    engine_logs = tempfile.mkdtemp(prefix=f"batchpilot-test-engines-{port}-")
+    folder = Path(tempfile.mkdtemp(prefix=f"batchpilot-test-gateway-{port}-"))
+    log_path = str(folder / "gateway.log")
     cmd = [sys.executable, str(REPO_ROOT / "scripts" / "serve.py"), "serve.managed=true", f"serve.port={port}",
-           f"serve.log_dir={engine_logs}", "serve.kv_cache_space_gib=1", "hydra.run.dir=/tmp/batchpilot-hydra",
-           "hydra.output_subdir=null", "hydra/job_logging=none", "hydra/hydra_logging=none", *overrides]
+           "serve.kv_cache_space_gib=1", f"hydra.run.dir={folder}", "hydra.output_subdir=null",
+           "hydra/job_logging=none", "hydra/hydra_logging=none", *overrides]
     proc_env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", BATCHPILOT_ADMIN_TOKEN=TOKEN,
                     BATCHPILOT_TRUSTED_KEYS=TRUSTED_KEY, **(env or {}))
     with open(log_path, "wb") as out:
@@ -115,11 +123,16 @@ def running_gateway(*overrides: str, timeout_s: float = 420.0,
     gw = RunningGateway(f"http://127.0.0.1:{port}", proc, log_path)
     pids: list[int] = []
     body_ok = False
+    failed_before = request.session.testsfailed if request is not None else 0
     try:
         wait_ready(gw.url, timeout_s, proc)
         pids = gw.upstream_pids()
         yield gw
         body_ok = True
+    except BaseException as exc:
+        if not isinstance(exc, GeneratorExit):
+            exc.add_note(f"the gateway's log and its engines' are kept in {folder}")
+        raise
     finally:
         with contextlib.suppress(Exception):
             pids = gw.upstream_pids() or pids
@@ -132,8 +145,12 @@ def running_gateway(*overrides: str, timeout_s: float = 420.0,
         with open(log_path, errors="replace") as f:
             text = f.read()
         for marker in ("unexpected error on", "Exception in ASGI application"):
-            assert marker not in text, f"the gateway failed internally ({marker!r}); see {log_path}"
-        shutil.rmtree(engine_logs, ignore_errors=True)
+            assert marker not in text, f"the gateway failed internally ({marker!r}); see {log_path} (kept)"
+        if request is not None and request.session.testsfailed > failed_before:
+            warnings.warn(f"a test failed while the gateway of {request.node.name} ran: its log and its "
+                          f"engines' are kept in {folder}", stacklevel=1)
+        else:
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 @dataclass

@@ -42,7 +42,7 @@ def fixed_policy(out: Path, batch_action: int) -> Path:
 
 
 @pytest.fixture(scope="module")
-def gw() -> RunningGateway:
+def gw(request: pytest.FixtureRequest) -> RunningGateway:
     if not (SHIPPED / "manifest.json").is_file():
         pytest.fail("the shipped policy is missing from policies/pretrained")
     # PID first (it holds the cap at light load, so routing sees two equal upstreams); the
@@ -53,7 +53,7 @@ def gw() -> RunningGateway:
     with running_gateway("serve.num_managed=2", "serve.control.mode=pid", f"serve.control.policy_dir={SHIPPED}",
                          "slo.ttft_ms=2000", "slo.tpot_ms=10000",
                          "serve.control.interval_s=0.5", "serve.control.canary_min_intervals=30", "serve.control.canary_min_requests=12",
-                         timeout_s=420) as g:
+                         timeout_s=420, request=request) as g:
         yield g
 
 

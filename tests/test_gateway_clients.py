@@ -18,8 +18,8 @@ pytestmark = [pytest.mark.live, pytest.mark.slow, pytest.mark.timeout(900)]
 
 
 @pytest.fixture(scope="module")
-def gw() -> RunningGateway:
-    with running_gateway() as g:
+def gw(request: pytest.FixtureRequest) -> RunningGateway:
+    with running_gateway(request=request) as g:
         yield g
 
 

@@ -17,8 +17,8 @@ pytestmark = [pytest.mark.live, pytest.mark.slow, pytest.mark.timeout(600)]
 
 
 @pytest.fixture(scope="module")
-def gw() -> RunningGateway:
-    with running_gateway("serve.control.interval_s=0.5", "serve.control.policy_dir=/nonexistent/policy") as g:
+def gw(request: pytest.FixtureRequest) -> RunningGateway:
+    with running_gateway("serve.control.interval_s=0.5", "serve.control.policy_dir=/nonexistent/policy", request=request) as g:
         yield g
 
 

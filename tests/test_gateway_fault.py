@@ -20,8 +20,8 @@ REQUEST_TIMEOUT_S = 8.0
 
 
 @pytest.fixture(scope="module")
-def gw() -> RunningGateway:
-    with running_gateway(f"serve.request_timeout_s={REQUEST_TIMEOUT_S}", "serve.health_interval_s=0.25") as g:
+def gw(request: pytest.FixtureRequest) -> RunningGateway:
+    with running_gateway(f"serve.request_timeout_s={REQUEST_TIMEOUT_S}", "serve.health_interval_s=0.25", request=request) as g:
         yield g
 
 

@@ -25,11 +25,11 @@ SHIPPED = Path(__file__).resolve().parents[1] / "policies" / "pretrained"
 
 
 @pytest.fixture(scope="module")
-def gw() -> RunningGateway:
+def gw(request: pytest.FixtureRequest) -> RunningGateway:
     # body_timeout_s: well above what the large (4-9 MB) bodies below take to arrive on a slow,
     # busy machine, since each must be refused for its content, not cut off as slow.
     with running_gateway("serve.header_timeout_s=2", "serve.body_timeout_s=10", "serve.control.interval_s=0.5",
-                         f"serve.control.policy_dir={SHIPPED}") as g:
+                         f"serve.control.policy_dir={SHIPPED}", request=request) as g:
         yield g
 
 

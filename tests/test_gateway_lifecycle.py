@@ -18,6 +18,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from http.server import ThreadingHTTPServer
@@ -482,6 +483,48 @@ def _wait_for(cond: Any, timeout_s: float, what: str) -> None:
     while not cond():
         assert time.monotonic() < deadline, f"not reached after {timeout_s:g} s: {what}"
         time.sleep(0.05)
+
+
+@pytest.mark.slow  # three gateway starts
+def test_the_test_gateways_logs_are_removed_on_success_and_kept_on_failure(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``gateway_helpers.running_gateway`` (here unmanaged, in front of a fake vLLM) keeps the
+    gateway's log in a temporary folder of its own: removed when the test passes, kept and named
+    when it fails, or when a test sharing the gateway failed (a warning names it). It wrote
+    ``/tmp/batchpilot-gateway-<port>.log`` and never removed it."""
+    from types import SimpleNamespace
+
+    from gateway_helpers import running_gateway
+
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))
+    upstream = ThreadingHTTPServer(("127.0.0.1", 0), FakeVLLM)
+    upstream.daemon_threads = True
+    threading.Thread(target=upstream.serve_forever, daemon=True).start()
+    unmanaged = ("serve.managed=false", f"serve.upstreams=[http://127.0.0.1:{upstream.server_port}]",
+                 "serve.tokenizer=chars", "serve.startup_timeout_s=60")
+    try:
+        with running_gateway(*unmanaged, timeout_s=120) as gw:
+            folder = Path(gw.log_path).parent
+            assert folder.parent == tmp and "gateway ready" in Path(gw.log_path).read_text()
+        assert not folder.exists() and os.listdir(tmp) == []  # passed: nothing left
+
+        with pytest.raises(AssertionError) as failed:
+            with running_gateway(*unmanaged, timeout_s=120) as gw:
+                folder = Path(gw.log_path).parent
+                raise AssertionError("the test failed")
+        assert f"the gateway's log and its engines' are kept in {folder}" in failed.value.__notes__
+        assert Path(gw.log_path).is_file()
+
+        shared = SimpleNamespace(session=SimpleNamespace(testsfailed=3), node=SimpleNamespace(name="gw"))
+        with pytest.warns(UserWarning, match="a test failed while the gateway of gw ran: .* kept in "):
+            with running_gateway(*unmanaged, timeout_s=120, request=shared) as gw:  # type: ignore[arg-type]
+                shared.session.testsfailed += 1  # a test using the module's gateway failed
+        assert Path(gw.log_path).is_file()
+    finally:
+        upstream.shutdown()
+        upstream.server_close()
 
 
 @pytest.mark.anyio
