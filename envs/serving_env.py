@@ -517,10 +517,11 @@ class ServingEnv(gym.Env):
         if adm.expires:
             for rej in adm.expire(now):
                 self._on_rejected(rej)
-        for req in adm.admit(now):
-            self._to_engine(req, now)
-        for rej in adm.take_rejections():  # no longer fits even alone (the memory model moved)
-            self._on_rejected(rej)
+        if adm.num_waiting:  # (below saturation mostly none: an arrival alone is taken at once)
+            for req in adm.admit(now):
+                self._to_engine(req, now)
+            for rej in adm.take_rejections():  # no longer fits even alone (the memory model moved)
+                self._on_rejected(rej)
 
     def _to_engine(self, req: Any, now: float) -> None:
         """Hand a request admission let in at ``now`` to the engine."""
