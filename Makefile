@@ -13,7 +13,7 @@ test: setup lint
 	.venv/bin/python -m pytest -q tests
 
 # Unit and property tests only: no vLLM, no Ray, no training runs, no whole-sweep config checks;
-# on the CPUs there are (pytest-xdist), under a minute on 2 cores.
+# on the CPUs there are (pytest-xdist), a few minutes on 2 cores.
 test-fast: setup
 	.venv/bin/python -m pytest -q -n auto -m "not live and not slow" tests
 
