@@ -12,11 +12,15 @@ Without it, a gateway killed mid-restart left ``vllm serve`` running, holding th
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
 
+#: The name of a managed engine's own folder for vLLM's sockets (``ManagedVLLM._launch`` makes
+#: it); only a folder named so is removed here.
+IPC_DIR_PREFIX = "bp-vllm-ipc-"
 #: How often the parent is checked, and how long vLLM gets to stop before SIGKILL.
 POLL_S = 0.5
 GRACE_S = 10.0
@@ -29,8 +33,16 @@ def _end_group(child: subprocess.Popen) -> int:
         child.wait(GRACE_S)
     except subprocess.TimeoutExpired:
         pass
+    _remove_ipc_dir()  # the gateway that would have is gone
     os.killpg(pgid, signal.SIGKILL)  # ends this process too
     return 1
+
+
+def _remove_ipc_dir() -> None:
+    """The engine's socket folder (``ManagedVLLM._launch``), if it is one of the gateway's."""
+    path = os.environ.get("VLLM_RPC_BASE_PATH", "")
+    if os.path.basename(path).startswith(IPC_DIR_PREFIX):
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def main(argv: list[str]) -> int:

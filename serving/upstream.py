@@ -12,10 +12,12 @@ import asyncio
 import logging
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -27,6 +29,7 @@ import httpx
 from batchpilot.core.vllm_cpu import small_machine_omp_defaults
 from batchpilot.metrics import VLLM_SAMPLE_NAMES
 from batchpilot.serving.http1 import Http1Pool
+from batchpilot.serving.reaper import IPC_DIR_PREFIX
 
 log = logging.getLogger(__name__)
 
@@ -121,6 +124,8 @@ class ManagedVLLM:
         self._closed = False
         #: How long ``close`` lets vLLM shut down before SIGKILL (0 once ``hurry`` was called).
         self._close_grace_s = 10.0
+        #: This launch's folder for vLLM's inter-process sockets (``VLLM_RPC_BASE_PATH``).
+        self.ipc_dir: Path | None = None
 
     @property
     def url(self) -> str:
@@ -164,6 +169,15 @@ class ManagedVLLM:
         small_machine_omp_defaults(env)
         if self._api_key:
             env["VLLM_API_KEY"] = self._api_key
+        # vLLM names a ZeroMQ socket file per channel in VLLM_RPC_BASE_PATH (the temporary
+        # folder by default) and never removes them: a handful per start piled up in /tmp by
+        # the thousand. Each launch gets a folder of its own, removed when the engine stops (by
+        # the reaper if the gateway died). A short path under the temporary folder, not the log
+        # folder: a socket's path must fit in 107 bytes. A path the user exported wins.
+        self._remove_ipc_dir()
+        if "VLLM_RPC_BASE_PATH" not in env:
+            self.ipc_dir = Path(tempfile.mkdtemp(prefix=IPC_DIR_PREFIX))
+            env["VLLM_RPC_BASE_PATH"] = str(self.ipc_dir)
         out = _open_log(self.log_path) if self.log_path else subprocess.DEVNULL
         reaper = [sys.executable, "-m", "batchpilot.serving.reaper", str(os.getpid()), "--"]
         try:
@@ -224,6 +238,12 @@ class ManagedVLLM:
         except ProcessLookupError:
             pass
         self.proc = None
+        self._remove_ipc_dir()
+
+    def _remove_ipc_dir(self) -> None:
+        if self.ipc_dir is not None:
+            shutil.rmtree(self.ipc_dir, ignore_errors=True)
+            self.ipc_dir = None
 
     def kill(self) -> None:
         """Crash it (tests: the upstream dies mid-load)."""

@@ -19,6 +19,8 @@ import httpx
 import pytest
 from gateway_helpers import AUTH, TRUSTED, RunningGateway, running_gateway
 
+from batchpilot.serving.reaper import IPC_DIR_PREFIX
+
 pytestmark = [pytest.mark.live, pytest.mark.slow, pytest.mark.timeout(900)]
 
 SHIPPED = Path(__file__).resolve().parents[1] / "policies" / "pretrained"
@@ -409,12 +411,21 @@ def _wait_gone(pgid: int, timeout_s: float = 120.0) -> bool:
 
 
 def test_sigkill_of_the_gateway_leaves_no_engine() -> None:
+    """Nothing of the engine outlives a killed gateway: not its processes, and not the folder of
+    vLLM's socket files (``VLLM_RPC_BASE_PATH``, its own per launch; vLLM never removes the
+    sockets, and a handful per start piled up in the temporary folder by the thousand)."""
     with running_gateway() as g:
         [pgid] = g.upstream_pids()
         assert _wait_gone(pgid, 0.5) is False  # the engine runs
+        # The group's leader (the reaper) has the engine's environment.
+        env = dict(kv.split(b"=", 1) for kv in Path(f"/proc/{pgid}/environ").read_bytes().split(b"\0") if b"=" in kv)
+        ipc = Path(env[b"VLLM_RPC_BASE_PATH"].decode())
+        assert ipc.name.startswith(IPC_DIR_PREFIX)
+        assert any(p.is_socket() for p in ipc.iterdir()), "vLLM put no socket in its own folder"
         g.proc.send_signal(signal.SIGKILL)
         g.proc.wait(30)
         assert _wait_gone(pgid), "vllm serve outlived the gateway's SIGKILL"
+        assert not ipc.exists(), "the engine's socket folder outlived it"
 
 
 def test_sigterm_during_a_restart_leaves_no_engine() -> None:

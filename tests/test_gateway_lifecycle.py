@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -468,6 +469,50 @@ def test_a_second_ctrl_c_kills_the_engines_being_stopped(tmp_path: Path) -> None
             e.close()
         for ln in gw.lanes:
             ln.upstream.pool.close()
+
+
+class _MakesSockets(ManagedVLLM):
+    """A "vllm serve" that makes a socket file where vLLM makes its own (VLLM_RPC_BASE_PATH)."""
+
+    def command(self) -> list[str]:
+        return [sys.executable, "-c", "import os, socket, time, uuid; s = socket.socket(socket.AF_UNIX); "
+                "s.bind(os.path.join(os.environ['VLLM_RPC_BASE_PATH'], str(uuid.uuid4()))); "
+                "print('up', flush=True); time.sleep(120)"]
+
+
+def test_a_stopped_engine_leaves_no_socket_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each launch of a managed engine gets its own folder for vLLM's socket files, removed when
+    the engine stops (vLLM leaves them: thousands piled up in /tmp); a restart gets a new one.
+    A VLLM_RPC_BASE_PATH the user exported is used as it is and never removed."""
+    # A short temporary folder of this test's: a socket's path must fit in 107 bytes (tmp_path's do not).
+    tmp = Path(tempfile.mkdtemp(prefix="bp-ipc-test-"))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))
+    monkeypatch.delenv("VLLM_RPC_BASE_PATH", raising=False)
+    e = _MakesSockets("m", free_port(), served_model_name="m", max_model_len=64, max_num_seqs=4,
+                      log_path=tmp_path / "vllm.log")
+    try:
+        seen = []
+        for _ in range(2):  # a start, then a restart
+            e.start()
+            _wait_for(lambda: "up" in (tmp_path / "vllm.log").read_text(), 30, "the fake engine started")
+            assert e.ipc_dir is not None and e.ipc_dir.parent == tmp and e.ipc_dir not in seen
+            _wait_for(lambda: any(p.is_socket() for p in e.ipc_dir.iterdir()), 30, "its socket made")
+            seen.append(e.ipc_dir)
+            e.stop(grace_s=5.0)
+            (tmp_path / "vllm.log").unlink()
+        assert list(tmp.iterdir()) == [], "a socket or its folder outlived the engine"
+        mine = tmp / "mine"
+        mine.mkdir()
+        monkeypatch.setenv("VLLM_RPC_BASE_PATH", str(mine))
+        e.start()
+        _wait_for(lambda: any(p.is_socket() for p in mine.iterdir()), 30, "its socket made in the user's folder")
+        assert e.ipc_dir is None
+        e.close()
+        assert mine.is_dir()
+    finally:
+        e.kill()
+        e.close()
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _group_gone(pgid: int) -> bool:
