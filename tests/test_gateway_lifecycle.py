@@ -24,7 +24,7 @@ import threading
 import time
 from http.server import ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import httpx
 import pytest
@@ -277,6 +277,40 @@ def _events(text: str) -> list[str]:
     return [line[6:] for line in text.splitlines() if line.startswith("data: ")]
 
 
+@contextlib.contextmanager
+def _gateway_before_slow_upstream(tmp_path: Path, *overrides: str) -> Iterator[tuple[subprocess.Popen, str, Path]]:
+    """``scripts/serve.py`` (a subprocess, its log in ``tmp_path/gateway.log``) in front of an
+    upstream that never tires (``_SlowVLLM``, no vLLM): yields the process, its URL and its log;
+    kills what is left of it and stops the upstream afterwards."""
+    upstream = ThreadingHTTPServer(("127.0.0.1", 0), _SlowVLLM)
+    upstream.daemon_threads = True
+    threading.Thread(target=upstream.serve_forever, daemon=True).start()
+    port = free_port()
+    log = tmp_path / "gateway.log"
+    cmd = [sys.executable, str(REPO_ROOT / "scripts" / "serve.py"), f"hydra.run.dir={tmp_path}",
+           "hydra.output_subdir=null", f"serve.upstreams=[http://127.0.0.1:{upstream.server_port}]",
+           f"serve.port={port}", "serve.tokenizer=chars", "serve.startup_timeout_s=60", *overrides]
+    with log.open("wb") as out:
+        proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        yield proc, f"http://127.0.0.1:{port}", log
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        upstream.shutdown()
+        upstream.server_close()
+
+
+async def _until_ready(c: httpx.AsyncClient, proc: subprocess.Popen, log: Path, deadline: float) -> None:
+    while True:
+        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+        with contextlib.suppress(httpx.HTTPError):
+            if (await c.get("/readyz", timeout=2)).status_code == 200:
+                return
+        await asyncio.sleep(0.1)
+
+
 def test_a_stop_lets_requests_finish_then_ends_the_rest_cleanly(tmp_path: Path) -> None:
     """SIGTERM with three requests in flight, in front of an upstream that never tires (no
     vLLM): a stream that ends within the grace ends whole; an endless stream ends with an SSE
@@ -286,30 +320,14 @@ def test_a_stop_lets_requests_finish_then_ends_the_rest_cleanly(tmp_path: Path) 
     application" each). The grace is ``serve.drain_s``, here 2 s (the default is 4): the
     endless requests are ended no sooner, and the log and their answers say so."""
     drain_s = 2.0
-    upstream = ThreadingHTTPServer(("127.0.0.1", 0), _SlowVLLM)
-    upstream.daemon_threads = True
-    threading.Thread(target=upstream.serve_forever, daemon=True).start()
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    log = tmp_path / "gateway.log"
-    cmd = [sys.executable, str(REPO_ROOT / "scripts" / "serve.py"), f"hydra.run.dir={tmp_path}",
-           "hydra.output_subdir=null", f"serve.upstreams=[http://127.0.0.1:{upstream.server_port}]",
-           f"serve.port={port}", "serve.tokenizer=chars", "serve.startup_timeout_s=60", f"serve.drain_s={drain_s}"]
-    with log.open("wb") as out:
-        proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT)
     short = int((drain_s / 4) / _SlowVLLM.step_s)  # ends a quarter of the grace in
     stopped_after: list[float] = []
     endless = 2000  # 100 s: past any grace (the most a request may ask for: max_model_len)
 
-    async def scenario() -> list[httpx.Response]:
+    async def scenario(proc: subprocess.Popen, url: str, log: Path) -> list[httpx.Response]:
         async with httpx.AsyncClient(base_url=url, timeout=120) as c:
             deadline = time.monotonic() + 120
-            while True:
-                assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
-                with contextlib.suppress(httpx.HTTPError):
-                    if (await c.get("/readyz", timeout=2)).status_code == 200:
-                        break
-                await asyncio.sleep(0.1)
+            await _until_ready(c, proc, log, deadline)
             calls = [c.post("/v1/completions", json={"prompt": "a", "max_tokens": endless, "stream": True}),
                      c.post("/v1/completions", json={"prompt": "b", "max_tokens": endless}),
                      c.post("/v1/completions", json={"prompt": "c", "max_tokens": short, "stream": True})]
@@ -324,15 +342,9 @@ def test_a_stop_lets_requests_finish_then_ends_the_rest_cleanly(tmp_path: Path) 
             stopped_after.append(time.monotonic() - t_stop)
             return answers
 
-    try:
-        stream, plain, short_stream = asyncio.run(scenario())
+    with _gateway_before_slow_upstream(tmp_path, f"serve.drain_s={drain_s}") as (proc, url, log):
+        stream, plain, short_stream = asyncio.run(scenario(proc, url, log))
         assert proc.wait(timeout=60) in (0, -signal.SIGTERM)  # uvicorn raises the SIGTERM again once stopped
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        upstream.shutdown()
-        upstream.server_close()
     text = log.read_text()
     events = _events(stream.text)
     assert stream.status_code == 200 and events[-1] == "[DONE]", stream.text[-500:]
@@ -355,30 +367,13 @@ def test_a_second_ctrl_c_ends_the_gateway_at_once_without_a_traceback(tmp_path: 
     request still answering, then ``KeyboardInterrupt`` itself, printed a traceback."""
     import psutil
 
-    upstream = ThreadingHTTPServer(("127.0.0.1", 0), _SlowVLLM)
-    upstream.daemon_threads = True
-    threading.Thread(target=upstream.serve_forever, daemon=True).start()
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    log = tmp_path / "gateway.log"
-    cmd = [sys.executable, str(REPO_ROOT / "scripts" / "serve.py"), f"hydra.run.dir={tmp_path}",
-           "hydra.output_subdir=null", f"serve.upstreams=[http://127.0.0.1:{upstream.server_port}]",
-           f"serve.port={port}", "serve.tokenizer=chars", "serve.startup_timeout_s=60", "serve.drain_s=60",
-           "serve.body_workers=1"]
-    with log.open("wb") as out:
-        proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT)
     children: list[psutil.Process] = []
     took: list[float] = []
 
-    async def scenario() -> list[httpx.Response]:
+    async def scenario(proc: subprocess.Popen, url: str, log: Path) -> list[httpx.Response]:
         async with httpx.AsyncClient(base_url=url, timeout=120) as c:
             deadline = time.monotonic() + 120
-            while True:
-                assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
-                with contextlib.suppress(httpx.HTTPError):
-                    if (await c.get("/readyz", timeout=2)).status_code == 200:
-                        break
-                await asyncio.sleep(0.1)
+            await _until_ready(c, proc, log, deadline)
             children.extend(psutil.Process(proc.pid).children(recursive=True))  # the body worker
             tasks = [asyncio.ensure_future(c.post("/v1/completions", json={"prompt": "a", "max_tokens": 2000,
                                                                            "stream": True})),
@@ -396,15 +391,9 @@ def test_a_second_ctrl_c_ends_the_gateway_at_once_without_a_traceback(tmp_path: 
             took.append(time.monotonic() - t_second)
             return answers
 
-    try:
-        stream, plain = asyncio.run(scenario())
+    with _gateway_before_slow_upstream(tmp_path, "serve.drain_s=60", "serve.body_workers=1") as (proc, url, log):
+        stream, plain = asyncio.run(scenario(proc, url, log))
         code = proc.wait(timeout=30)  # far less than the 60 s grace
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        upstream.shutdown()
-        upstream.server_close()
     text = log.read_text()
     assert code == 0, text[-3000:]  # Ctrl-C is the gateway's normal end (as uvicorn's own command)
     assert took[0] < 20, took  # not the 60 s grace
