@@ -57,6 +57,39 @@ def group_file(group: str, name: str, dirs: Sequence[Path] = (CONF_DIR,)) -> Pat
     return None
 
 
+def load_group_file(group: str, name: str, dirs: Sequence[Path] = (CONF_DIR,)) -> DictConfig:
+    """``<group>/<name>.yaml`` read without Hydra, as Hydra would compose it on its own: a
+    ``defaults`` entry naming another file of the same group (``- pid`` in
+    ``conf/policy/pid_sf.yaml``) is merged under it, so a variant says only what differs.
+    Schema entries (``schema_*``) and ``_self_`` are left to the caller's schema checks."""
+    return _load_group_file(group, name, tuple(dirs), ())
+
+
+def _load_group_file(group: str, name: str, dirs: tuple[Path, ...], seen: tuple[str, ...]) -> DictConfig:
+    path = group_file(group, name, dirs)
+    if path is None:
+        raise ConfigError(f"{group}/{name}.yaml not found in {[str(d) for d in dirs]}; "
+                          f"known: {group_names(group, dirs)}")
+    if name in seen:
+        raise ConfigError(f"{group}/{name}.yaml: its defaults come back to itself ({' -> '.join([*seen, name])})")
+    node = OmegaConf.load(path)
+    assert isinstance(node, DictConfig), f"{path}: a config file must hold a mapping"
+    parents = [d for d in (node.get("defaults") or []) if isinstance(d, str) and d != "_self_"
+               and not d.startswith("schema")]
+    merged = OmegaConf.create({})
+    inherited: list[Any] = []
+    for parent in parents:
+        base = _load_group_file(group, parent, dirs, (*seen, name))
+        inherited += list(base.get("defaults") or [])
+        merged = OmegaConf.merge(merged, base)
+    merged = OmegaConf.merge(merged, node)
+    if parents:  # the schemas the chain extends, each once; the parents themselves are merged
+        own = [d for d in node.defaults if d not in parents]
+        merged.defaults = list(dict.fromkeys(str(d) for d in inherited + own))
+    assert isinstance(merged, DictConfig)
+    return merged
+
+
 def group_names(group: str, dirs: Sequence[Path] = (CONF_DIR,)) -> list[str]:
     """Every option of a config group across ``dirs``, sorted (for "known: ..." messages)."""
     return sorted({f.stem for d in dirs for f in (d / group).glob("*.yaml")})

@@ -167,12 +167,18 @@ def _ratio(a: float, b: float) -> float:
 TIE_REL = 0.005
 
 
+#: The controllers PPO's goodput is set against per cell, in column order; ``pid_sf`` (PID with
+#: shortest-first order, the learnt policy's starting point) only where the run has it.
+COMPARED = ("pid", "pid_sf", "best_static")
+
+
 def ppo_comparison(rows: Sequence[Mapping[str, Any]]) -> tuple[str, str]:
-    """PPO against PID and best_static per workload × deployment cell: a table (goodput means,
-    PPO's goodput ratio to each, SLO attainments) and the summary line naming the cells where
-    PPO misses the bar "goodput >= PID's at >= PID's SLO attainment" (means over the scored
-    seeds; within ``TIE_REL`` relative counts as equal). Empty strings when the rows have no
-    ppo or no pid."""
+    """PPO against PID, best_static (and PID with shortest-first order, where it ran) per
+    workload × deployment cell: a table (goodput means, PPO's goodput ratio to each, SLO
+    attainments), the summary line naming the cells where PPO misses the bar "goodput >= PID's
+    at >= PID's SLO attainment" (means over the scored seeds; within ``TIE_REL`` relative counts
+    as equal), and PPO's geometric-mean ratio to each over the cells. Empty strings when the
+    rows have no ppo or no pid."""
     agg = aggregate(rows, ("request_goodput", "slo_attainment"))
     by: dict[tuple[str, str], dict[str, dict[str, Any]]] = {}
     for e in agg:
@@ -180,34 +186,44 @@ def ppo_comparison(rows: Sequence[Mapping[str, Any]]) -> tuple[str, str]:
     cells = [(k, v) for k, v in by.items() if "ppo" in v and "pid" in v]
     if not cells:
         return "", ""
-    head = [
-        "workload", "deployment", "ppo goodput", "pid goodput", "best_static goodput", "ppo / pid",
-        "ppo / best_static", "ppo attainment", "pid attainment", "ppo >= pid",
-    ]
-    lines = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] * 2 + ["---:"] * 7 + ["---"]) + "|"]
-    losses, n_cells = [], 0
+    refs = [c for c in COMPARED if c != "pid_sf" or any(c in v for _, v in cells)]
+    head = ["workload", "deployment", "ppo goodput", *(f"{c} goodput" for c in refs),
+            *(f"ppo / {c}" for c in refs), "ppo attainment", "pid attainment", "ppo >= pid"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] * 2 + ["---:"] * (len(head) - 3) + ["---"]) + "|"]
+    losses, ratios = [], {c: [] for c in refs}
     for (wl, dep), v in cells:
         g = {p: v[p]["request_goodput"][0] for p in v}
         a = {p: v[p]["slo_attainment"][0] for p in v}
-        bs = g.get("best_static", math.nan)
         lost_g = g["ppo"] < g["pid"] * (1 - TIE_REL)
         lost_a = a["ppo"] < a["pid"] * (1 - TIE_REL)
         ok = not (lost_g or lost_a)
-        n_cells += 1
         if not ok:
             why = " and ".join(w for w, lost in (("goodput", lost_g), ("attainment", lost_a)) if lost)
             losses.append(f"{wl} @ {dep} ({why}: {_fmt(g['ppo'])} vs {_fmt(g['pid'])} req/s, "
                           f"{_fmt(a['ppo'])} vs {_fmt(a['pid'])})")
+        cell_ratios = {c: _ratio(g["ppo"], g.get(c, math.nan)) for c in refs}
+        for c, x in cell_ratios.items():
+            ratios[c].append(x)
         lines.append("| " + " | ".join([
-            wl, dep, _fmt(g["ppo"]), _fmt(g["pid"]), _fmt(bs), _fmt(_ratio(g["ppo"], g["pid"])),
-            _fmt(_ratio(g["ppo"], bs)), _fmt(a["ppo"]), _fmt(a["pid"]), "yes" if ok else "**no**",
+            wl, dep, _fmt(g["ppo"]), *(_fmt(g.get(c, math.nan)) for c in refs),
+            *(_fmt(cell_ratios[c]) for c in refs), _fmt(a["ppo"]), _fmt(a["pid"]), "yes" if ok else "**no**",
         ]) + " |")
     summary = (
         f"PPO < PID (goodput at >= PID's SLO attainment, means over seeds, ties within "
-        f"{TIE_REL:.1%}) on {len(losses)} of {n_cells} cells"
+        f"{TIE_REL:.1%}) on {len(losses)} of {len(cells)} cells"
         + (": " + "; ".join(losses) + "." if losses else ".")
     )
+    means = [f"PPO / {c} {m:.3f}× ({n} cells)" for c in refs for m, n in [_geomean(ratios[c])] if n]
+    if means:
+        summary += " Geometric means over the cells with both: " + ", ".join(means) + "."
     return "\n".join(lines), summary
+
+
+def _geomean(xs: Sequence[float]) -> tuple[float, int]:
+    """Geometric mean of the finite, positive ratios and how many there were (a cell where a
+    baseline served nothing, or did not run, has no ratio)."""
+    ok = [x for x in xs if math.isfinite(x) and x > 0]
+    return (math.exp(sum(math.log(x) for x in ok) / len(ok)), len(ok)) if ok else (math.nan, 0)
 
 
 def results_markdown(
@@ -229,7 +245,7 @@ def results_markdown(
     ]
     comp, summary = ppo_comparison(rows)
     if comp:
-        parts += ["\nPPO against PID and best_static (goodput in req/s, means over the scored seeds):\n", comp,
+        parts += ["\nPPO against the baselines (goodput in req/s, means over the scored seeds):\n", comp,
                   f"\n**{summary}**"]
     picks = []
     for p in search:

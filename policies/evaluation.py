@@ -47,7 +47,7 @@ from typing import Any
 import numpy as np
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from batchpilot.config import group_file, group_names
+from batchpilot.config import group_file, group_names, load_group_file
 from batchpilot.core.knobs import Knobs
 from batchpilot.policies.controllers import CONTROLLER_BUILDERS, Controller, build_controller
 from batchpilot.policies.eval_plan import (
@@ -73,10 +73,9 @@ AS_SHIPPED_KEY = "as_shipped"
 def policy_config(name: str, ecfg: EvalConfig, plan: WorkloadPlan) -> dict[str, Any]:
     """``conf/policy/<name>.yaml`` (or the run's ``hydra.searchpath`` copy) with
     ``policy_overrides[name]`` merged in."""
-    path = group_file("policy", name, ecfg.config_dirs)
-    if path is None:
+    if group_file("policy", name, ecfg.config_dirs) is None:
         raise EvaluationError(f"unknown policy {name!r}; known: {group_names('policy', ecfg.config_dirs)}")
-    node = OmegaConf.load(path)
+    node = load_group_file("policy", name, ecfg.config_dirs)
     d: dict[str, Any] = dict(OmegaConf.to_container(node, resolve=True))  # type: ignore[arg-type]
     if name in AS_SHIPPED:
         d[AS_SHIPPED_KEY] = True

@@ -40,7 +40,7 @@ from typing import Any, Callable
 
 from omegaconf import DictConfig, OmegaConf
 
-from batchpilot.config import CONF_DIR, config_dirs, group_file, group_names
+from batchpilot.config import CONF_DIR, config_dirs, group_file, group_names, load_group_file
 from batchpilot.envs.serving_env import ServingEnv
 from batchpilot.policies.callbacks import (
     COMPARE_METRICS,
@@ -370,9 +370,7 @@ def train(cfg: DictConfig) -> float:
         run = start_wandb(lc, {**config_dict, "_job": job_info()}, out_dir)
         suite = ValidationSuite(validation_base_cfg(plain, tc.validation), tc.validation)
         baseline_name = str(tc.validation.get("baseline", "pid"))
-        baseline_path = group_file("policy", baseline_name, config_dirs())
-        assert baseline_path is not None  # check_training_config refused a missing one
-        baseline_cfg = OmegaConf.load(baseline_path)
+        baseline_cfg = load_group_file("policy", baseline_name, config_dirs())  # checked by check_training_config
         slo_ms = {"ttft": cfg.slo.ttft_ms, "tpot": cfg.slo.tpot_ms, "e2el": cfg.slo.e2el_ms}
         t0 = time.perf_counter()
         baseline = suite.run_controller(baseline_factory(baseline_cfg, slo_ms))

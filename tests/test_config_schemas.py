@@ -16,7 +16,7 @@ from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 from param_sweeps import sweep
 
-from batchpilot.config import CONF_DIR, from_node, load_config
+from batchpilot.config import CONF_DIR, ConfigError, from_node, load_config, load_group_file, plain
 from batchpilot.core.admission import AdmissionConfig
 from batchpilot.core.shield import ShieldConfig
 from batchpilot.core.telemetry import SLO
@@ -303,7 +303,7 @@ def test_the_shipped_engines_policies_serve_and_bench_configs_build() -> None:
     assert from_node(VLLMEngineConfig, live.engine, drop=("kind", "warmup")) == VLLMEngineConfig()
     assert from_node(EngineWarmupConfig, live.engine.warmup).seconds == 60
     slo = {"ttft": 1000.0, "tpot": 100.0, "e2el": None}
-    for name in ("pid", "aimd", "static", "vllm_default", "ppo"):
+    for name in ("pid", "pid_sf", "aimd", "static", "vllm_default", "ppo"):
         node = load_config([f"policy={name}"]).policy
         assert build_controller(node, 256, slo_ms=slo) is not None
     pid = build_controller(load_config().policy, 256, slo_ms={"ttft": 500.0, "tpot": 40.0, "e2el": None})
@@ -399,6 +399,29 @@ def test_every_schema_is_extended_by_its_group() -> None:
             ok = any(e.startswith("schema") or e.startswith("/schema/") or e in {f.stem for f in files}
                      for e in names)
             assert ok, f"{path} extends no schema (defaults: {names})"
+
+
+def test_a_group_file_read_without_hydra_is_what_hydra_composes() -> None:
+    """The evaluation and training read policy files without Hydra: a variant that extends
+    another file of its group (``pid_sf`` extends ``pid``) must come out whole, as composed."""
+    for path in sorted((CONF_DIR / "policy").glob("*.yaml")):
+        composed = plain(load_config([f"policy={path.stem}"]).policy)
+        read = plain(load_group_file("policy", path.stem))
+        assert {k: composed[k] for k in read} == read, path.stem  # the schema adds unset keys
+    sf = load_group_file("policy", "pid_sf")
+    assert set(plain(sf)) == set(plain(load_group_file("policy", "pid")))
+    assert (sf.bucketing, sf.kind) == ("shortest_first", "pid") and list(sf.defaults) == ["schema_pid", "_self_"]
+
+
+def test_a_group_file_that_extends_itself_or_nothing_is_one_error(tmp_path: Path) -> None:
+    (tmp_path / "policy").mkdir()
+    (tmp_path / "policy" / "a.yaml").write_text("defaults:\n  - b\n  - _self_\nkind: pid\n")
+    (tmp_path / "policy" / "b.yaml").write_text("defaults:\n  - a\nkind: pid\n")
+    (tmp_path / "policy" / "c.yaml").write_text("defaults:\n  - gone\nkind: pid\n")
+    with pytest.raises(ConfigError, match=r"policy/a.yaml: its defaults come back to itself \(a -> b -> a\)"):
+        load_group_file("policy", "a", [tmp_path])
+    with pytest.raises(ConfigError, match=r"policy/gone.yaml not found .*known: \['a', 'b', 'c'\]"):
+        load_group_file("policy", "c", [tmp_path])
 
 
 def test_the_secrets_are_not_config_keys() -> None:

@@ -442,6 +442,14 @@ def test_ppo_comparison_names_the_cells_where_ppo_loses() -> None:
     assert summary.startswith("PPO < PID (goodput at >= PID's SLO attainment, means over seeds, ties within 0.5%) "
                               "on 1 of 2 cells: b @ m/h (goodput")
     assert "0 of 1 cells." in rep.ppo_comparison([r("ppo", "a", 9.99, 0.8), r("pid", "a", 10.0, 0.8)])[1]
+    # Geometric means over the cells with both (best_static ran on one); no pid_sf column without it.
+    assert summary.endswith("Geometric means over the cells with both: PPO / pid 1.265× (2 cells), "
+                            "PPO / best_static 0.500× (1 cells).")
+    assert "pid_sf" not in table
+    table, summary = rep.ppo_comparison([*rows, r("pid_sf", "a", 8, 0.85), r("pid_sf", "b", 0, 0.0)])
+    assert "| a | m/h | 10.00 | 5.00 | 8.00 | 20.00 | 2.00 | 1.25 | 0.500 | 0.900 | 0.800 | yes |" in table
+    assert "| b | m/h | 4.00 | 5.00 | 0.000 | – | 0.800 | – | – | 0.900 | 0.800 | **no** |" in table
+    assert "PPO / pid_sf 1.250× (1 cells)" in summary  # a baseline that served nothing has no ratio
 
 
 def test_a_residual_policy_starts_where_the_pid_it_corrects_starts() -> None:
