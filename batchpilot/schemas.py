@@ -30,6 +30,8 @@ store entry                     dataclass                                       
 ``policy/schema_static``        ``StaticPolicyNode``: ``StaticConfig`` + kind,    conf/policy/static.yaml,
                                 name                                              vllm_default.yaml
 ``policy/schema_ppo``           ``PPOPolicyNode``: ``PPOPolicyConfig`` + kind     conf/policy/ppo.yaml
+``policy/schema_lookahead``     ``LookaheadPolicyNode``: ``LookaheadConfig`` +    conf/policy/lookahead.yaml
+                                kind
 ``serve/schema``                ``ServeNode``: ``ServeConfig`` less its secrets   conf/serve/default.yaml
 ``schema/gateway_bench``        ``GatewayBenchConfig`` (here)                     conf/bench.yaml ``gateway_bench``
 ``schema/client_bench``         ``ClientBenchConfig`` (here)                      conf/bench.yaml ``client_bench``
@@ -494,6 +496,27 @@ class PPOPolicyConfig:
     slo: dict[str, float | None] | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class LookaheadConfig:
+    """``conf/policy/lookahead.yaml`` (``policies/lookahead.py``): an upper bound on what choosing
+    among ``options`` every ``epoch_s`` could add over PID, found by trying each on a copy of the
+    simulator. Not a controller to deploy: it sees the future."""
+
+    #: How long a choice holds (engine seconds).
+    epoch_s: float = 10.0
+    #: How far each choice is judged: the option for ``epoch_s``, then ``1`` (PID's cap, the
+    #: default order) for the rest.
+    horizon_s: float = 40.0
+    #: ``<factor>[/<bucketing>]`` (a factor of the residual policy's action on PID's cap) or
+    #: ``max[/<bucketing>]`` (the engine's max_num_seqs); the order defaults to ``bucketing``.
+    options: list[str] = field(default_factory=lambda: ["0.7", "0.85", "1", "1.15", "1.3", "1/weighted",
+                                                        "1/fifo", "max"])
+    #: The order of ``1`` and of an option that names none (PID with shortest first: ``pid_sf``).
+    bucketing: str = "shortest_first"
+    #: The SLO served (``build_controller`` fills it from the top config's ``slo``).
+    slo: dict[str, float | None] | None = None
+
+
 # The conf/policy files' schemas: the controller's dataclass plus ``kind``, which selects the
 # builder (``policies/controllers.py build_controller``), and a static controller's ``name``.
 # PID's, AIMD's and PPO's leave out the SLO fields: build_controller fills them from the top
@@ -503,6 +526,8 @@ PIDPolicyNode = node_schema(PIDConfig, "PIDPolicyNode", extra=[("kind", str, "pi
 AIMDPolicyNode = node_schema(AIMDConfig, "AIMDPolicyNode", extra=[("kind", str, "aimd")], exclude=_SLO_FILLED)
 StaticPolicyNode = node_schema(StaticConfig, "StaticPolicyNode", extra=[("kind", str, "static"), ("name", str, "static")])
 PPOPolicyNode = node_schema(PPOPolicyConfig, "PPOPolicyNode", extra=[("kind", str, "ppo")], exclude=("slo",))
+LookaheadPolicyNode = node_schema(LookaheadConfig, "LookaheadPolicyNode", extra=[("kind", str, "lookahead")],
+                                  exclude=("slo",))
 
 
 # --- serve -----------------------------------------------------------------------------------
@@ -1315,6 +1340,7 @@ SCHEMAS: tuple[tuple[str, str, type], ...] = (
     ("policy", "schema_aimd", AIMDPolicyNode),
     ("policy", "schema_static", StaticPolicyNode),
     ("policy", "schema_ppo", PPOPolicyNode),
+    ("policy", "schema_lookahead", LookaheadPolicyNode),
     ("serve", "schema", ServeNode),
     ("schema", "gateway_bench", GatewayBenchConfig),
     ("schema", "client_bench", ClientBenchConfig),

@@ -128,6 +128,16 @@ def _build_ppo(cfg: Any, max_num_seqs: int) -> Controller:
 register_controller("ppo", _build_ppo)
 
 
+def _build_lookahead(cfg: Any, max_num_seqs: int) -> Controller:
+    # An upper bound on the simulator, not a controller to deploy (policies/lookahead.py).
+    from batchpilot.policies.lookahead import build_lookahead
+
+    return build_lookahead(cfg, max_num_seqs)
+
+
+register_controller("lookahead", _build_lookahead)
+
+
 def build_controller(cfg_policy: Any, max_num_seqs: int, slo_ms: dict[str, float | None] | None = None) -> Controller:
     """The controller ``cfg_policy.kind`` names. ``slo_ms`` (``{"ttft": .., "tpot": .., "e2el": ..}``
     from the top config) fills PID/AIMD ``slo_ms`` and PPO's served ``slo`` when the policy
@@ -136,7 +146,7 @@ def build_controller(cfg_policy: Any, max_num_seqs: int, slo_ms: dict[str, float
     kind = d.get("kind")
     if kind not in CONTROLLER_BUILDERS:
         raise ValueError(f"unknown policy kind {kind!r}; known: {sorted(CONTROLLER_BUILDERS)}")
-    if slo_ms and kind == "ppo" and "slo" not in d:
+    if slo_ms and kind in ("ppo", "lookahead") and "slo" not in d:
         d["slo"] = dict(slo_ms)
     if slo_ms and kind in ("pid", "aimd"):
         slo = slo_ms.get(d.get("metric", "ttft"))

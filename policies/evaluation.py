@@ -232,6 +232,9 @@ def run_episode(
     env.reset(seed=seed)
     if not shielded:
         env.shield = Unshielded(env.shield)
+    bind = getattr(controller, "bind", None)
+    if bind is not None:  # a controller that tries its options on copies of the env (lookahead)
+        bind(env)
     controller.reset(env.knobs)
     timeline = Timeline() if record else None
     while True:

@@ -35,6 +35,7 @@ from batchpilot.schemas import (
     LauncherConfig,
     LiveScenarioConfig,
     LoggerConfig,
+    LookaheadConfig,
     PPOPolicyConfig,
     RewardConfig,
     SimEngineConfig,
@@ -303,7 +304,7 @@ def test_the_shipped_engines_policies_serve_and_bench_configs_build() -> None:
     assert from_node(VLLMEngineConfig, live.engine, drop=("kind", "warmup")) == VLLMEngineConfig()
     assert from_node(EngineWarmupConfig, live.engine.warmup).seconds == 60
     slo = {"ttft": 1000.0, "tpot": 100.0, "e2el": None}
-    for name in ("pid", "pid_sf", "aimd", "static", "vllm_default", "ppo"):
+    for name in ("pid", "pid_sf", "aimd", "static", "vllm_default", "ppo", "lookahead"):
         node = load_config([f"policy={name}"]).policy
         assert build_controller(node, 256, slo_ms=slo) is not None
     pid = build_controller(load_config().policy, 256, slo_ms={"ttft": 500.0, "tpot": 40.0, "e2el": None})
@@ -355,6 +356,8 @@ def test_the_shipped_defaults_are_the_dataclass_defaults() -> None:
          StaticConfig, "policy"),
         ({k: v for k, v in _file_keys(CONF_DIR / "policy" / "ppo.yaml").items() if k != "kind"}, PPOPolicyConfig,
          "policy"),
+        ({k: v for k, v in _file_keys(CONF_DIR / "policy" / "lookahead.yaml").items() if k != "kind"},
+         LookaheadConfig, "policy"),
         (_file_keys(CONF_DIR / "serve" / "default.yaml"), ServeConfig, "serve"),
         (_file_keys(CONF_DIR / "bench.yaml", "gateway_bench"), GatewayBenchConfig, "gateway_bench"),
         (_file_keys(CONF_DIR / "bench.yaml", "client_bench"), ClientBenchConfig, "client_bench"),

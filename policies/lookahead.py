@@ -1,0 +1,158 @@
+"""``lookahead``: how much a choice among a few actions could add, before anyone trains for it.
+
+A learnt policy can only find what its actions can gain. This controller measures that bound on
+the simulator: every ``epoch_s`` it copies the environment (the simulator is deterministic and
+its state copies), runs each option on the copy for the epoch and PID-with-the-default-order for
+the rest of ``horizon_s``, and takes the option that finished the most requests within the SLO.
+It sees the arrivals to come, so its goodput is an upper bound (up to its greedy horizon) for
+any policy choosing among these options at this cadence; a small bound says training cannot
+help, whatever the algorithm. Evaluated like any controller (``policies=[pid_sf,lookahead]``),
+reported as a bound like ``best_static_hindsight``; never deployable, and refused on a live
+engine, whose state cannot be copied.
+
+The options are the residual policy's own batch actions (a factor on PID's cap,
+``batchpilot/core/residual.py``) with an order, and ``max`` (the engine's ``max_num_seqs``, a
+cap of its own); PID keeps steering underneath, so after an option the next one starts from
+where PID would be.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+from collections import Counter
+from typing import Any
+
+from batchpilot.config import from_node
+from batchpilot.core.actions import KV_CHOICES
+from batchpilot.core.knobs import BUCKETING_MODES, Knobs, Proposal
+from batchpilot.core.residual import RESIDUAL_FACTORS, ResidualPID, residual_pid_config
+from batchpilot.core.telemetry import SLO, Snapshot
+from batchpilot.schemas import LookaheadConfig
+
+
+class LookaheadError(ValueError):
+    """The lookahead cannot run as configured; the message names the setting."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Option:
+    """One choice: ``factor`` on PID's cap (None: the engine's max_num_seqs) and an order."""
+
+    factor: float | None
+    bucketing: str
+
+    @classmethod
+    def parse(cls, text: str, default_bucketing: str) -> "Option":
+        """``<factor>[/<bucketing>]`` or ``max[/<bucketing>]``."""
+        head, _, order = str(text).partition("/")
+        order = order or default_bucketing
+        if order not in BUCKETING_MODES:
+            raise LookaheadError(f"lookahead option {text!r}: order {order!r} is not one of {list(BUCKETING_MODES)}")
+        if head == "max":
+            return cls(None, order)
+        try:
+            factor = float(head)
+        except ValueError:
+            factor = math.nan
+        match = [f for f in RESIDUAL_FACTORS if math.isclose(f, factor)]
+        if not match:
+            raise LookaheadError(f"lookahead option {text!r}: the cap part must be max or one of the residual "
+                                 f"policy's factors {list(RESIDUAL_FACTORS)}")
+        return cls(match[0], order)
+
+    def __str__(self) -> str:
+        return f"{'max' if self.factor is None else f'{self.factor:g}'}/{self.bucketing}"
+
+
+class LookaheadController:
+    """See the module docstring. ``bind(env)`` before each episode (``run_episode`` does)."""
+
+    name = "lookahead"
+
+    def __init__(self, cfg: LookaheadConfig, slo: SLO, max_num_seqs: int) -> None:
+        if not (cfg.epoch_s > 0 and cfg.horizon_s >= cfg.epoch_s):
+            raise LookaheadError(f"lookahead needs 0 < epoch_s <= horizon_s, got {cfg.epoch_s} and {cfg.horizon_s}")
+        self.cfg = cfg
+        self.base = Option(1.0, cfg.bucketing)
+        self.options = [Option.parse(o, cfg.bucketing) for o in cfg.options]
+        if not self.options:
+            raise LookaheadError("lookahead.options is empty")
+        self.max_num_seqs = max_num_seqs
+        self.residual = ResidualPID(residual_pid_config(slo, max_num_seqs))
+        self.env: Any = None
+        #: Per decision: the step, requests finished so far, each option's value, the chosen index.
+        self.log: list[dict[str, Any]] = []
+        self.choices: Counter[str] = Counter()
+        self._step = 0
+        self._current = self.base
+
+    @property
+    def initial_batch_cap(self) -> int:
+        """Where the PID underneath starts (the evaluation starts the episode there)."""
+        return self.residual.config.initial_batch_cap
+
+    def bind(self, env: Any) -> None:
+        """The environment the episode runs in: its copies are what the options are tried on."""
+        if str(env.cfg.engine.kind) != "sim":
+            raise LookaheadError(f"lookahead needs the simulator (engine=sim): it tries each option on a copy of "
+                                 f"the engine's state, and a {env.cfg.engine.kind!r} engine cannot be copied")
+        self.env = env
+        interval = float(env.interval_s)
+        self._epoch_steps = max(1, round(self.cfg.epoch_s / interval))
+        self._horizon_steps = max(self._epoch_steps, round(self.cfg.horizon_s / interval))
+
+    def reset(self, knobs: Knobs) -> None:
+        self.residual.reset(knobs)
+        self.log.clear()
+        self.choices.clear()
+        self._step = 0
+        self._current = self.base
+
+    def decide(self, snapshot: Snapshot, knobs: Knobs) -> Proposal:
+        if self.env is None:
+            raise LookaheadError("lookahead needs its environment: call bind(env) before the episode")
+        if self._step % self._epoch_steps == 0:
+            self._current = self._choose()
+        self._step += 1
+        return self._propose(self.residual, self._current, snapshot, knobs)
+
+    def _propose(self, residual: ResidualPID, option: Option, snapshot: Snapshot, knobs: Knobs) -> Proposal:
+        if option.factor is None:
+            residual.base(snapshot, knobs)  # PID keeps steering underneath; the cap is the engine's
+            return Proposal(batch_cap=self.max_num_seqs, bucketing=option.bucketing, kv_dtype=None)
+        action = (RESIDUAL_FACTORS.index(option.factor), BUCKETING_MODES.index(option.bucketing), KV_CHOICES.index("keep"))
+        return residual.propose(action, snapshot, knobs, kv16_dtype=self.env.kv16_dtype, kv8_dtype=self.env.kv8_dtype)
+
+    def _choose(self) -> Option:
+        values = [self._value(o) for o in self.options]
+        best = max(range(len(values)), key=lambda i: (values[i], self.options[i] == self.base))  # ties: the base
+        self.log.append({"step": self._step, "finished": len(self.env.finished_requests), "values": values,
+                         "chosen": best})
+        self.choices[str(self.options[best])] += 1
+        return self.options[best]
+
+    def _value(self, option: Option) -> int:
+        """Requests finished within the SLO on a copy: ``option`` for the epoch, then the base."""
+        env, residual = copy.deepcopy(self.env), copy.deepcopy(self.residual)
+        try:
+            start = len(env.finished_requests)
+            for i in range(self._horizon_steps):
+                chosen = option if i < self._epoch_steps else self.base
+                _, _, terminated, truncated, _ = env.step_proposal(
+                    self._propose(residual, chosen, env.snapshot, env.knobs))
+                if terminated or truncated:
+                    break
+            slo = env.slo
+            return sum(1 for r in env.finished_requests[start:] if slo.met(r.ttft, r.tpot, r.e2el))
+        finally:
+            env.close()
+
+
+def build_lookahead(cfg: Any, max_num_seqs: int) -> LookaheadController:
+    """The controller a ``kind: lookahead`` policy file describes (``slo`` filled by the caller)."""
+    lc = from_node(LookaheadConfig, cfg, drop=("kind", "name"))
+    slo = SLO() if lc.slo is None else SLO(ttft_ms=lc.slo.get("ttft"), tpot_ms=lc.slo.get("tpot"),
+                                           e2el_ms=lc.slo.get("e2el"))
+    return LookaheadController(lc, slo, max_num_seqs)
