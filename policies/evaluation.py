@@ -260,6 +260,9 @@ def run_policy(
     from batchpilot.envs.serving_env import ServingEnv
 
     controller = make_controller(policy, plan)
+    if getattr(controller, "needs_simulator", False) and plan.cfg.engine.kind != "sim":
+        raise EvaluationError(f"policy {policy.get('name', policy.get('kind'))!r} tries its options on copies of "
+                              f"the simulator: run it with engine=sim, or drop it from policies=[...]")
     knobs = start_knobs(policy, plan, controller)
     if knobs is not None and knobs.kv_dtype != "auto" and not plan.kv_runnable.get(knobs.kv_dtype, False):
         raise EvaluationError(

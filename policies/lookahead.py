@@ -70,6 +70,8 @@ class LookaheadController:
     """See the module docstring. ``bind(env)`` before each episode (``run_episode`` does)."""
 
     name = "lookahead"
+    #: The evaluation refuses it on a live engine before starting one.
+    needs_simulator = True
 
     def __init__(self, cfg: LookaheadConfig, slo: SLO, max_num_seqs: int) -> None:
         if not (cfg.epoch_s > 0 and cfg.horizon_s >= cfg.epoch_s):

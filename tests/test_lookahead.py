@@ -12,7 +12,7 @@ import pytest
 from batchpilot.config import load_config
 from batchpilot.core.telemetry import SLO
 from batchpilot.envs.serving_env import ServingEnv
-from batchpilot.policies.eval_plan import compose_eval
+from batchpilot.policies.eval_plan import EvaluationError, compose_eval
 from batchpilot.policies.evaluation import evaluate, run_episode
 from batchpilot.policies.lookahead import LookaheadController, LookaheadError, Option
 from batchpilot.schemas import LookaheadConfig
@@ -59,6 +59,16 @@ def test_an_option_outside_the_policy_actions_is_refused(text: str, match: str) 
         Option.parse(text, "shortest_first")
     assert str(Option.parse("max/fifo", "weighted")) == "max/fifo"
     assert Option.parse("0.85", "weighted") == Option(0.85, "weighted")
+
+
+@pytest.mark.live  # the plan reads the live engine's limits (vLLM)
+def test_the_evaluation_refuses_it_on_the_live_engine_before_starting_one(tmp_path: Path) -> None:
+    overrides = ["policies=[lookahead]", "engine=vllm", "model=tiny_llama", "hardware=cpu_tiny", "seeds=[0]",
+                 "logger=none", f"out_dir={tmp_path}"]
+    cfg, _ = compose_eval(overrides)
+    with pytest.raises(EvaluationError, match=r"policy 'lookahead' tries its options on copies of the simulator: "
+                                              r"run it with engine=sim"):
+        evaluate(cfg, overrides)
 
 
 def test_it_refuses_an_engine_it_cannot_copy_and_a_short_horizon() -> None:
