@@ -219,6 +219,47 @@ def ppo_comparison(rows: Sequence[Mapping[str, Any]]) -> tuple[str, str]:
     return "\n".join(lines), summary
 
 
+#: Per episode, PPO below this fraction of a baseline's goodput counts as "much worse" in
+#: ``episode_comparison`` (means over seeds can hide one bad episode in many good ones).
+EPISODE_FLOOR = 0.95
+
+
+def episode_comparison(rows: Sequence[Mapping[str, Any]], floor: float = EPISODE_FLOOR) -> list[str]:
+    """PPO against PID (and PID with shortest-first order, where it ran) episode by episode:
+    the same workload, deployment and seed (on a trace, the same window). One line per baseline:
+    the geometric mean of the goodput ratios, how many episodes fall below ``floor`` × the
+    baseline and the worst of them with both attainments, so "never much worse than PID
+    anywhere" is read off the run, not off means. Episodes where either served nothing have no
+    ratio and are counted apart. Empty when the rows have no ppo."""
+    good: dict[tuple[str, str, Any], dict[str, Mapping[str, Any]]] = {}
+    for r in rows:
+        good.setdefault((r["workload"], deployment(r), r.get("seed")), {})[r["policy"]] = r
+    lines = []
+    for ref in ("pid", "pid_sf"):
+        pairs = [(k, v["ppo"], v[ref]) for k, v in good.items() if "ppo" in v and ref in v]
+        if not pairs:
+            continue
+        scored = [(_ratio(float(a["request_goodput"]), float(b["request_goodput"])), k, a, b) for k, a, b in pairs]
+        ok = [s for s in scored if math.isfinite(s[0]) and s[0] > 0]
+        if not ok:
+            lines.append(f"Per episode, PPO / {ref}: no episode where both served a request within the SLO "
+                         f"({len(pairs)} compared).")
+            continue
+        geo, n = _geomean([s[0] for s in ok])
+        below = sorted((s for s in ok if s[0] < floor), key=lambda s: s[0])
+        line = f"Per episode, PPO / {ref}: geometric mean {geo:.3f}× over {n} episodes"
+        if len(pairs) > n:
+            line += f" ({len(pairs) - n} more where either served nothing within the SLO)"
+        line += f"; below {floor:g}× in {len(below)}"
+        if below:
+            x, (wl, dep, seed), a, b = below[0]
+            line += (f" (worst {x:.3f}×: {wl} @ {dep} seed {seed}, {_fmt(float(a['request_goodput']))} vs "
+                     f"{_fmt(float(b['request_goodput']))} req/s at {_fmt(float(a['slo_attainment']))} vs "
+                     f"{_fmt(float(b['slo_attainment']))} attainment)")
+        lines.append(line + ".")
+    return lines
+
+
 def _geomean(xs: Sequence[float]) -> tuple[float, int]:
     """Geometric mean of the finite, positive ratios and how many there were (a cell where a
     baseline served nothing, or did not run, has no ratio)."""
@@ -247,6 +288,9 @@ def results_markdown(
     if comp:
         parts += ["\nPPO against the baselines (goodput in req/s, means over the scored seeds):\n", comp,
                   f"\n**{summary}**"]
+    episodes = episode_comparison(rows)
+    if episodes:
+        parts += ["", *(f"- {line}" for line in episodes)]
     picks = []
     for p in search:
         n = sum(q["workload"] == p["workload"] and q.get("deployment") == p.get("deployment") for q in search)

@@ -732,6 +732,8 @@ def evaluate(
     run_cfg = {"eval": OmegaConf.to_container(cfg, resolve=False), "overrides": user, "wall_s": wall}
     wandb_dir = rep.log_to_wandb(dict(cfg.get("logger") or {}), run_cfg, rows, table, plots, out)
     print(table)
+    for line in rep.episode_comparison(rows):
+        console.log(line)
     wrote = "results.json, results.csv, results.md" + (f", plots/ ({len(plots)})" if plots else "")
     console.log(f"{len(rows)} rows in {wall:.1f} s → {out}: {wrote}" + (f"; W&B run in {wandb_dir}" if wandb_dir else ""))
     return rows

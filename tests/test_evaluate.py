@@ -452,6 +452,27 @@ def test_ppo_comparison_names_the_cells_where_ppo_loses() -> None:
     assert "PPO / pid_sf 1.250× (1 cells)" in summary  # a baseline that served nothing has no ratio
 
 
+def test_episode_comparison_finds_the_worst_episode_behind_a_good_mean() -> None:
+    """Means over seeds can hide one bad episode among good ones: the per-episode line names it."""
+    def r(pol: str, seed: int, good: float, att: float, wl: str = "a") -> dict:
+        return {**dict.fromkeys(rep.METRIC_KEYS, 1.0), "policy": pol, "workload": wl, "model": "m",
+                "hardware": "h", "seed": seed, "request_goodput": good, "slo_attainment": att}
+
+    rows = [r("ppo", 0, 20, 0.9), r("pid", 0, 10, 0.8), r("ppo", 1, 8, 0.5), r("pid", 1, 10, 0.6),
+            r("ppo", 2, 5, 0.5), r("pid", 2, 5, 0.5), r("ppo", 3, 1, 0.1), r("pid", 3, 0, 0.0),
+            r("ppo", 0, 3, 0.3, "b")]  # no pid on b: not compared
+    (line,) = rep.episode_comparison(rows)
+    geo = (2.0 * 0.8 * 1.0) ** (1 / 3)
+    assert line == (f"Per episode, PPO / pid: geometric mean {geo:.3f}× over 3 episodes (1 more where either "
+                    "served nothing within the SLO); below 0.95× in 1 (worst 0.800×: a @ m/h seed 1, 8.00 vs "
+                    "10.00 req/s at 0.500 vs 0.600 attainment).")
+    lines = rep.episode_comparison([*rows, r("pid_sf", 0, 20, 0.9), r("pid_sf", 1, 8, 0.5)])
+    assert lines[1] == "Per episode, PPO / pid_sf: geometric mean 1.000× over 2 episodes; below 0.95× in 0."
+    assert rep.episode_comparison([r("pid", 0, 1, 1)]) == []
+    md = rep.results_markdown(rows, [], [0, 1, 2, 3], [4])
+    assert f"- {line}" in md
+
+
 def test_a_residual_policy_starts_where_the_pid_it_corrects_starts() -> None:
     """Factor 1 is PID, so the evaluation starts a residual policy at its PID's start cap, as it
     starts PID: started at the environment's default instead, it tracked PID's trajectory at
