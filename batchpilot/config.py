@@ -72,8 +72,12 @@ def _load_group_file(group: str, name: str, dirs: tuple[Path, ...], seen: tuple[
                           f"known: {group_names(group, dirs)}")
     if name in seen:
         raise ConfigError(f"{group}/{name}.yaml: its defaults come back to itself ({' -> '.join([*seen, name])})")
-    node = OmegaConf.load(path)
-    assert isinstance(node, DictConfig), f"{path}: a config file must hold a mapping"
+    try:
+        node = OmegaConf.load(path)
+    except Exception as e:  # YAML syntax, interpolation grammar: name the file
+        raise ConfigError(f"{path}: not a readable config file: {e}") from e
+    if not isinstance(node, DictConfig):
+        raise ConfigError(f"{path}: a config file must hold a mapping (key: value lines), got a {type(node).__name__}")
     parents = [d for d in (node.get("defaults") or []) if isinstance(d, str) and d != "_self_"
                and not d.startswith("schema")]
     merged = OmegaConf.create({})

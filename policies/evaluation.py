@@ -46,8 +46,9 @@ from typing import Any
 
 import numpy as np
 from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf.errors import OmegaConfBaseException
 
-from batchpilot.config import group_file, group_names, load_group_file
+from batchpilot.config import ConfigError, group_file, group_names, load_group_file
 from batchpilot.core.knobs import Knobs
 from batchpilot.policies.controllers import CONTROLLER_BUILDERS, Controller, build_controller
 from batchpilot.policies.eval_plan import (
@@ -75,8 +76,11 @@ def policy_config(name: str, ecfg: EvalConfig, plan: WorkloadPlan) -> dict[str, 
     ``policy_overrides[name]`` merged in."""
     if group_file("policy", name, ecfg.config_dirs) is None:
         raise EvaluationError(f"unknown policy {name!r}; known: {group_names('policy', ecfg.config_dirs)}")
-    node = load_group_file("policy", name, ecfg.config_dirs)
-    d: dict[str, Any] = dict(OmegaConf.to_container(node, resolve=True))  # type: ignore[arg-type]
+    try:
+        node = load_group_file("policy", name, ecfg.config_dirs)
+        d: dict[str, Any] = dict(OmegaConf.to_container(node, resolve=True))  # type: ignore[arg-type]
+    except (ConfigError, OmegaConfBaseException) as e:  # the file, named, in one line
+        raise EvaluationError(f"policy {name!r}: {e}") from e
     if name in AS_SHIPPED:
         d[AS_SHIPPED_KEY] = True
     d.update(ecfg.policy_overrides.get(name, {}))

@@ -40,7 +40,7 @@ from typing import Any, Callable
 
 from omegaconf import DictConfig, OmegaConf
 
-from batchpilot.config import CONF_DIR, config_dirs, group_file, group_names, load_group_file
+from batchpilot.config import CONF_DIR, ConfigError, config_dirs, group_file, group_names, load_group_file
 from batchpilot.envs.serving_env import ServingEnv
 from batchpilot.policies.callbacks import (
     COMPARE_METRICS,
@@ -133,6 +133,10 @@ def check_training_config(cfg: DictConfig, tc: TrainConfig) -> None:
     if group_file("policy", baseline, dirs) is None:
         known = group_names("policy", dirs)
         raise TrainConfigError(f"train.validation.baseline={baseline!r} is not in conf/policy; known: {known}")
+    try:  # read now, not after the run has started (W&B, workers): a malformed file is named here
+        load_group_file("policy", baseline, dirs)
+    except ConfigError as e:
+        raise TrainConfigError(f"train.validation.baseline={baseline!r}: {e}") from None
     if str(cfg.engine.get("kind", "sim")) != "sim":
         return  # a live engine is started by the run itself, once
     try:

@@ -311,6 +311,23 @@ def test_training_refuses_a_bad_value_in_one_line_before_any_step(bad: str, says
     assert not (tmp_path / "best").exists() and not list(tmp_path.glob("*.zip"))
 
 
+def test_training_names_a_malformed_baseline_file_before_any_step(tmp_path) -> None:
+    """A user's baseline policy file that is not a mapping was read only after the run had
+    started (W&B, workers), as an assertion."""
+    import subprocess
+    import sys
+
+    root = CONF_DIR.parent
+    (tmp_path / "conf" / "policy").mkdir(parents=True)
+    (tmp_path / "conf" / "policy" / "listed.yaml").write_text("- pid\n")
+    out = subprocess.run([sys.executable, str(root / "scripts" / "train.py"), "logger=none",
+                          f"hydra.searchpath=[file://{tmp_path / 'conf'}]", "train.validation.baseline=listed",
+                          f"hydra.run.dir={tmp_path / 'run'}"], cwd=root, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "train: error: train.validation.baseline='listed': " in out.stderr, out.stderr[-2000:]
+    assert "policy/listed.yaml: a config file must hold a mapping" in out.stderr and "Traceback" not in out.stderr
+
+
 @pytest.mark.parametrize("bad, says", [
     ("kv.test_seeds=[]", "kv.test_seeds is empty"),
     ("kv.counterfactual_episodes=1", "kv.counterfactual_episodes=1 is split over kv.n_envs=2 processes"),

@@ -425,6 +425,13 @@ def test_a_group_file_that_extends_itself_or_nothing_is_one_error(tmp_path: Path
         load_group_file("policy", "a", [tmp_path])
     with pytest.raises(ConfigError, match=r"policy/gone.yaml not found .*known: \['a', 'b', 'c'\]"):
         load_group_file("policy", "c", [tmp_path])
+    # A malformed file is named, not an assertion or a bare YAML traceback.
+    (tmp_path / "policy" / "d.yaml").write_text("- pid\n- 1\n")
+    (tmp_path / "policy" / "e.yaml").write_text("kind: pid\n  target: [1\n")
+    with pytest.raises(ConfigError, match=r"policy/d.yaml: a config file must hold a mapping .*ListConfig"):
+        load_group_file("policy", "d", [tmp_path])
+    with pytest.raises(ConfigError, match=r"policy/e.yaml: not a readable config file"):
+        load_group_file("policy", "e", [tmp_path])
 
 
 def test_the_secrets_are_not_config_keys() -> None:

@@ -6,6 +6,7 @@ import csv
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -304,6 +305,25 @@ def test_searchpath_files_are_names_the_lists_accept(tmp_path: Path) -> None:
                           cwd=REPO_ROOT, timeout=300)
     assert proc.returncode == 2
     assert "unknown hardware 'nowhere'" in proc.stderr and "'my_gpu'" in proc.stderr and "'h100'" in proc.stderr
+
+
+def test_a_malformed_policy_file_is_one_error_naming_it(tmp_path: Path) -> None:
+    """A user's policy file that is not a mapping, or not YAML, stops the run before any
+    episode with the file named (it was an assertion / a YAML traceback through Hydra)."""
+    conf = tmp_path / "conf" / "policy"
+    conf.mkdir(parents=True)
+    (conf / "listed.yaml").write_text("- pid\n- 1\n")
+    (conf / "broken.yaml").write_text("kind: pid\n  target: [1\n")
+    for name, why in (("listed", "a config file must hold a mapping"), ("broken", "not a readable config file")):
+        proc = subprocess.run(
+            [sys.executable, str(REPO_ROOT / "scripts" / "evaluate.py"), f"policies=[pid,{name}]", "seeds=[0]",
+             "logger=none", "plots=false", "workload=poisson", "workload.duration_s=5",
+             f"hydra.searchpath=[file://{tmp_path / 'conf'}]", f"out_dir={tmp_path / 'out'}"],
+            capture_output=True, text=True, cwd=REPO_ROOT, timeout=300)
+        assert proc.returncode == 2, proc.stderr[-3000:]
+        assert re.search(f"evaluate: error: policy '{name}': .*policy/{name}.yaml: {why}", proc.stderr), proc.stderr
+        assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "out" / "results.json").exists()
 
 
 @pytest.mark.slow
