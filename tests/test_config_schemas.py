@@ -416,22 +416,23 @@ def test_a_group_file_read_without_hydra_is_what_hydra_composes() -> None:
     assert (sf.bucketing, sf.kind) == ("shortest_first", "pid") and list(sf.defaults) == ["schema_pid", "_self_"]
 
 
-def test_a_group_file_that_extends_itself_or_nothing_is_one_error(tmp_path: Path) -> None:
+def test_a_group_file_that_extends_itself_or_nothing_or_is_malformed_is_one_error(tmp_path: Path) -> None:
+    """A cycle, a missing parent and a malformed file (not a mapping, not YAML) are each one
+    ``ConfigError`` naming the file, not an assertion or a bare YAML traceback."""
     (tmp_path / "policy").mkdir()
-    (tmp_path / "policy" / "a.yaml").write_text("defaults:\n  - b\n  - _self_\nkind: pid\n")
-    (tmp_path / "policy" / "b.yaml").write_text("defaults:\n  - a\nkind: pid\n")
-    (tmp_path / "policy" / "c.yaml").write_text("defaults:\n  - gone\nkind: pid\n")
-    with pytest.raises(ConfigError, match=r"policy/a.yaml: its defaults come back to itself \(a -> b -> a\)"):
-        load_group_file("policy", "a", [tmp_path])
-    with pytest.raises(ConfigError, match=r"policy/gone.yaml not found .*known: \['a', 'b', 'c'\]"):
-        load_group_file("policy", "c", [tmp_path])
-    # A malformed file is named, not an assertion or a bare YAML traceback.
-    (tmp_path / "policy" / "d.yaml").write_text("- pid\n- 1\n")
-    (tmp_path / "policy" / "e.yaml").write_text("kind: pid\n  target: [1\n")
-    with pytest.raises(ConfigError, match=r"policy/d.yaml: a config file must hold a mapping .*ListConfig"):
-        load_group_file("policy", "d", [tmp_path])
-    with pytest.raises(ConfigError, match=r"policy/e.yaml: not a readable config file"):
-        load_group_file("policy", "e", [tmp_path])
+    cases = {
+        "a": ("defaults:\n  - b\n  - _self_\nkind: pid\n", r"policy/a.yaml: its defaults come back to itself \(a -> b -> a\)"),
+        "b": ("defaults:\n  - a\nkind: pid\n", None),
+        "c": ("defaults:\n  - gone\nkind: pid\n", r"policy/gone.yaml not found .*known: \['a', 'b', 'c', 'd', 'e'\]"),
+        "d": ("- pid\n- 1\n", r"policy/d.yaml: a config file must hold a mapping .*ListConfig"),
+        "e": ("kind: pid\n  target: [1\n", r"policy/e.yaml: not a readable config file"),
+    }
+    for name, (text, _) in cases.items():
+        (tmp_path / "policy" / f"{name}.yaml").write_text(text)
+    for name, (_, says) in cases.items():
+        if says is not None:
+            with pytest.raises(ConfigError, match=says):
+                load_group_file("policy", name, [tmp_path])
 
 
 def test_the_secrets_are_not_config_keys() -> None:
