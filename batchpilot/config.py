@@ -7,10 +7,11 @@ import typing
 from pathlib import Path
 from typing import Any, Mapping, Sequence, TypeVar
 
+import yaml
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import ConfigKeyError, ValidationError
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
 #: The repository's ``conf/`` folder (the package is installed in editable mode from the repo).
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
@@ -74,7 +75,7 @@ def _load_group_file(group: str, name: str, dirs: tuple[Path, ...], seen: tuple[
         raise ConfigError(f"{group}/{name}.yaml: its defaults come back to itself ({' -> '.join([*seen, name])})")
     try:
         node = OmegaConf.load(path)
-    except Exception as e:  # YAML syntax, interpolation grammar: name the file
+    except (OSError, yaml.YAMLError, OmegaConfBaseException) as e:  # unreadable, YAML syntax: name the file
         raise ConfigError(f"{path}: not a readable config file: {e}") from e
     if not isinstance(node, DictConfig):
         raise ConfigError(f"{path}: a config file must hold a mapping (key: value lines), got a {type(node).__name__}")
