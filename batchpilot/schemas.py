@@ -1029,6 +1029,7 @@ class EvaluateApp:
     workload_overrides: dict[str, list[str]]
     policy_overrides: dict[str, dict[str, Any]]
     best_static: BestStaticConfig
+    timeline_seeds: list[int] | None
     plots: bool
     out_dir: str
 

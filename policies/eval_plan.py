@@ -94,6 +94,8 @@ class EvalConfig:
     #: ``start_s + k * stride`` (stride = ``trace_window_stride_s`` or the window's length).
     trace_windows: bool
     trace_window_stride_s: float | None
+    #: The seeds whose episodes keep a per-interval timeline (``timelines.json``); the first is plotted.
+    timeline_seeds: tuple[int, ...]
     plots: bool
     launcher: LauncherConfig
     #: Longest episode (simulated seconds) a workload may ask for: a trace with one stray
@@ -148,6 +150,11 @@ class EvalConfig:
                     f"best_static.tune_seeds {list(bsc.tune_seeds)} overlap seeds {seeds} at {both}: "
                     f"best_static must be tuned on other seeds (trace windows) than those it is scored on"
                 )
+        timeline_seeds = [seeds[0]] if cfg.timeline_seeds is None else [int(s) for s in cfg.timeline_seeds]
+        stray = [s for s in timeline_seeds if s not in seeds]
+        if not timeline_seeds or stray or len(set(timeline_seeds)) != len(timeline_seeds):
+            raise EvaluationError(f"timeline_seeds must be distinct seeds of seeds={seeds} (null: the first), got "
+                                  f"{timeline_seeds}" + (f": {stray} not scored" if stray else ""))
         stride = cfg.trace_window_stride_s
         if stride is not None and not float(stride) > 0:
             raise EvaluationError(f"trace_window_stride_s must be > 0 or null, got {stride}")
@@ -167,6 +174,7 @@ class EvalConfig:
             load=load,
             trace_windows=bool(cfg.trace_windows),
             trace_window_stride_s=None if stride is None else float(stride),
+            timeline_seeds=tuple(timeline_seeds),
             plots=bool(cfg.plots),
             launcher=_launcher(cfg.launcher),
             max_episode_s=float(cfg.max_episode_s),

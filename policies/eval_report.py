@@ -344,9 +344,9 @@ def _jsonable(v: Any) -> Any:
     return v
 
 
-def write_timelines(timelines: Mapping[tuple[str, str], Timeline], out_dir: Path) -> Path:
+def write_timelines(timelines: Mapping[tuple[str, str, int], Timeline], out_dir: Path) -> Path:
     path = out_dir / "timelines.json"
-    data = [{"workload": wl, "policy": pol, **asdict(tl)} for (wl, pol), tl in timelines.items()]
+    data = [{"workload": wl, "policy": pol, "seed": seed, **asdict(tl)} for (wl, pol, seed), tl in timelines.items()]
     path.write_text(json.dumps(data) + "\n")
     return path
 
@@ -357,10 +357,10 @@ def _safe(name: str) -> str:
 
 
 def plot_timelines(
-    timelines: Mapping[tuple[str, str], Timeline], out_dir: Path, slo_ttft_ms: float | None
+    timelines: Mapping[tuple[str, str], Timeline], out_dir: Path, slo_ttft_ms: float | None, seed: int
 ) -> list[Path]:
     """Per workload: load (arrival rate, admission queue), each controller's batch cap, KV
-    usage and p99 TTFT over time. One PNG per workload."""
+    usage and p99 TTFT over time, in the episodes of ``seed``. One PNG per workload."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -378,7 +378,7 @@ def plot_timelines(
         ax.plot(first.time, first.arrival_rate, color="k", lw=1.2, label="arrivals/s")
         ax.set_ylabel("arrivals (req/s)")
         ax.set_ylim(bottom=0)
-        ax.set_title(f"{wl}: load and each controller's knobs (first seed; drain not shown)", fontsize=10)
+        ax.set_title(f"{wl}: load and each controller's knobs (seed {seed}; drain not shown)", fontsize=10)
         queue = ax.twinx()
         queue.set_ylabel("admission queue (dotted)")
         for i, (pol, tl) in enumerate(tls.items()):

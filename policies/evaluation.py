@@ -38,7 +38,7 @@ import dataclasses
 import math
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -256,7 +256,7 @@ def run_policy(
     policy: Mapping[str, Any],
     seeds: Sequence[int],
     *,
-    record_seed: int | None = None,
+    record_seeds: Collection[int] = (),
     on_episode: Callable[[], None] | None = None,
 ) -> Iterator[tuple[int, Episode]]:
     """Episodes of one controller on one workload, one per seed, on one environment (a live
@@ -286,7 +286,7 @@ def run_policy(
             warm_up(env.engine, float(w.pop("seconds")), **w)
         for seed in seeds:
             ep = run_episode(
-                env, controller, seed, record=seed == record_seed,
+                env, controller, seed, record=seed in record_seeds,
                 window_start_s=plan.windows.get(seed) if plan.windows else None, shielded=not as_shipped,
             )
             if on_episode is not None:
@@ -387,7 +387,8 @@ class Cell:
     name: str
     policy: Mapping[str, Any]
     seeds: tuple[int, ...]
-    record_seed: int | None = None
+    #: The seeds whose episodes keep a timeline.
+    record_seeds: tuple[int, ...] = ()
     point: int | None = None
     hindsight: bool = False
 
@@ -406,7 +407,7 @@ OnDone = Callable[[Cell, CellResult], list[Cell]]
 def run_cell(plan: WorkloadPlan, cell: Cell) -> CellResult:
     """A cell's episodes. Every launcher runs cells through this one function, so where a cell
     ran cannot change its result."""
-    return list(run_policy(plan, cell.policy, cell.seeds, record_seed=cell.record_seed))
+    return list(run_policy(plan, cell.policy, cell.seeds, record_seeds=cell.record_seeds))
 
 
 def split_cells(
@@ -414,13 +415,13 @@ def split_cells(
     name: str,
     policy: Mapping[str, Any],
     seeds: Sequence[int],
-    record_seed: int | None,
+    record_seeds: Collection[int],
     live: bool,
 ) -> list[Cell]:
     """A controller's seeds as cells: one per seed on the simulator (the finest unit that runs
     in parallel), all in one cell on a live engine (it starts once per controller, ~a minute)."""
     groups = [tuple(seeds)] if live else [(s,) for s in seeds]
-    return [Cell(workload, name, dict(policy), g, record_seed if record_seed in g else None) for g in groups]
+    return [Cell(workload, name, dict(policy), g, tuple(s for s in g if s in record_seeds)) for g in groups]
 
 
 def run_serial(plans: Sequence[WorkloadPlan], cells: Sequence[Cell], on_done: OnDone) -> None:
@@ -536,7 +537,7 @@ class _Matrix:
         return out
 
     def table_cells(self, wi: int, name: str, policy: Mapping[str, Any]) -> list[Cell]:
-        return split_cells(wi, name, policy, self.ecfg.seeds, self.ecfg.seeds[0], self.live)
+        return split_cells(wi, name, policy, self.ecfg.seeds, self.ecfg.timeline_seeds, self.live)
 
     def first_cells(self) -> list[Cell]:
         """Everything that can start at once: every grid point (on the tuning seeds, and on
@@ -550,11 +551,11 @@ class _Matrix:
                     self.grids[wi], self.notes[wi] = best_static_grid(bs, plan)
                     self.left[wi] = len(self.grids[wi])
                     grid = list(enumerate(self.grids[wi]))
-                    cells += [Cell(wi, name, p.policy(), tuple(bs.tune_seeds), None, i) for i, p in grid]
+                    cells += [Cell(wi, name, p.policy(), tuple(bs.tune_seeds), (), i) for i, p in grid]
                     if bs.hindsight:
                         self.left_hindsight[wi] = len(self.grids[wi])
                         cells += [
-                            Cell(wi, name, p.policy(HINDSIGHT), tuple(self.ecfg.seeds), None, i, True)
+                            Cell(wi, name, p.policy(HINDSIGHT), tuple(self.ecfg.seeds), (), i, True)
                             for i, p in grid
                         ]
                 else:
@@ -626,13 +627,15 @@ class _Matrix:
             for seed in self.ecfg.seeds
         ]
 
-    def timelines(self) -> dict[tuple[str, str], Timeline]:
-        out: dict[tuple[str, str], Timeline] = {}
+    def timelines(self) -> dict[tuple[str, str, int], Timeline]:
+        """(workload, controller, seed) -> the episode's timeline, for ``timeline_seeds``."""
+        out: dict[tuple[str, str, int], Timeline] = {}
         for wi, plan in enumerate(self.plans):
             for name in self.ecfg.policies:
-                tl = self.episodes[(wi, name, self.ecfg.seeds[0])].timeline
-                if tl is not None:
-                    out[(plan.key, name)] = tl
+                for seed in self.ecfg.timeline_seeds:
+                    tl = self.episodes[(wi, name, seed)].timeline
+                    if tl is not None:
+                        out[(plan.key, name, seed)] = tl
         return out
 
     def search(self) -> list[dict[str, Any]]:
@@ -730,7 +733,9 @@ def evaluate(
     plots: list[Path] = []
     if ecfg.plots:
         slo_ttft = plans[0].cfg.slo.get("ttft_ms")
-        plots = rep.plot_timelines(timelines, out / "plots", None if slo_ttft is None else float(slo_ttft))
+        first = ecfg.timeline_seeds[0]
+        plotted = {(wl, pol): tl for (wl, pol, seed), tl in timelines.items() if seed == first}
+        plots = rep.plot_timelines(plotted, out / "plots", None if slo_ttft is None else float(slo_ttft), first)
         plots.append(rep.plot_goodput_vs_slo(rows, out / "plots"))
     wall = time.perf_counter() - t_start
     run_cfg = {"eval": OmegaConf.to_container(cfg, resolve=False), "overrides": user, "wall_s": wall}

@@ -107,8 +107,30 @@ def test_small_run_writes_the_table_and_plots(small_run: tuple[Path, list[dict]]
         p = out / "plots" / name
         assert p.is_file() and p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     tl = json.loads((out / "timelines.json").read_text())
-    assert {t["policy"] for t in tl} == {"pid", "vllm_default"}
+    assert {(t["policy"], t["seed"]) for t in tl} == {("pid", 0), ("vllm_default", 0)}  # the first seed
     assert all(len(t["batch_cap"]) == len(t["time"]) > 10 for t in tl)
+
+
+@pytest.mark.slow  # an evaluation run
+def test_timeline_seeds_keep_each_seeds_own_episode(tmp_path: Path) -> None:
+    """``timeline_seeds`` names the episodes whose timelines are kept: each is that seed's own
+    (seeds draw different arrivals), and every other seed's is not written."""
+    _run(tmp_path, ["policies=[pid]", "timeline_seeds=[2,0]", "plots=false"])
+    tl = {t["seed"]: t for t in json.loads((tmp_path / "timelines.json").read_text())}
+    assert sorted(tl) == [0, 2]
+    assert tl[0]["arrival_rate"] != tl[2]["arrival_rate"]
+    again = tmp_path / "again"
+    _run(again, ["policies=[pid]", "seeds=[2]", "plots=false"])
+    assert json.loads((again / "timelines.json").read_text())[0]["arrival_rate"] == tl[2]["arrival_rate"]
+
+
+@pytest.mark.parametrize("seeds,why", [("[3]", r"\[3\] not scored"), ("[]", r"got \[\]"), ("[1,1]", r"got \[1, 1\]")])
+def test_timeline_seeds_must_be_scored_seeds(seeds: str, why: str) -> None:
+    from batchpilot.policies.eval_plan import EvalConfig
+
+    cfg, _ = compose_eval([*SMALL, f"timeline_seeds={seeds}"])
+    with pytest.raises(EvaluationError, match=r"timeline_seeds must be distinct seeds of seeds=\[0, 1, 2\].*" + why):
+        EvalConfig.from_cfg(cfg)
 
 
 @pytest.mark.slow  # a whole evaluation run (the module's small_run)
