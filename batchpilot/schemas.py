@@ -515,6 +515,9 @@ class LookaheadConfig:
     bucketing: str = "shortest_first"
     #: The SLO served (``build_controller`` fills it from the top config's ``slo``).
     slo: dict[str, float | None] | None = None
+    #: What the copies are fed: ``future`` (the episode's own arrivals: the bound) or ``recent``
+    #: (the last ``horizon_s`` of arrivals, repeated: a forecast a deployed controller could make).
+    arrivals: str = "future"
 
 
 # The conf/policy files' schemas: the controller's dataclass plus ``kind``, which selects the

@@ -10,6 +10,12 @@ help, whatever the algorithm. Evaluated like any controller (``policies=[pid_sf,
 reported as a bound like ``best_static_hindsight``; never deployable, and refused on a live
 engine, whose state cannot be copied.
 
+With ``arrivals: recent`` the copies are fed a forecast instead of the future: the arrivals of
+the last ``horizon_s``, repeated. That is what a controller with a simulator twin could deploy;
+it measures how much of the bound a naive forecast recovers (docs/evaluation.md: none). It is
+still favoured: the repeated requests, and those in flight on the copy, keep their true output
+lengths, which a gateway learns only when a request finishes.
+
 The options are the residual policy's own batch actions (a factor on PID's cap,
 ``batchpilot/core/residual.py``) with an order, and ``max`` (the engine's ``max_num_seqs``, a
 cap of its own); PID keeps steering underneath, so after an option the next one starts from
@@ -24,12 +30,18 @@ import math
 from collections import Counter
 from typing import Any
 
+import numpy as np
+
 from batchpilot.config import from_node
 from batchpilot.core.actions import KV_CHOICES
 from batchpilot.core.knobs import BUCKETING_MODES, Knobs, Proposal
 from batchpilot.core.residual import RESIDUAL_FACTORS, ResidualPID, residual_pid_config
 from batchpilot.core.telemetry import SLO, Snapshot
+from batchpilot.envs.workloads import RequestStream
 from batchpilot.schemas import LookaheadConfig
+
+#: ``arrivals``: what a copy is fed.
+ARRIVALS = ("future", "recent")
 
 
 class LookaheadError(ValueError):
@@ -74,6 +86,8 @@ class LookaheadController:
     needs_simulator = True
 
     def __init__(self, cfg: LookaheadConfig, slo: SLO, max_num_seqs: int) -> None:
+        if cfg.arrivals not in ARRIVALS:
+            raise LookaheadError(f"lookahead.arrivals must be one of {list(ARRIVALS)}, got {cfg.arrivals!r}")
         if not (cfg.epoch_s > 0 and cfg.horizon_s >= cfg.epoch_s):
             raise LookaheadError(f"lookahead needs 0 < epoch_s <= horizon_s, got {cfg.epoch_s} and {cfg.horizon_s}")
         self.cfg = cfg
@@ -138,6 +152,8 @@ class LookaheadController:
     def _value(self, option: Option) -> int:
         """Requests finished within the SLO on a copy: ``option`` for the epoch, then the base."""
         env, residual = copy.deepcopy(self.env), copy.deepcopy(self.residual)
+        if self.cfg.arrivals == "recent":
+            env.stream = recent_arrivals(env.stream, env.engine.now, self.cfg.horizon_s)
         try:
             start = len(env.finished_requests)
             for i in range(self._horizon_steps):
@@ -150,6 +166,20 @@ class LookaheadController:
             return sum(1 for r in env.finished_requests[start:] if slo.met(r.ttft, r.tpot, r.e2el))
         finally:
             env.close()
+
+
+def recent_arrivals(stream: RequestStream, now: float, span_s: float) -> RequestStream:
+    """The requests that arrived in the last ``span_s`` before ``now``, each shifted ``span_s``
+    later (so they arrive again in the next ``span_s``): a persistence forecast of the arrivals
+    to come. Its request ids are its own (``f<i>``), so none meets one still in flight."""
+    seen = stream.arrival_s[: len(stream) - stream.num_remaining]  # those popped so far
+    idx = np.arange(int(np.searchsorted(seen, now - span_s, side="left")), seen.size)
+    hashes = None if stream.prefix_hashes is None else [stream.prefix_hashes[i] for i in idx]
+    return RequestStream(
+        stream.arrival_s[idx] + span_s, stream.prompt_len[idx], stream.output_len[idx],
+        duration_s=stream.duration_s, priority=stream.priority[idx], prefix_hashes=hashes,
+        prefix_block_tokens=stream.prefix_block_tokens, id_prefix="f",
+    )
 
 
 def build_lookahead(cfg: Any, max_num_seqs: int) -> LookaheadController:

@@ -1,6 +1,7 @@
 """The lookahead bound (policies/lookahead.py): its copies of the simulator replay the episode
-exactly, with the base option alone it is PID with shortest-first order, and what it cannot do
-(a live engine, an option outside the policy's actions) is one clear error."""
+exactly, with the base option alone it is PID with shortest-first order, fed the recent past it
+is a forecast (not the bound), and what it cannot do (a live engine, an option outside the
+policy's actions) is one clear error."""
 
 from __future__ import annotations
 
@@ -10,11 +11,12 @@ from pathlib import Path
 import pytest
 
 from batchpilot.config import load_config
+from batchpilot.core.knobs import Proposal
 from batchpilot.core.telemetry import SLO
 from batchpilot.envs.serving_env import ServingEnv
 from batchpilot.policies.eval_plan import EvaluationError, compose_eval
 from batchpilot.policies.evaluation import evaluate, run_episode
-from batchpilot.policies.lookahead import LookaheadController, LookaheadError, Option
+from batchpilot.policies.lookahead import ARRIVALS, LookaheadController, LookaheadError, Option, recent_arrivals
 from batchpilot.schemas import LookaheadConfig
 
 #: A bursty minute on Llama-3-8B/H100, loaded enough that the options differ.
@@ -80,3 +82,35 @@ def test_it_refuses_an_engine_it_cannot_copy_and_a_short_horizon() -> None:
         LookaheadController(LookaheadConfig(epoch_s=10.0, horizon_s=5.0), SLO(), 256)
     with pytest.raises(LookaheadError, match="call bind"):
         ctl.decide(None, None)  # type: ignore[arg-type]
+
+
+def test_recent_arrivals_repeat_the_last_horizon_under_their_own_ids() -> None:
+    env = ServingEnv(load_config(BURSTY))
+    env.reset(seed=0)
+    for _ in range(20):
+        env.step_proposal(Proposal(batch_cap=env.knobs.batch_cap, bucketing=env.knobs.bucketing, kv_dtype=None))
+    stream, now = env.stream, env.engine.now
+    seen = stream.arrival_s[: len(stream) - stream.num_remaining]
+    last = seen[seen >= now - 8.0]
+    forecast = recent_arrivals(stream, now, 8.0)
+    assert len(forecast) == last.size > 0
+    assert forecast.arrival_s.tolist() == (last + 8.0).tolist()
+    assert forecast.prompt_len.tolist() == stream.prompt_len[seen.size - last.size: seen.size].tolist()
+    assert forecast.next_arrival_time >= now and forecast.pop_until(now + 8.0)[0].request_id == "f0"
+    env.close()
+
+
+def test_fed_recent_arrivals_it_is_a_forecast_not_the_bound() -> None:
+    """The copies see the recent past instead of the future: the choices (and so the episode)
+    differ from the bound's, and it still chooses."""
+    runs = {}
+    for arrivals in ARRIVALS:
+        env = ServingEnv(load_config(BURSTY))
+        ctl = LookaheadController(LookaheadConfig(epoch_s=5.0, horizon_s=10.0, arrivals=arrivals), env.slo, 256)
+        run_episode(env, ctl, seed=0)
+        runs[arrivals] = [e["values"] for e in ctl.log]
+        assert len({e["chosen"] for e in ctl.log}) > 1, (arrivals, ctl.log)
+        env.close()
+    assert runs["future"] != runs["recent"]
+    with pytest.raises(LookaheadError, match=r"arrivals must be one of \['future', 'recent'\], got 'past'"):
+        LookaheadController(LookaheadConfig(arrivals="past"), SLO(), 256)
