@@ -224,6 +224,21 @@ def ppo_comparison(rows: Sequence[Mapping[str, Any]]) -> tuple[str, str]:
 EPISODE_FLOOR = 0.95
 
 
+#: The baselines PPO is compared with episode by episode.
+EPISODE_BASELINES = ("pid", "pid_sf")
+Pair = tuple[tuple[str, str, Any], Mapping[str, Any], Mapping[str, Any]]
+
+
+def episode_pairs(rows: Sequence[Mapping[str, Any]]) -> dict[str, list[Pair]]:
+    """Baseline -> ((workload, deployment, seed), PPO's row, the baseline's row) for every
+    episode both ran; only the baselines that ran beside PPO."""
+    by: dict[tuple[str, str, Any], dict[str, Mapping[str, Any]]] = {}
+    for r in rows:
+        by.setdefault((r["workload"], deployment(r), r.get("seed")), {})[r["policy"]] = r
+    out = {ref: [(k, v["ppo"], v[ref]) for k, v in by.items() if "ppo" in v and ref in v] for ref in EPISODE_BASELINES}
+    return {ref: pairs for ref, pairs in out.items() if pairs}
+
+
 def episode_comparison(rows: Sequence[Mapping[str, Any]], floor: float = EPISODE_FLOOR) -> list[str]:
     """PPO against PID (and PID with shortest-first order, where it ran) episode by episode:
     the same workload, deployment and seed (on a trace, the same window). One line per baseline:
@@ -231,14 +246,8 @@ def episode_comparison(rows: Sequence[Mapping[str, Any]], floor: float = EPISODE
     baseline and the worst of them with both attainments, so "never much worse than PID
     anywhere" is read off the run, not off means. Episodes where either served nothing have no
     ratio and are counted apart. Empty when the rows have no ppo."""
-    good: dict[tuple[str, str, Any], dict[str, Mapping[str, Any]]] = {}
-    for r in rows:
-        good.setdefault((r["workload"], deployment(r), r.get("seed")), {})[r["policy"]] = r
     lines = []
-    for ref in ("pid", "pid_sf"):
-        pairs = [(k, v["ppo"], v[ref]) for k, v in good.items() if "ppo" in v and ref in v]
-        if not pairs:
-            continue
+    for ref, pairs in episode_pairs(rows).items():
         scored = [(_ratio(float(a["request_goodput"]), float(b["request_goodput"])), k, a, b) for k, a, b in pairs]
         ok = [s for s in scored if math.isfinite(s[0]) and s[0] > 0]
         if not ok:
@@ -356,6 +365,16 @@ def _safe(name: str) -> str:
     return "".join(c if c.isalnum() or c in "-_." else "_" for c in name)
 
 
+def _save(fig: Any, path: Path) -> Path:
+    """Lay out, write and release a figure (pyplot keeps every open figure otherwise)."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    return path
+
+
 def plot_timelines(
     timelines: Mapping[tuple[str, str], Timeline], out_dir: Path, slo_ttft_ms: float | None, seed: int
 ) -> list[Path]:
@@ -400,11 +419,7 @@ def plot_timelines(
             axes[3].axhline(slo_ttft_ms, color="r", ls="--", lw=0.8)
             axes[3].annotate("SLO", (0.005, slo_ttft_ms), xycoords=("axes fraction", "data"), color="r", fontsize=7)
         axes[3].set_xlabel("engine time (s)")
-        fig.tight_layout()
-        p = out_dir / f"timeline_{_safe(wl)}.png"
-        fig.savefig(p, dpi=80)
-        plt.close(fig)
-        paths.append(p)
+        paths.append(_save(fig, out_dir / f"timeline_{_safe(wl)}.png"))
     return paths
 
 
@@ -439,11 +454,47 @@ def plot_goodput_vs_slo(rows: Sequence[Mapping[str, Any]], out_dir: Path) -> Pat
         ax.set_ylabel("request goodput (req/s)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    p = out_dir / "goodput_vs_slo.png"
-    fig.savefig(p, dpi=80)
-    plt.close(fig)
-    return p
+    return _save(fig, out_dir / "goodput_vs_slo.png")
+
+
+def plot_episode_ratios(rows: Sequence[Mapping[str, Any]], out_dir: Path, floor: float = EPISODE_FLOOR) -> Path | None:
+    """``ppo_per_episode.png``: every episode's PPO / baseline goodput against the baseline's
+    goodput, one panel per baseline (PID, PID with shortest-first order), a colour per
+    deployment, lines at 1× and ``floor``×: where PPO is much worse, and at what load, at a
+    glance. None when PPO did not run beside a baseline."""
+    pairs = episode_pairs(rows)
+    if not pairs:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import FixedLocator, FuncFormatter, NullFormatter
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    deps = list(dict.fromkeys(k[1] for ps in pairs.values() for k, _, _ in ps))
+    colors = {d: f"C{i % 10}" for i, d in enumerate(deps)}
+    fig, axes = plt.subplots(1, len(pairs), figsize=(5.2 * len(pairs), 4.2), squeeze=False)
+    for ax, (ref, ps) in zip(axes.flat, pairs.items()):
+        for dep in deps:
+            pts = [(float(b["request_goodput"]), _ratio(float(a["request_goodput"]), float(b["request_goodput"])))
+                   for k, a, b in ps if k[1] == dep]
+            pts = [(x, y) for x, y in pts if x > 0 and math.isfinite(y) and y > 0]  # both served something
+            if pts:
+                ax.scatter(*zip(*pts), s=14, color=colors[dep], label=dep, alpha=0.8)
+        ax.axhline(1.0, color="k", lw=0.8)
+        ax.axhline(floor, color="r", ls="--", lw=0.8)
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.yaxis.set_major_locator(FixedLocator([0.25, 0.5, 0.75, floor, 1.0, 1.25, 1.5, 2.0, 3.0, 5.0]))
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda y, _: f"{y:g}×"))
+        ax.yaxis.set_minor_formatter(NullFormatter())
+        ax.set_xlabel(f"{ref} goodput (req/s)")
+        ax.set_ylabel(f"PPO / {ref} (same episode)")
+        ax.set_title(f"PPO / {ref} per episode (dashed: {floor:g}×)", fontsize=9)
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=7)
+    return _save(fig, out_dir / "ppo_per_episode.png")
 
 
 # --- Weights & Biases ------------------------------------------------------------------------

@@ -737,6 +737,9 @@ def evaluate(
         plotted = {(wl, pol): tl for (wl, pol, seed), tl in timelines.items() if seed == first}
         plots = rep.plot_timelines(plotted, out / "plots", None if slo_ttft is None else float(slo_ttft), first)
         plots.append(rep.plot_goodput_vs_slo(rows, out / "plots"))
+        per_episode = rep.plot_episode_ratios(rows, out / "plots")
+        if per_episode is not None:
+            plots.append(per_episode)
     wall = time.perf_counter() - t_start
     run_cfg = {"eval": OmegaConf.to_container(cfg, resolve=False), "overrides": user, "wall_s": wall}
     wandb_dir = rep.log_to_wandb(dict(cfg.get("logger") or {}), run_cfg, rows, table, plots, out)

@@ -515,6 +515,24 @@ def test_episode_comparison_finds_the_worst_episode_behind_a_good_mean() -> None
     assert f"- {line}" in md
 
 
+def test_the_per_episode_plot_pairs_the_same_episodes(tmp_path: Path) -> None:
+    """``ppo_per_episode.png`` draws PPO against each baseline it ran beside, episode by episode
+    (an episode where the baseline served nothing has no ratio and is left out, not an error);
+    without PPO there is nothing to draw."""
+    def r(pol: str, seed: int, good: float, wl: str = "a") -> dict:
+        return {**dict.fromkeys(rep.METRIC_KEYS, 1.0), "policy": pol, "workload": wl, "model": "m",
+                "hardware": "h", "seed": seed, "request_goodput": good}
+
+    rows = [r("ppo", 0, 20), r("pid", 0, 10), r("ppo", 1, 8), r("pid", 1, 0), r("pid_sf", 1, 8), r("ppo", 2, 3, "b")]
+    pairs = rep.episode_pairs(rows)
+    assert {ref: [k for k, _, _ in ps] for ref, ps in pairs.items()} == {"pid": [("a", "m/h", 0), ("a", "m/h", 1)],
+                                                                        "pid_sf": [("a", "m/h", 1)]}
+    p = rep.plot_episode_ratios(rows, tmp_path)
+    assert p == tmp_path / "ppo_per_episode.png" and p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert rep.plot_episode_ratios([r("pid", 0, 1), r("pid_sf", 0, 1)], tmp_path / "none") is None
+    assert not (tmp_path / "none").exists()
+
+
 def test_a_residual_policy_starts_where_the_pid_it_corrects_starts() -> None:
     """Factor 1 is PID, so the evaluation starts a residual policy at its PID's start cap, as it
     starts PID: started at the environment's default instead, it tracked PID's trajectory at
