@@ -7,6 +7,7 @@ import json
 import math
 import os
 import re
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -504,12 +505,18 @@ def test_episode_comparison_finds_the_worst_episode_behind_a_good_mean() -> None
             r("ppo", 2, 5, 0.5), r("pid", 2, 5, 0.5), r("ppo", 3, 1, 0.1), r("pid", 3, 0, 0.0),
             r("ppo", 0, 3, 0.3, "b")]  # no pid on b: not compared
     (line,) = rep.episode_comparison(rows)
-    geo = (2.0 * 0.8 * 1.0) ** (1 / 3)
-    assert line == (f"Per episode, PPO / pid: geometric mean {geo:.3f}× over 3 episodes (1 more where either "
-                    "served nothing within the SLO); below 0.95× in 1 (worst 0.800×: a @ m/h seed 1, 8.00 vs "
-                    "10.00 req/s at 0.500 vs 0.600 attainment).")
+    logs = [math.log(2.0), math.log(0.8), 0.0]
+    geo = math.exp(statistics.mean(logs))
+    half = 4.303 * statistics.stdev(logs) / math.sqrt(3)  # t(0.975, 2 dof)
+    lo, hi = geo / math.exp(half), geo * math.exp(half)
+    assert line == (f"Per episode, PPO / pid: geometric mean {geo:.3f}× (95 % CI {lo:.3f}–{hi:.3f}×) over 3 "
+                    "episodes (1 more where either served nothing within the SLO); below 0.95× in 1 (worst "
+                    "0.800×: a @ m/h seed 1, 8.00 vs 10.00 req/s at 0.500 vs 0.600 attainment).")
     lines = rep.episode_comparison([*rows, r("pid_sf", 0, 20, 0.9), r("pid_sf", 1, 8, 0.5)])
-    assert lines[1] == "Per episode, PPO / pid_sf: geometric mean 1.000× over 2 episodes; below 0.95× in 0."
+    assert lines[1] == ("Per episode, PPO / pid_sf: geometric mean 1.000× (95 % CI 1.000–1.000×) over 2 episodes; "
+                        "below 0.95× in 0.")
+    one = rep.episode_comparison([r("ppo", 0, 2, 1), r("pid", 0, 1, 1)])  # one episode: no interval
+    assert one == ["Per episode, PPO / pid: geometric mean 2.000× over 1 episodes; below 0.95× in 0."]
     assert rep.episode_comparison([r("pid", 0, 1, 1)]) == []
     md = rep.results_markdown(rows, [], [0, 1, 2, 3], [4])
     assert f"- {line}" in md
