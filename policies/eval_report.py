@@ -177,7 +177,7 @@ def ppo_comparison(rows: Sequence[Mapping[str, Any]]) -> tuple[str, str]:
     workload × deployment cell: a table (goodput means, PPO's goodput ratio to each, SLO
     attainments), the summary line naming the cells where PPO misses the bar "goodput >= PID's
     at >= PID's SLO attainment" (means over the scored seeds; within ``TIE_REL`` relative counts
-    as equal), and PPO's geometric-mean ratio to each over the cells. Empty strings when the
+    as equal; each with its per-episode ratios), and PPO's geometric-mean ratio to each over the cells. Empty strings when the
     rows have no ppo or no pid."""
     agg = aggregate(rows, ("request_goodput", "slo_attainment"))
     by: dict[tuple[str, str], dict[str, dict[str, Any]]] = {}
@@ -191,6 +191,10 @@ def ppo_comparison(rows: Sequence[Mapping[str, Any]]) -> tuple[str, str]:
             *(f"ppo / {c}" for c in refs), "ppo attainment", "pid attainment", "ppo >= pid"]
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] * 2 + ["---:"] * (len(head) - 3) + ["---"]) + "|"]
     losses, ratios = [], {c: [] for c in refs}
+    per_episode: dict[tuple[str, str], list[float]] = {}
+    for (wl, dep, _), a_row, b_row in episode_pairs(rows).get("pid", []):
+        per_episode.setdefault((wl, dep), []).append(
+            _ratio(float(a_row["request_goodput"]), float(b_row["request_goodput"])))
     for (wl, dep), v in cells:
         g = {p: v[p]["request_goodput"][0] for p in v}
         a = {p: v[p]["slo_attainment"][0] for p in v}
@@ -199,8 +203,10 @@ def ppo_comparison(rows: Sequence[Mapping[str, Any]]) -> tuple[str, str]:
         ok = not (lost_g or lost_a)
         if not ok:
             why = " and ".join(w for w, lost in (("goodput", lost_g), ("attainment", lost_a)) if lost)
+            # Episode by episode, so a loss can be told from the spread one decision makes.
+            eps = ", ".join(f"{x:.3f}" for x in per_episode.get((wl, dep), []))
             losses.append(f"{wl} @ {dep} ({why}: {_fmt(g['ppo'])} vs {_fmt(g['pid'])} req/s, "
-                          f"{_fmt(a['ppo'])} vs {_fmt(a['pid'])})")
+                          f"{_fmt(a['ppo'])} vs {_fmt(a['pid'])}" + (f"; per episode {eps}×" if eps else "") + ")")
         cell_ratios = {c: _ratio(g["ppo"], g.get(c, math.nan)) for c in refs}
         for c, x in cell_ratios.items():
             ratios[c].append(x)

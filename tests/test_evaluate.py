@@ -484,6 +484,12 @@ def test_ppo_comparison_names_the_cells_where_ppo_loses() -> None:
     assert "| a | m/h | 10.00 | 5.00 | 20.00 | 2.00 | 0.500 | 0.900 | 0.800 | yes |" in table
     assert summary.startswith("PPO < PID (goodput at >= PID's SLO attainment, means over seeds, ties within 0.5%) "
                               "on 1 of 2 cells: b @ m/h (goodput")
+    # A lost cell lists its episodes' ratios (seed by seed), so noise can be told from a loss.
+    seeded = [{**x, "seed": 0} for x in rows] + [{**r("ppo", "b", 6, 0.9), "seed": 1}, {**r("pid", "b", 5, 0.8), "seed": 1}]
+    assert "0 of 2 cells" in rep.ppo_comparison(seeded)[1]  # b's means: 5 vs 5, a tie
+    lost = [*seeded, {**r("ppo", "b", 3, 0.9), "seed": 2}, {**r("pid", "b", 5, 0.8), "seed": 2}]
+    assert "b @ m/h (goodput: 4.33 vs 5.00 req/s, 0.900 vs 0.800; per episode 0.800, 1.200, 0.600×)" in \
+        rep.ppo_comparison(lost)[1]
     assert "0 of 1 cells." in rep.ppo_comparison([r("ppo", "a", 9.99, 0.8), r("pid", "a", 10.0, 0.8)])[1]
     # Geometric means over the cells with both (best_static ran on one); no pid_sf column without it.
     assert summary.endswith("Geometric means over the cells with both: PPO / pid 1.265× (2 cells), "
