@@ -177,8 +177,8 @@ def ppo_comparison(rows: Sequence[Mapping[str, Any]]) -> tuple[str, str]:
     workload × deployment cell: a table (goodput means, PPO's goodput ratio to each, SLO
     attainments), the summary line naming the cells where PPO misses the bar "goodput >= PID's
     at >= PID's SLO attainment" (means over the scored seeds; within ``TIE_REL`` relative counts
-    as equal; each with its per-episode ratios), and PPO's geometric-mean ratio to each over the cells. Empty strings when the
-    rows have no ppo or no pid."""
+    as equal; each with its per-episode ratios), and PPO's geometric-mean ratio to each over the
+    cells. Empty strings when the rows have no ppo or no pid."""
     agg = aggregate(rows, ("request_goodput", "slo_attainment"))
     by: dict[tuple[str, str], dict[str, dict[str, Any]]] = {}
     for e in agg:
@@ -192,9 +192,8 @@ def ppo_comparison(rows: Sequence[Mapping[str, Any]]) -> tuple[str, str]:
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] * 2 + ["---:"] * (len(head) - 3) + ["---"]) + "|"]
     losses, ratios = [], {c: [] for c in refs}
     per_episode: dict[tuple[str, str], list[float]] = {}
-    for (wl, dep, _), a_row, b_row in episode_pairs(rows).get("pid", []):
-        per_episode.setdefault((wl, dep), []).append(
-            _ratio(float(a_row["request_goodput"]), float(b_row["request_goodput"])))
+    for (wl, dep, _), a, b in episode_pairs(rows).get("pid", []):
+        per_episode.setdefault((wl, dep), []).append(goodput_ratio(a, b))
     for (wl, dep), v in cells:
         g = {p: v[p]["request_goodput"][0] for p in v}
         a = {p: v[p]["slo_attainment"][0] for p in v}
@@ -245,6 +244,11 @@ def episode_pairs(rows: Sequence[Mapping[str, Any]]) -> dict[str, list[Pair]]:
     return {ref: pairs for ref, pairs in out.items() if pairs}
 
 
+def goodput_ratio(a: Mapping[str, Any], b: Mapping[str, Any]) -> float:
+    """Row ``a``'s request goodput over row ``b``'s (NaN/inf where ``b`` served nothing)."""
+    return _ratio(float(a["request_goodput"]), float(b["request_goodput"]))
+
+
 def episode_comparison(rows: Sequence[Mapping[str, Any]], floor: float = EPISODE_FLOOR) -> list[str]:
     """PPO against PID (and PID with shortest-first order, where it ran) episode by episode:
     the same workload, deployment and seed (on a trace, the same window). One line per baseline:
@@ -255,7 +259,7 @@ def episode_comparison(rows: Sequence[Mapping[str, Any]], floor: float = EPISODE
     ratio and are counted apart. Empty when the rows have no ppo."""
     lines = []
     for ref, pairs in episode_pairs(rows).items():
-        scored = [(_ratio(float(a["request_goodput"]), float(b["request_goodput"])), k, a, b) for k, a, b in pairs]
+        scored = [(goodput_ratio(a, b), k, a, b) for k, a, b in pairs]
         ok = [s for s in scored if math.isfinite(s[0]) and s[0] > 0]
         if not ok:
             lines.append(f"Per episode, PPO / {ref}: no episode where both served a request within the SLO "
@@ -487,8 +491,7 @@ def plot_episode_ratios(rows: Sequence[Mapping[str, Any]], out_dir: Path, floor:
     fig, axes = plt.subplots(1, len(pairs), figsize=(5.2 * len(pairs), 4.2), squeeze=False)
     for ax, (ref, ps) in zip(axes.flat, pairs.items()):
         for dep in deps:
-            pts = [(float(b["request_goodput"]), _ratio(float(a["request_goodput"]), float(b["request_goodput"])))
-                   for k, a, b in ps if k[1] == dep]
+            pts = [(float(b["request_goodput"]), goodput_ratio(a, b)) for k, a, b in ps if k[1] == dep]
             pts = [(x, y) for x, y in pts if x > 0 and math.isfinite(y) and y > 0]  # both served something
             if pts:
                 ax.scatter(*zip(*pts), s=14, color=colors[dep], label=dep, alpha=0.8)
