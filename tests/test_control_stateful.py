@@ -607,7 +607,7 @@ class ControlPath(RuleBasedStateMachine):
         else:
             g.reset()  # the operator's /admin/quality/reset
 
-    @precondition(lambda self: hasattr(self, "lane") and self.lane.knobs.kv_dtype in KV_DTYPES_8BIT
+    @precondition(lambda self: self.lane.knobs.kv_dtype in KV_DTYPES_8BIT
                   and self.lane.upstream.managed is not None and not self.lane.upstream.restarting)
     @rule(iv=intervals)
     def quality_guard_while_8bit(self, iv: tuple) -> None:
@@ -623,9 +623,8 @@ class ControlPath(RuleBasedStateMachine):
     @invariant()
     def no_violation(self) -> None:
         STATS["steps"] += 1
-        if hasattr(self, "lane"):
-            assert not self.violations, self.violations
-            assert 1 <= self.lane.knobs.batch_cap <= self.ctl.shield.max_batch
+        assert not self.violations, self.violations
+        assert 1 <= self.lane.knobs.batch_cap <= self.ctl.shield.max_batch
 
     def teardown(self) -> None:
         if not hasattr(self, "aloop"):
