@@ -556,8 +556,9 @@ class ControlConfig:
     """The control loop."""
 
     #: policy: the exported PPO policy acts; pid / static: the baseline acts; shadow: PID acts and
-    #: the policy's decisions are only logged and compared.
-    mode: str = "pid"
+    #: the policy's decisions are only logged and compared. None: ``policy`` when ``policy_dir``
+    #: is given (serving a policy is what naming one asks for), else ``pid``.
+    mode: str | None = None
     #: Seconds between decisions.
     interval_s: float = 1.0
     #: Sliding window of the latency percentiles.
@@ -594,8 +595,11 @@ class ControlConfig:
     kv_start: bool = True
 
     def __post_init__(self) -> None:
+        if self.mode is None:
+            self.mode = "policy" if self.policy_dir else "pid"
         if self.mode not in CONTROL_MODES:
-            raise ValueError(f"serve.control.mode={self.mode!r}; one of {CONTROL_MODES}")
+            raise ValueError(f"serve.control.mode={self.mode!r}; one of {CONTROL_MODES} (null: policy when "
+                             "serve.control.policy_dir is set, else pid)")
         if not self.interval_s > 0:
             raise ValueError(f"serve.control.interval_s must be > 0, got {self.interval_s}")
         if not 0.0 <= self.canary_share <= 1.0:

@@ -1,7 +1,11 @@
-"""Start the batchpilot gateway in front of vLLM.
+"""Start the batchpilot gateway in front of vLLM (``batchpilot serve ...`` runs this app).
 
-    .venv/bin/python scripts/serve.py serve.managed=true serve.port=8000
-    .venv/bin/python scripts/serve.py serve.upstreams=[http://127.0.0.1:8001] serve.control.mode=shadow
+    batchpilot serve serve.upstreams=[http://127.0.0.1:8001] serve.control.policy_dir=policies/pretrained
+    batchpilot serve serve.managed=true serve.port=8000
+    batchpilot serve serve.upstreams=[http://127.0.0.1:8001] serve.control.mode=shadow
+
+A policy given (``serve.control.policy_dir``) starts policy mode; without one PID acts
+(``serve.control.mode`` named on the command line wins either way).
 """
 
 from __future__ import annotations
