@@ -87,6 +87,7 @@ def _shift_stream(stream: RequestStream, t0: float) -> RequestStream:
         stream.arrival_s + t0, stream.prompt_len, stream.output_len, duration_s=stream.duration_s,
         priority=stream.priority, prefix_hashes=stream.prefix_hashes,
         prefix_block_tokens=stream.prefix_block_tokens, id_prefix=stream.id_prefix, info=stream.info,
+        max_tokens=stream.max_tokens,
     )
 
 

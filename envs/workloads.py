@@ -14,6 +14,11 @@ burstiness out towards Poisson.
 All rates are requests/s on the engine's clock; ``rate_scale`` multiplies every synthetic
 rate (and speeds up trace replay) so one workload fits a large GPU model or a tiny CPU one.
 A stream is a pure function of the config and the ``np.random.Generator`` it is given.
+
+Every request carries the ``max_tokens`` its client sent (``workload.max_tokens``, see
+``MaxTokensConfig``; ``client_max_tokens``): what a gateway, and so admission, knows of its
+output before it runs. Its ``output_len`` (the trace's, or the drawn one, cut to the cap) is what
+the engine generates.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from batchpilot.core.workload_config import (  # noqa: F401  (re-exported: the w
     DiurnalWorkload,
     GammaWorkload,
     LengthsConfig,
+    MaxTokensConfig,
     MixtureWorkload,
     OnOffWorkload,
     PoissonWorkload,
@@ -315,6 +321,42 @@ class EmpiricalLengths:
         return self.prompt[idx].astype(np.int64), self.output[idx].astype(np.int64)
 
 
+def _side_rng(rng: np.random.Generator) -> np.random.Generator:
+    """A generator for draws that must leave ``rng``'s own sequence as it was (a workload that
+    declares several caps keeps the arrivals, lengths and priorities it drew without them):
+    spawned from ``rng``'s seed sequence, else seeded from one draw of it."""
+    try:
+        return rng.spawn(1)[0]
+    except (TypeError, ValueError, AttributeError):  # no seed sequence to spawn from
+        return np.random.default_rng(int(rng.integers(2**63)))
+
+
+def client_max_tokens(
+    mc: MaxTokensConfig, rng: np.random.Generator, prompt: np.ndarray, output: np.ndarray, max_model_len: int
+) -> tuple[np.ndarray, np.ndarray, int]:
+    """Each request's ``max_tokens`` as the gateway resolves it, its output cut to it, and how
+    many outputs were cut. A cap is drawn per request from ``mc`` (no draw for a single cap),
+    null meaning the client sent none: vLLM then allows ``max_model_len - prompt`` (its chat
+    default); a cap is cut to that room too. ``output`` must already fit the room
+    (``clip_lengths``); vLLM stops generating at ``max_tokens``, so an output above its
+    request's cap is cut to the cap."""
+    p = np.asarray(prompt, dtype=np.int64)
+    o = np.asarray(output, dtype=np.int64)
+    room = np.maximum(max_model_len - p, 1)
+    vals = np.array([-1 if c is None else int(c) for c in mc.caps], dtype=np.int64)
+    if vals.size == 1:
+        cap = np.full(p.size, vals[0], np.int64)
+    else:
+        cap = vals[_side_rng(rng).choice(vals.size, size=p.size, p=np.asarray(mc.shares))]
+    mt = np.where(cap < 0, room, np.minimum(cap, room))
+    o2 = np.minimum(o, mt)
+    return mt, o2, int((o2 < o).sum())
+
+
+def _max_tokens_info(mc: MaxTokensConfig, clipped: int) -> dict[str, Any]:
+    return {"caps": list(mc.caps), "shares": mc.shares, "clipped": clipped}
+
+
 def sample_priorities(rng: np.random.Generator, shares: Sequence[float], n: int) -> np.ndarray:
     """Priority classes 0..len(shares)-1 drawn with the given shares (0 = core)."""
     w = np.asarray(shares, dtype=np.float64)
@@ -334,6 +376,9 @@ class RequestStream:
     Built from arrays (``arrival_s`` ascending, in seconds from the episode start). The
     environment calls ``pop_until(now)`` each step and looks at ``next_arrival_time`` to know
     when to wake up. ``info`` holds what produced the stream (sampled parameters, trace report).
+    ``max_tokens`` is each request's cap as the gateway would see it (``client_max_tokens``;
+    every output at most its cap); None: not known, the requests carry none (admission then
+    charges their prompts alone).
     """
 
     def __init__(
@@ -348,6 +393,7 @@ class RequestStream:
         prefix_block_tokens: int = MOONCAKE_BLOCK_TOKENS,
         id_prefix: str = "r",
         info: Mapping[str, Any] | None = None,
+        max_tokens: np.ndarray | None = None,
     ) -> None:
         t = np.asarray(arrival_s, dtype=np.float64)
         p = np.asarray(prompt_len, dtype=np.int64)
@@ -369,13 +415,16 @@ class RequestStream:
             raise ValueError("priority must be >= 0 (0 = core)")
         if not (math.isfinite(duration_s) and duration_s >= 0):
             raise ValueError(f"duration_s must be finite and >= 0, got {duration_s!r}")
+        mt = None if max_tokens is None else _check_max_tokens(max_tokens, o)
         self.arrival_s, self.prompt_len, self.output_len, self.priority = t, p, o, pr
-        for a in (t, p, o, pr):
+        self.max_tokens = mt
+        for a in (t, p, o, pr) + (() if mt is None else (mt,)):
             a.setflags(write=False)
         # Plain-Python copies for the per-arrival hot path (pop_until runs thousands of times
         # per second in training; numpy scalar calls cost more than the work).
         self._t_list: list[float] = t.tolist()
-        self._rows = list(zip(p.tolist(), o.tolist(), pr.tolist()))
+        caps = [None] * n if mt is None else mt.tolist()
+        self._rows = list(zip(p.tolist(), o.tolist(), pr.tolist(), caps))
         self.prefix_hashes = tuple(prefix_hashes) if prefix_hashes is not None else None
         self.prefix_block_tokens = prefix_block_tokens
         self.id_prefix = id_prefix
@@ -411,9 +460,9 @@ class RequestStream:
         rows, prefix, hashes, block_tokens = self._rows, self.id_prefix, self.prefix_hashes, self.prefix_block_tokens
         out = []
         for i in range(self._next, end):
-            prompt_len, output_len, priority = rows[i]
+            prompt_len, output_len, priority, max_tokens = rows[i]
             out.append(Request(f"{prefix}{i}", t_list[i], prompt_len, output_len, priority,
-                               hashes[i] if hashes is not None else (), block_tokens))
+                               hashes[i] if hashes is not None else (), block_tokens, 1, True, max_tokens))
         self._next = end
         return out
 
@@ -422,12 +471,13 @@ class RequestStream:
         self._next = 0
 
     def _request(self, i: int) -> Request:
-        prompt_len, output_len, priority = self._rows[i]
+        prompt_len, output_len, priority, max_tokens = self._rows[i]
         # Positional, in Request's field order (request_id, arrival_time, prompt_len,
-        # output_len, priority, prefix_hashes, prefix_block_tokens): cheaper than keywords.
+        # output_len, priority, prefix_hashes, prefix_block_tokens, num_seqs,
+        # reports_first_token, max_tokens): cheaper than keywords.
         return Request(f"{self.id_prefix}{i}", self._t_list[i], prompt_len, output_len, priority,
                        self.prefix_hashes[i] if self.prefix_hashes is not None else (),
-                       self.prefix_block_tokens)
+                       self.prefix_block_tokens, 1, True, max_tokens)
 
     @classmethod
     def merge(cls, streams: Sequence["RequestStream"], **kwargs: Any) -> "RequestStream":
@@ -441,6 +491,12 @@ class RequestStream:
             flat = [h for s in streams for h in (s.prefix_hashes or ((),) * len(s))]
             hashes = [flat[i] for i in order]
         kwargs.setdefault("duration_s", max(s.duration_s for s in streams))
+        known = [s.max_tokens is not None for s in streams]
+        if any(known) and not all(known):
+            raise ValueError("merge: some streams carry max_tokens and some do not; give all of them caps "
+                             "(client_max_tokens) or none")
+        if all(known):
+            kwargs.setdefault("max_tokens", np.concatenate([s.max_tokens for s in streams])[order])
         return cls(
             t[order],
             np.concatenate([s.prompt_len for s in streams])[order],
@@ -450,6 +506,23 @@ class RequestStream:
             prefix_block_tokens=streams[0].prefix_block_tokens,
             **kwargs,
         )
+
+
+def _check_max_tokens(max_tokens: np.ndarray, output: np.ndarray) -> np.ndarray:
+    """``max_tokens`` as int64, checked against the outputs: one per request, each >= 1 and at
+    least its output (the engine stops at the cap: an output above it could not happen)."""
+    mt = np.asarray(max_tokens, dtype=np.int64)
+    if mt.shape != output.shape:
+        raise ValueError(f"max_tokens must have one cap per request ({output.shape}), got {mt.shape}")
+    if mt.size and mt.min() < 1:
+        raise ValueError(f"max_tokens must be >= 1 token, got {int(mt.min())} at request {int(mt.argmin())}")
+    over = np.flatnonzero(output > mt)
+    if over.size:
+        i = int(over[0])
+        raise ValueError(f"request {i}: output_len {int(output[i])} exceeds its max_tokens {int(mt[i])} "
+                         f"({over.size} such); vLLM stops at max_tokens, so cut outputs to their caps "
+                         "(envs/workloads.py client_max_tokens)")
+    return mt
 
 
 # --- config -> stream -----------------------------------------------------------------------------
@@ -502,8 +575,9 @@ def _synthetic(
     p, o = lengths.sample(rng, t.size)
     p, o, clipped = clip_lengths(p, o, max_model_len)
     pr = sample_priorities(rng, wc.priorities, t.size)
-    info.update(clipped=clipped)
-    return RequestStream(t, p, o, priority=pr, duration_s=duration, info=info)
+    mt, o, capped = client_max_tokens(wc.max_tokens, rng, p, o, max_model_len)
+    info.update(clipped=clipped, max_tokens=_max_tokens_info(wc.max_tokens, capped))
+    return RequestStream(t, p, o, priority=pr, duration_s=duration, info=info, max_tokens=mt)
 
 
 def _loguniform(rng: np.random.Generator, lo_hi: tuple[float, float]) -> float:
@@ -571,6 +645,7 @@ def _randomized(
         p[sel], o[sel] = dist.sample(rng, int(sel.sum()))
     p, o, clipped = clip_lengths(p, o, max_model_len)
     pr = sample_priorities(rng, wc.priorities, t.size)
+    mt, o, capped = client_max_tokens(wc.max_tokens, rng, p, o, max_model_len)
     info = {
         "kind": "randomized", "rate": rate, "burstiness": burst, "change_s": list(change_s),
         "rates": rates, "onoff": None if onoff is None else dataclasses.asdict(onoff),
@@ -578,8 +653,9 @@ def _randomized(
             (d.prompt_mean, d.prompt_sigma, d.output_mean, d.output_sigma) for d in dists
         ],
         "clipped": clipped,
+        "max_tokens": _max_tokens_info(wc.max_tokens, capped),
     }
-    return RequestStream(t, p, o, priority=pr, duration_s=duration, info=info)
+    return RequestStream(t, p, o, priority=pr, duration_s=duration, info=info, max_tokens=mt)
 
 
 def build_workload(
@@ -618,10 +694,12 @@ def build_workload(
             raise WorkloadConfigError(f"{where}: {e}") from e
         tr = read_trace(_resolve_path(str(wc.path)), fmt, opts)
         pr = sample_priorities(rng, wc.priorities, len(tr))
+        mt, out, capped = client_max_tokens(wc.max_tokens, rng, tr.prompt_len, tr.output_len, max_model_len)
         return RequestStream(
-            tr.arrival_s, tr.prompt_len, tr.output_len, priority=pr, duration_s=tr.duration_s,
+            tr.arrival_s, tr.prompt_len, out, priority=pr, duration_s=tr.duration_s,
             prefix_hashes=tr.prefix_hashes, prefix_block_tokens=tr.prefix_block_tokens,
-            info={"kind": "trace", "report": tr.report},
+            info={"kind": "trace", "report": tr.report, "max_tokens": _max_tokens_info(wc.max_tokens, capped)},
+            max_tokens=mt,
         )
 
     duration = float(wc.duration_s)
@@ -635,6 +713,8 @@ def build_workload(
                         f"{where}.components[{i}]: a mixture cannot nest a mixture"
                     )
                 sub.setdefault("duration_s", duration)
+                # A component that declares no caps takes the mixture's clients'.
+                sub.setdefault("max_tokens", dataclasses.asdict(wc.max_tokens))
                 sub["rate_scale"] = float(sub.get("rate_scale", 1.0)) * scale
             streams.append(
                 build_workload(sub, rng, max_model_len, where=f"{where}.components[{i}]")

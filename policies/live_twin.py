@@ -78,7 +78,9 @@ def stream_from_records(records: Sequence[Mapping[str, Any]], chunk_tokens: int,
                         duration_s: float | None = None) -> RequestStream:
     """The timed_trace records (what the client sends) as the simulator's request stream:
     arrival = ``timestamp``, lengths as written, prefix blocks = ``hash_ids`` of
-    ``chunk_tokens`` tokens, every request at ``priority``."""
+    ``chunk_tokens`` tokens, every request at ``priority``. ``max_tokens`` = the output length,
+    as vLLM's benchmark client sends it (``"max_tokens": output_len``), so the twin's admission
+    charges what the live gateway's does."""
     if not records:
         raise ValueError("no records to replay")
     t = np.array([float(r["timestamp"]) for r in records])
@@ -87,7 +89,7 @@ def stream_from_records(records: Sequence[Mapping[str, Any]], chunk_tokens: int,
     dur = float(t[-1]) if duration_s is None else max(float(duration_s), float(t[-1]))
     return RequestStream(t, p, o, duration_s=dur, priority=np.full(t.size, int(priority)),
                          prefix_hashes=[tuple(int(h) for h in r["hash_ids"]) for r in records],
-                         prefix_block_tokens=int(chunk_tokens), info={"kind": "timed_trace"})
+                         prefix_block_tokens=int(chunk_tokens), info={"kind": "timed_trace"}, max_tokens=o)
 
 
 def header_priority(headers: Sequence[str] | None, default: int) -> int:

@@ -179,6 +179,7 @@ def recent_arrivals(stream: RequestStream, now: float, span_s: float) -> Request
         stream.arrival_s[idx] + span_s, stream.prompt_len[idx], stream.output_len[idx],
         duration_s=stream.duration_s, priority=stream.priority[idx], prefix_hashes=hashes,
         prefix_block_tokens=stream.prefix_block_tokens, id_prefix="f",
+        max_tokens=None if stream.max_tokens is None else stream.max_tokens[idx],
     )
 
 

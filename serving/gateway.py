@@ -417,8 +417,9 @@ async def _proxy(request: Request, path: str, chat: bool) -> Response:
         raise BadRequest("max_tokens_too_large",
                          f"{limit_key}={max_tokens} exceeds the model's max_model_len={max_len}", param=limit_key)
     rid = f"gw-{uuid.uuid4().hex}"
-    req = EngineRequest(rid, t_arrival, prompt_len, expected_output_len(max_tokens, chat, prompt_len, max_len),
-                        priority, num_seqs=parsed.seqs, reports_first_token=bool(body.get("stream")))
+    cap = expected_output_len(max_tokens, chat, prompt_len, max_len)  # what admission charges (max_tokens)
+    req = EngineRequest(rid, t_arrival, prompt_len, cap, priority, num_seqs=parsed.seqs,
+                        reports_first_token=bool(body.get("stream")), max_tokens=cap)
     bucket = lane.admission.bucket_of(prompt_len)
     guard = _DisconnectGuard(request)
     admitted: list[bool] = [False]

@@ -136,7 +136,8 @@ class QualityGuard:
         it first): replays bypassing admission could push the batch past the cap."""
         async with self._sem:
             req = Request(f"qg-{uuid.uuid4().hex}", time.monotonic(), s.prompt_len, self.cfg.max_tokens,
-                          priority=REPLAY_PRIORITY, reports_first_token=False)  # not streamed
+                          priority=REPLAY_PRIORITY, reports_first_token=False,  # not streamed
+                          max_tokens=self.cfg.max_tokens)
             try:
                 await s.lane.acquire(req, time.monotonic() + 30.0)
             except GatewayError as exc:

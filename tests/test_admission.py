@@ -346,6 +346,12 @@ def test_the_gateway_counts_sequences_per_request() -> None:
 
 
 # --- memory, per request (issue 14) -------------------------------------------------------------
+def _capped(rid: str, t: float, prompt_len: int, max_tokens: int, **kw):
+    """A request whose client sent ``max_tokens`` (what the memory check charges); its output
+    is that long too."""
+    return Request(rid, t, prompt_len, max_tokens, max_tokens=max_tokens, **kw)
+
+
 def _memory_shield(overhead_frac: float = 0.0):
     """test_shield's engine: budget 1000, weights 400 + activations 80; the 80 % ceiling leaves
     320 for KV at 0.0625 a 16-token block (auto), i.e. 5,120 blocks (81,920 tokens)."""
@@ -361,12 +367,11 @@ def test_a_burst_of_long_prompts_is_admitted_by_memory_not_by_count() -> None:
     """Admission used to admit by count: 100 prompts of 4,000 tokens (+ 1,000 out) went in under
     a cap of 100 although 16 of them fill the memory ceiling. Now each admission keeps the
     predicted memory of everything in flight plus it within the ceiling."""
-    from batchpilot.core.engine import Request
 
     sh = _memory_shield()
     a = Admission(AdmissionConfig(max_num_long=1000), Knobs(batch_cap=100), memory=sh)
     for i in range(100):
-        assert a.submit(Request(f"L{i}", float(i), 4000, 1000), float(i)) is None
+        assert a.submit(_capped(f"L{i}", float(i), 4000, 1000), float(i)) is None
     got = a.admit(100.0)
     per = sh.request_blocks(4000, 1000)
     assert per == 313 and len(got) == 5120 // 313 == 16
@@ -374,7 +379,7 @@ def test_a_burst_of_long_prompts_is_admitted_by_memory_not_by_count() -> None:
     assert sh.blocks_fraction(a.kv_blocks_in_flight, 16, "auto") <= 0.80 < sh.blocks_fraction(17 * per, 17, "auto")
     assert a.predicted_fraction() <= 0.80
     # Short requests behind them wait too (the order is kept), until memory frees up.
-    a.submit(Request("short", 200.0, 10, 10), 200.0)
+    a.submit(_capped("short", 200.0, 10, 10), 200.0)
     assert a.admit(200.0) == []
     a.on_finished("L0")
     assert [r.request_id for r in a.admit(201.0)] == ["L16"]
@@ -382,17 +387,16 @@ def test_a_burst_of_long_prompts_is_admitted_by_memory_not_by_count() -> None:
 
 
 def test_a_request_that_never_fits_is_rejected_with_a_reason_and_core_is_never_shed() -> None:
-    from batchpilot.core.engine import Request
 
     sh = _memory_shield()
     a = Admission(AdmissionConfig(max_num_long=1000), Knobs(batch_cap=100), memory=sh)
-    rej = a.submit(Request("huge", 0.0, 80_000, 4_000, priority=0), 0.0)  # 84k tokens > 81,920 alone
+    rej = a.submit(_capped("huge", 0.0, 80_000, 4_000, priority=0), 0.0)  # 84k tokens > 81,920 alone
     assert rej is not None and rej.reason == "too_large_for_memory"
-    rej = a.submit(Request("n8", 0.0, 10_000, 2_000, priority=0, num_seqs=8), 0.0)  # 8 x 12k tokens
+    rej = a.submit(_capped("n8", 0.0, 10_000, 2_000, priority=0, num_seqs=8), 0.0)  # 8 x 12k tokens
     assert rej is not None and rej.reason == "too_large_for_memory"
     # A core request that fits alone but not now waits (never rejected, never shed).
-    assert a.submit(Request("big", 0.0, 60_000, 1_000, priority=0), 0.0) is None
-    assert a.submit(Request("core", 1.0, 30_000, 1_000, priority=0), 1.0) is None
+    assert a.submit(_capped("big", 0.0, 60_000, 1_000, priority=0), 0.0) is None
+    assert a.submit(_capped("core", 1.0, 30_000, 1_000, priority=0), 1.0) is None
     assert [r.request_id for r in a.admit(1.0)] == ["big"]
     assert a.admit(2.0) == [] and a.is_waiting("core")
     a.on_finished("big")
@@ -404,13 +408,12 @@ def test_a_request_that_never_fits_is_rejected_with_a_reason_and_core_is_never_s
 def test_a_waiting_request_that_stops_fitting_alone_is_rejected_at_admission() -> None:
     """The model moves (calibration learns the engine holds more per block): a request queued
     behind others that no longer fits even alone is refused when its turn comes, not run."""
-    from batchpilot.core.engine import Request
 
     sh = _memory_shield()
     a = Admission(AdmissionConfig(max_num_long=1000), Knobs(batch_cap=100), memory=sh)
-    a.submit(Request("a", 0.0, 60_000, 1_000), 0.0)
-    a.submit(Request("b", 1.0, 60_000, 1_000), 1.0)
-    a.submit(Request("c", 2.0, 10, 10), 2.0)
+    a.submit(_capped("a", 0.0, 60_000, 1_000), 0.0)
+    a.submit(_capped("b", 1.0, 60_000, 1_000), 1.0)
+    a.submit(_capped("c", 2.0, 10, 10), 2.0)
     assert [r.request_id for r in a.admit(2.0)] == ["a"]
     sh.kv_calibration = 1.5  # 61k tokens x 1.5 > 81,920
     a.on_finished("a")
@@ -421,11 +424,10 @@ def test_a_waiting_request_that_stops_fitting_alone_is_rejected_at_admission() -
 
 
 def test_without_a_memory_check_admission_counts_only() -> None:
-    from batchpilot.core.engine import Request
 
     a = Admission(AdmissionConfig(max_num_long=1000), Knobs(batch_cap=100))
     for i in range(100):
-        a.submit(Request(f"L{i}", float(i), 4000, 1000), float(i))
+        a.submit(_capped(f"L{i}", float(i), 4000, 1000), float(i))
     assert len(a.admit(100.0)) == 100 and a.kv_blocks_in_flight == 0 and a.predicted_fraction() is None
 
 
@@ -434,18 +436,17 @@ def test_requests_admitted_by_count_are_booked_once_the_memory_check_is_set() ->
     at 0 KV blocks, so once it was known admission under-counted them (it predicted 1.3 % while
     they needed 245 %) and admitted more. Setting the check books them through it; nothing more
     goes in until they leave room, and setting it again (a new model) books them again."""
-    from batchpilot.core.engine import Request
 
     sh = _memory_shield()
     a = Admission(AdmissionConfig(max_num_long=1000), Knobs(batch_cap=100))
     for i in range(40):
-        a.submit(Request(f"L{i}", float(i), 4000, 1000), float(i))
+        a.submit(_capped(f"L{i}", float(i), 4000, 1000), float(i))
     assert len(a.admit(40.0)) == 40 and a.kv_blocks_in_flight == 0
     a.memory = sh  # the budget is known now
     per = sh.request_blocks(4000, 1000)
     assert a.kv_blocks_in_flight == 40 * per
     assert a.predicted_fraction() == sh.blocks_fraction(40 * per, 40, "auto") > 0.80
-    a.submit(Request("short", 50.0, 10, 10), 50.0)
+    a.submit(_capped("short", 50.0, 10, 10), 50.0)
     assert a.admit(50.0) == []  # over the ceiling already: it waits
     for i in range(23):  # 17 left in flight: still over the ceiling (16 fill it: 5,120 // 313)
         a.on_finished(f"L{i}")
@@ -467,7 +468,7 @@ def test_the_ttft_deadline_refuses_late_requests_above_core_priority_only() -> N
     adm.use_slo(1000.0)
     assert adm.expires and adm.deadline_s == 1.0
     for i in range(6):
-        assert adm.submit(Request(f"r{i}", 0.1 * i, 100, 10, priority=i % 2), 0.1 * i) is None
+        assert adm.submit(_capped(f"r{i}", 0.1 * i, 100, 10, priority=i % 2), 0.1 * i) is None
     assert adm.expire(1.0) == []  # nobody has waited 1 s yet
     late = adm.expire(1.25)  # r1 (t=0.1) and ... only those above core priority and > 1 s
     assert [r.request.request_id for r in late] == ["r1"] and all(r.reason == "deadline" for r in late)

@@ -59,8 +59,10 @@ def test_submit_or_admit_equals_submit_then_admit(mode: str, seed: int) -> None:
         now += rng.expovariate(2.0)
         op = rng.random()
         if op < 0.4:  # one arrival, a little in the past sometimes (the engine's clock runs ahead)
+            out = rng.choice([1, 64, 600])  # admission charges max_tokens (none sent: the prompt alone)
             r = Request(f"r{n}", now - rng.choice([0.0, 0.0, 0.3, 5.0]), rng.choice([10, 900, 1500, 3000, 9000]),
-                        rng.choice([1, 64, 600]), rng.choice([0, 0, 1, 2]), num_seqs=rng.choice([1, 1, 1, 2]))
+                        out, rng.choice([0, 0, 1, 2]), num_seqs=rng.choice([1, 1, 1, 2]),
+                        max_tokens=rng.choice([None, out, out + 1024]))
             n += 1
             rej_p = plain.submit(r, now)
             rej_f, took = fast.submit_or_admit(r, now)

@@ -245,7 +245,10 @@ def test_prompts_wait_in_admission_not_in_the_engines_queue(hold: bool):
     engine has about one token budget of prompts ahead of it and the rest wait in admission,
     where its order applies; without it they pile up in the engine's first-come queue."""
     budgets = "1.0" if hold else "null"
+    # Clients capped at 1024 tokens: the memory check (charging prompt + max_tokens) leaves room
+    # for the pile-up this test is about; none sent (8k a request) it would bind first.
     env = make("workload=poisson", "workload.rate_scale=3", "workload.lengths.prompt_mean=3000",
+               "workload.max_tokens.caps=[1024]", "workload.max_tokens.weights=null",
                "env.initial_batch_cap=256", f"env.admission.prefill_backlog_budgets={budgets}")
     env.reset(seed=0)
     budget = env.engine.capabilities().max_num_batched_tokens

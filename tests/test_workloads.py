@@ -450,8 +450,15 @@ def _digest(s) -> str:
 @pytest.mark.parametrize("name,seed,n,digest", PINNED_STREAMS, ids=[f"{c[0]}-{c[1]}" for c in PINNED_STREAMS])
 def test_shipped_workloads_draw_the_pinned_streams(name, seed, n, digest):
     """The streams the composed (schema-checked) groups draw are the ones the workload reader drew
-    before the groups had schemas (issue 13): the same requests, byte for byte."""
+    before the groups had schemas (issue 13): the same requests, byte for byte, once the clients'
+    caps (``workload.max_tokens``, issue 53) are lifted; with them, the same requests but for the
+    outputs above their cap, cut to it."""
     from batchpilot.config import load_config
 
+    uncapped = build_workload(load_config([f"workload={name}", "workload.max_tokens.caps=[null]",
+                                           "workload.max_tokens.weights=null"]).workload, rng(seed), 8192)
+    assert (len(uncapped), _digest(uncapped)) == (n, digest)
     s = build_workload(load_config([f"workload={name}"]).workload, rng(seed), 8192)
-    assert (len(s), _digest(s)) == (n, digest)
+    for key in ("arrival_s", "prompt_len", "priority"):
+        assert np.array_equal(getattr(s, key), getattr(uncapped, key)), key
+    assert np.array_equal(s.output_len, np.minimum(uncapped.output_len, s.max_tokens))

@@ -37,9 +37,11 @@ order (on time first, newest first, the bucketing mode) until the engine is read
 
 Memory, per request (``memory``, the shield): besides the count, a request is admitted only if
 the predicted memory of everything in flight plus it stays within the shield's ceiling. Each
-request is charged the KV blocks it holds at its end, all its sequences at prompt + output
-length (``output_len``: ``max_tokens``, or the caller's documented expectation when the client
-sent none), through the shield's one memory model (``Shield.fits``). One that does not fit now
+request is charged the KV blocks it holds at its end, all its sequences at prompt + its
+``max_tokens`` (the most it may generate: the client's cap, or vLLM's default when the client
+sent none; a request without it is charged its prompt alone), through the shield's one memory
+model (``Shield.fits``). Its true output length is never read: the gateway cannot know it, and
+the simulator's requests carry it only for the engine. One that does not fit now
 waits for room, as a request over the count cap does (it blocks its bucket's order: no
 smaller request overtakes it); one that cannot fit even alone is rejected with
 "too_large_for_memory" (at submit, or at admission when the model moved since and nothing is in
@@ -67,8 +69,9 @@ REJECT_REASONS: tuple[str, ...] = ("queue_full", "timeout", "shed_low_priority",
 
 
 class AdmissibleRequest(Protocol):
-    """What admission reads from a request (``core.engine.Request`` fits). ``output_len``
-    (most tokens it may generate) and ``num_seqs`` are read when present."""
+    """What admission reads from a request (``core.engine.Request`` fits). ``max_tokens``
+    (most tokens it may generate) and ``num_seqs`` are read when present; ``output_len`` (what
+    the engine will generate) never is."""
 
     request_id: str
     prompt_len: int
@@ -468,7 +471,7 @@ class Admission:
             seqs = _num_seqs(req)
         memory = self._memory
         if memory is not None:
-            blocks = int(memory.request_blocks(req.prompt_len, int(getattr(req, "output_len", 0)), seqs))  # _blocks
+            blocks = int(memory.request_blocks(req.prompt_len, _max_tokens(req), seqs))  # _blocks
             if not memory.fits(blocks, seqs, self.kv_dtype):
                 return self._reject(req, "too_large_for_memory", now)
         else:
@@ -526,7 +529,7 @@ class Admission:
             return self.submit(req, now), False
         memory = self._memory
         if memory is not None:
-            blocks = int(memory.request_blocks(prompt_len, int(getattr(req, "output_len", 0)), seqs))  # _blocks
+            blocks = int(memory.request_blocks(prompt_len, _max_tokens(req), seqs))  # _blocks
             # Beside what is in flight within the ceiling, it fits alone too (``fits`` is monotone);
             # otherwise ``submit`` asks about it alone.
             if not memory.fits(self.kv_blocks_in_flight + blocks, self.num_seqs_in_flight + seqs, self.kv_dtype):
@@ -708,7 +711,7 @@ class Admission:
     def _blocks(self, req: Any, seqs: int) -> int:
         """KV blocks ``req`` holds at its end; ``seqs`` is its ``_num_seqs`` (callers have it)."""
         assert self._memory is not None
-        return int(self._memory.request_blocks(req.prompt_len, int(getattr(req, "output_len", 0)), seqs))
+        return int(self._memory.request_blocks(req.prompt_len, _max_tokens(req), seqs))
 
     def _reject(self, req: Any, reason: str, now: float) -> Rejection:
         self.num_rejected_by_reason[reason] += 1
@@ -786,6 +789,14 @@ class Admission:
 
 def _num_seqs(req: Any) -> int:
     return max(1, int(getattr(req, "num_seqs", 1)))
+
+
+def _max_tokens(req: Any) -> int:
+    """The output tokens admission charges a request: its ``max_tokens`` (the most it may
+    generate, as the gateway knows it), 0 when it has none. Never ``output_len``: how long the
+    answer turns out is unknown until the engine produces it (tests/test_no_oracle.py)."""
+    m = getattr(req, "max_tokens", None)
+    return 0 if m is None else max(int(m), 0)
 
 
 def depths_padded(depths: Sequence[int], n: int = 3) -> tuple[int, ...]:

@@ -42,7 +42,10 @@ class DtypeUnavailable(EngineError):
 
 @dataclass(slots=True)
 class Request:
-    """One inference request as the workload produced it."""
+    """One inference request as the workload produced it. Everything in front of the engine
+    (admission, the shield, telemetry, controllers) reads only ``prompt_len``, ``max_tokens``,
+    ``priority`` and ``num_seqs``; ``output_len`` is for the engine and the finished-request
+    metrics (tests/test_no_oracle.py holds admission to it)."""
 
     request_id: str
     arrival_time: float
@@ -59,6 +62,14 @@ class Request:
     #: Whether its first token will be reported (``Admission.on_first_token``): a gateway does not
     #: see it in an answer that is not streamed, and admission's prefill backlog skips those.
     reports_first_token: bool = True
+    #: The most tokens it may generate, as a gateway knows it before it runs: the client's
+    #: ``max_tokens`` at most ``max_model_len - prompt_len``, or vLLM's default when the client
+    #: sent none (the rest of the context for chat). Admission's memory check charges this,
+    #: never ``output_len``: ``output_len`` is what the model will produce (it stands for the
+    #: model reaching its end of sequence), which no one in front of the engine can know.
+    #: Whoever builds a request keeps ``output_len <= max_tokens`` (vLLM stops at the cap).
+    #: None: not known; admission then charges the prompt alone.
+    max_tokens: int | None = None
 
 
 @dataclass(slots=True)

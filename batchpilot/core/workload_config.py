@@ -124,6 +124,47 @@ class LengthsConfig:
             _num(where, "output_sigma", self.output_sigma, lo=0)
 
 
+# --- max_tokens ----------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MaxTokensConfig:
+    """``workload.max_tokens``: the ``max_tokens`` this workload's clients send. Traces record
+    what a model generated, not the cap the client set, yet the cap is all a gateway (and so
+    admission's memory check) knows before a request runs; each workload declares it.
+
+    ``caps`` lists the caps clients send, ``weights`` their shares (None: equal): a fixed cap is
+    ``caps: [512]``, the model's limit ``caps: [null]`` (the client sends none: vLLM lets a chat
+    request run to ``max_model_len - prompt_len``), a mix ``caps: [null, 1024, 4096]`` with
+    weights. Each request draws one cap, independently of its length. A cap is always cut to
+    ``max_model_len - prompt_len``, and a request's output to its cap (vLLM stops generating at
+    ``max_tokens``): a fixed cap below some outputs shortens them (the stream's
+    ``info["max_tokens"]["clipped"]`` counts them)."""
+
+    caps: list[int | None] = field(default_factory=lambda: [None])
+    weights: list[float] | None = None
+
+    def check(self, where: str) -> None:
+        if not self.caps:
+            raise WorkloadConfigError(f"{where}.caps: must list at least one cap (null = the model's limit), got []")
+        for i, c in enumerate(self.caps):
+            if c is not None and c < 1:
+                raise WorkloadConfigError(f"{where}.caps[{i}]: must be >= 1 token or null (the model's limit), got {c!r}")
+        if self.weights is not None:
+            if len(self.weights) != len(self.caps):
+                raise WorkloadConfigError(f"{where}.weights: needs one weight per cap ({len(self.caps)}), "
+                                          f"got {list(self.weights)}")
+            for i, w in enumerate(self.weights):
+                _num(where, f"weights[{i}]", w, lo=0)
+            if sum(self.weights) <= 0:
+                raise WorkloadConfigError(f"{where}.weights: must have a positive sum, got {list(self.weights)}")
+
+    @property
+    def shares(self) -> list[float]:
+        """The weights normalised to sum to 1 (equal shares when none are given)."""
+        w = [1.0] * len(self.caps) if self.weights is None else [float(x) for x in self.weights]
+        total = sum(w)
+        return [x / total for x in w]
+
+
 # --- workload kinds -----------------------------------------------------------------------------
 @dataclass(frozen=True, slots=True, kw_only=True)
 class WorkloadBase:
@@ -139,12 +180,15 @@ class WorkloadBase:
     seed_offset: int = 0
     #: Shares of priority classes 0 (core), 1, ...
     priorities: list[float] = field(default_factory=lambda: [1.0])
+    #: The ``max_tokens`` its clients send (``MaxTokensConfig``); default: none, the model's limit.
+    max_tokens: MaxTokensConfig = field(default_factory=MaxTokensConfig)
     #: Free text, not read.
     name: str | None = None
     description: str | None = None
 
     def check(self, where: str) -> None:
         _num(where, "rate_scale", self.rate_scale, lo=0, lo_open=True)
+        self.max_tokens.check(f"{where}.max_tokens")
         if self.duration_s is not None:
             _num(where, "duration_s", self.duration_s, lo=0, lo_open=True)
 
