@@ -4,7 +4,15 @@ Names and definitions follow ``vllm bench serve`` so our numbers can be put next
 throughputs over the run's duration; TTFT and E2E latency per request; TPOT per request with
 more than one output token; ITL per output token (from per-token timings when the engine
 recorded them, else each request's TPOT stands for each of its ``output_len - 1`` gaps);
-``request_goodput`` = completed requests/s meeting every SLO, as ``--goodput``.
+``request_goodput`` = requests/s meeting every SLO, as ``--goodput``, but over the *arrival
+window* when one is given (``window_s``; the end-of-run drain is outside the denominator, which
+``vllm bench serve`` includes: its figure stays here as ``request_goodput_run``).
+
+What users read next to it (``OFFERED_KEYS``; docs/evaluation.md, "Metrics"): SLO attainment
+over the *offered* requests (a refused, shed, timed-out or unfinished request is a miss), the
+refusal rate, attainment per prompt-length bucket (admission's bucket edges) and weighted by
+each request's prompt + output tokens. ``slo_attainment_completed`` is the old view, over the
+completed requests only: shedding raises it, so it is shown for diagnosis, never ranked on.
 
 Also the Prometheus names vLLM exposes on ``/metrics`` (new and old spellings) and a parser
 that maps them onto canonical keys, so a scraper never hard-codes a vLLM version's names.
@@ -14,6 +22,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -36,7 +45,47 @@ SUMMARY_KEYS: tuple[str, ...] = (
     "request_goodput",
     "slo_attainment",
     *(f"{s}_{m}_ms" for m in LATENCY_METRICS for s in LATENCY_STATS),
+    "window_s",
+    "offered",
+    "refusal_rate",
+    "request_goodput_run",
+    "slo_attainment_completed",
+    "slo_attainment_tokens",
+    "slo_attainment_short",
+    "slo_attainment_medium",
+    "slo_attainment_long",
 )
+#: The prompt-length buckets attainment is reported per: admission's first bucket, the ones
+#: between (all of them together) and its last (``boundaries: [1024, 8192]``: < 1k, 1k-8k, >= 8k).
+BUCKET_NAMES: tuple[str, ...] = ("short", "medium", "long")
+#: The keys that read the offered requests (``summarize(offered=...)``); NaN without them.
+OFFERED_KEYS: tuple[str, ...] = SUMMARY_KEYS[SUMMARY_KEYS.index("window_s"):]
+
+
+@dataclass(frozen=True, slots=True)
+class Offered:
+    """Every request offered to the service in the run (served, refused or still open), as the
+    workload made them: what attainment per bucket and per token is over."""
+
+    prompt_len: np.ndarray
+    output_len: np.ndarray
+
+    def __post_init__(self) -> None:
+        p, o = np.asarray(self.prompt_len), np.asarray(self.output_len)
+        if p.ndim != 1 or p.shape != o.shape:
+            raise ValueError(f"offered prompt_len and output_len must be 1-D of one length, got {p.shape}, {o.shape}")
+
+    def __len__(self) -> int:
+        return int(np.asarray(self.prompt_len).size)
+
+
+def length_buckets(prompt_len: np.ndarray, edges: Sequence[int]) -> np.ndarray:
+    """``BUCKET_NAMES`` index per prompt: 0 below the first edge, 2 at or above the last, 1
+    between (as ``Admission.bucket_of`` sorts them; several middle buckets count as one)."""
+    if not edges:
+        raise ValueError("bucket edges must name at least one prompt length (admission.boundaries)")
+    idx = np.searchsorted(np.asarray(edges, np.int64), np.asarray(prompt_len, np.int64), side="right")
+    return np.where(idx == 0, 0, np.where(idx >= len(edges), 2, 1))
 
 
 def _weighted_stats(values: np.ndarray, counts: np.ndarray) -> tuple[float, float, float]:
@@ -55,34 +104,81 @@ def _weighted_stats(values: np.ndarray, counts: np.ndarray) -> tuple[float, floa
     return mean, median, float(np.percentile(expanded, 99, overwrite_input=True))
 
 
+def _share(a: float, b: float) -> float:
+    return a / b if b else math.nan
+
+
+def _offered_tail(
+    tokens: np.ndarray, prompt: np.ndarray, met: np.ndarray, num_rejected: int, window_s: float,
+    duration_s: float, num_offered: int, offered: Offered | None, bucket_edges: Sequence[int],
+) -> dict[str, float]:
+    """``OFFERED_KEYS`` of ``summarize`` (``tokens``, ``prompt``, ``met``: per completed request)."""
+    good = int(met.sum())
+    tail: dict[str, float] = {
+        "window_s": window_s,
+        "offered": float(num_offered),
+        "refusal_rate": _share(num_rejected, num_offered),
+        "request_goodput_run": good / duration_s,
+        "slo_attainment_completed": _share(good, met.size),
+        "slo_attainment_tokens": math.nan,
+        **{f"slo_attainment_{b}": math.nan for b in BUCKET_NAMES},
+    }
+    if offered is not None:
+        op, oo = np.asarray(offered.prompt_len, np.int64), np.asarray(offered.output_len, np.int64)
+        tail["slo_attainment_tokens"] = _share(float(tokens[met].sum()), float((op + oo).sum()))
+        met_b = np.bincount(length_buckets(prompt[met], bucket_edges), minlength=len(BUCKET_NAMES))
+        off_b = np.bincount(length_buckets(op, bucket_edges), minlength=len(BUCKET_NAMES))
+        for i, b in enumerate(BUCKET_NAMES):
+            tail[f"slo_attainment_{b}"] = _share(float(met_b[i]), float(off_b[i]))
+    return tail
+
+
 def summarize(
     finished: Sequence[FinishedRequest],
     duration_s: float,
     slo: SLO,
     *,
     num_rejected: int = 0,
+    window_s: float | None = None,
+    offered: Offered | None = None,
+    bucket_edges: Sequence[int] = (1024, 8192),
     extra: dict[str, Any] | None = None,
 ) -> dict[str, float]:
     """Aggregate a run's finished requests into ``SUMMARY_KEYS`` (latencies in ms).
 
-    - Throughputs and goodput divide by ``duration_s`` (the run's length on the engine clock).
-    - ``slo_attainment`` = requests meeting every SLO / (completed + rejected): a rejected
-      request is a miss, so shedding load cannot raise attainment. NaN when there were none.
+    - Throughputs and ``request_goodput_run`` divide by ``duration_s`` (the run's length on the
+      engine clock, drain included, as ``vllm bench serve``). ``request_goodput`` divides by
+      ``window_s``, the arrival window (``duration_s`` when not given).
+    - ``slo_attainment`` = requests meeting every SLO / offered requests, where offered is
+      ``len(offered)`` when given, else completed + rejected: a refused, shed, timed-out or
+      unfinished request is a miss, so shedding load cannot raise it. ``refusal_rate`` =
+      ``num_rejected`` / offered. ``slo_attainment_completed`` = met / completed (the old view).
+    - ``slo_attainment_{short,medium,long}`` (prompt buckets at ``bucket_edges``, admission's
+      ``boundaries``) and ``slo_attainment_tokens`` (met / offered prompt + output tokens) need
+      ``offered``: NaN without it, and a bucket nobody was offered in is NaN.
     - Latency statistics are NaN when nothing qualified (no requests; no output > 1 token for
-      TPOT and ITL), never a made-up 0.
+      TPOT and ITL), never a made-up 0. Ratios over nothing are NaN.
     - ``extra`` entries are appended; they may not overwrite a canonical key.
     """
     if not (math.isfinite(duration_s) and duration_s > 0):
         raise ValueError(f"duration_s must be > 0, got {duration_s!r}")
+    if window_s is None:
+        window_s = duration_s
+    if not (math.isfinite(window_s) and window_s > 0):
+        raise ValueError(f"window_s must be > 0, got {window_s!r}")
     if num_rejected < 0:
         raise ValueError(f"num_rejected must be >= 0, got {num_rejected!r}")
     n = len(finished)
+    num_offered = n + num_rejected if offered is None else len(offered)
+    if n + num_rejected > num_offered:
+        raise ValueError(f"{n} completed + {num_rejected} rejected requests exceed the {num_offered} offered")
     prompt = np.fromiter((r.prompt_len for r in finished), np.int64, n)
     output = np.fromiter((r.output_len for r in finished), np.int64, n)
     ttft = np.fromiter((r.ttft for r in finished), np.float64, n)
     tpot = np.fromiter((r.tpot for r in finished), np.float64, n)
     e2el = np.fromiter((r.e2el for r in finished), np.float64, n)
-    good = sum(1 for row in zip(ttft.tolist(), tpot.tolist(), e2el.tolist()) if slo.met(*row))
+    met = np.fromiter((slo.met(*row) for row in zip(ttft.tolist(), tpot.tolist(), e2el.tolist())), bool, n)
+    good = int(met.sum())
 
     out: dict[str, float] = {
         "duration_s": float(duration_s),
@@ -93,9 +189,11 @@ def summarize(
         "request_throughput": n / duration_s,
         "output_throughput": float(output.sum()) / duration_s,
         "total_token_throughput": float(prompt.sum() + output.sum()) / duration_s,
-        "request_goodput": good / duration_s,
-        "slo_attainment": good / (n + num_rejected) if n + num_rejected else math.nan,
+        "request_goodput": good / window_s,
+        "slo_attainment": _share(good, num_offered),
     }
+    tail = _offered_tail(prompt + output, prompt, met, num_rejected, float(window_s), float(duration_s),
+                         num_offered, offered, bucket_edges)
 
     multi = output > 1
     itl_vals: list[np.ndarray] = []
@@ -118,6 +216,7 @@ def summarize(
         vals, counts = samples[name]
         mean, median, p99 = _weighted_stats(vals * 1e3, counts)
         out[f"mean_{name}_ms"], out[f"median_{name}_ms"], out[f"p99_{name}_ms"] = mean, median, p99
+    out.update(tail)
 
     for key, value in (extra or {}).items():
         if key in out:

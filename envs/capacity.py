@@ -1,17 +1,25 @@
-"""How many requests/s a simulated deployment finishes when saturated with given requests.
+"""How many requests/s a simulated deployment finishes, saturated or within the SLO.
 
-Used to size a load per deployment: the evaluation runs a workload at the same share of every
-deployment's capacity, and training's deployment randomisation (``env.deployments``) does the
-same per episode. Saturated, not at the SLO: ``2 * max_num_seqs`` requests are kept waiting or
-running, FIFO, the engine's own KV dtype, no shield.
+``saturated_rate`` sizes a load per deployment: the evaluation runs a workload at the same
+share of every deployment's capacity, and training's deployment randomisation
+(``env.deployments``) does the same per episode. Saturated, not at the SLO: ``2 * max_num_seqs``
+requests are kept waiting or running, FIFO, the engine's own KV dtype, no shield.
+
+``slo_rate`` and ``capacity_bound`` give the evaluation's capacity bound per cell: the most
+SLO-met requests/s the engine finishes of the workload's own requests at a fixed concurrency,
+and Σ over the window of min(arrivals, that rate) per interval (docs/evaluation.md, metrics).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from typing import Sequence
+from typing import Callable, Sequence
+
+import numpy as np
 
 from batchpilot.core.engine import Engine, Request
+from batchpilot.core.telemetry import SLO
 
 
 class CapacityProbeError(RuntimeError):
@@ -55,3 +63,102 @@ def saturated_rate(
         if engine.now > limit_s:  # engine seconds: a deployment this slow is broken, not saturated
             raise CapacityProbeError(f"the capacity probe made no progress in {limit_s:g} engine seconds")
     return completions / max(engine.now - t0, 1e-9)
+
+
+#: Concurrencies ``slo_rate`` tries: doubling from 1 up to the engine's ``max_num_seqs``.
+def _ladder(max_num_seqs: int) -> list[int]:
+    out, c = [], 1
+    while c < max_num_seqs:
+        out.append(c)
+        c *= 2
+    return [*out, max_num_seqs]
+
+
+def closed_loop_goodput(
+    engine: Engine, requests: Sequence[Request], concurrency: int, slo: SLO, completions: int,
+    *, limit_s: float = 1e6,
+) -> float:
+    """SLO-met requests/s ``engine`` finishes with exactly ``concurrency`` of ``requests``
+    (cycled, in order) in it at all times: each added when a slot frees, its arrival the moment
+    it is added (no queue in front). Measured over ``completions`` finishes after as many again
+    (at most ``concurrency``) to fill it. The engine is used up (the caller closes it)."""
+    if not requests:
+        raise CapacityProbeError("no requests to probe the capacity with")
+    engine.set_max_active(concurrency)
+    n_sent = n_done = n_good = 0
+    warm = min(concurrency, completions)
+    t0 = math.nan
+
+    def add(k: int) -> None:
+        nonlocal n_sent
+        for _ in range(k):
+            r = requests[n_sent % len(requests)]
+            # ``replace`` keeps whatever else a request carries (priority, prefix blocks, ...).
+            engine.add_request(dataclasses.replace(r, request_id=f"slo{n_sent}", arrival_time=engine.now))
+            n_sent += 1
+
+    add(concurrency)
+    while n_done < warm + completions:
+        res = engine.advance_until(engine.now + 1.0, stop_on_finish=True)
+        for fr in res.finished:
+            n_done += 1
+            if n_done == warm:
+                t0 = fr.finish_time
+            elif n_done > warm and n_done <= warm + completions:
+                n_good += slo.met(fr.ttft, fr.tpot, fr.e2el)
+        add(len(res.finished))
+        if engine.now > limit_s:
+            raise CapacityProbeError(f"the SLO capacity probe made no progress in {limit_s:g} engine seconds")
+    if math.isnan(t0):  # warm == 0 cannot happen (concurrency >= 1); kept for clarity
+        raise CapacityProbeError("the SLO capacity probe finished nothing")
+    return n_good / max(engine.now - t0, 1e-9)
+
+
+def slo_rate(
+    new_engine: Callable[[], Engine], requests: Sequence[Request], max_num_seqs: int, slo: SLO,
+    completions: int = 400,
+) -> tuple[float, int]:
+    """Capacity at the SLO: the most SLO-met requests/s a fresh engine from ``new_engine``
+    finishes of ``requests`` at any fixed concurrency (``closed_loop_goodput`` at 1, 2, 4, ...
+    up to ``max_num_seqs``, then √2 either side of the best), and that concurrency. Stops
+    climbing once a step serves less than half the best so far (past the knee, more in flight
+    only breaks the SLO more). Deterministic on the simulator: every controller of a cell gets
+    the same figure."""
+    top = max(1, int(max_num_seqs))
+
+    def at(c: int) -> float:
+        engine = new_engine()
+        try:
+            return closed_loop_goodput(engine, requests, c, slo, completions)
+        finally:
+            engine.close()
+
+    rates: dict[int, float] = {}
+    for c in _ladder(top):
+        rates[c] = at(c)
+        if rates[c] < 0.5 * max(rates.values()):
+            break
+    best_c = max(rates, key=lambda c: (rates[c], -c))
+    # One refinement either side of the best doubling step (√2 apart), where not yet tried.
+    for c in {min(top, round(best_c * math.sqrt(2))), max(1, round(best_c / math.sqrt(2)))} - rates.keys():
+        rates[c] = at(c)
+    best_c = max(rates, key=lambda c: (rates[c], -c))
+    return rates[best_c], best_c
+
+
+def capacity_bound(arrival_s: np.ndarray, window_s: float, interval_s: float, capacity: float) -> float:
+    """Σ over the window's intervals of min(arrivals in the interval, ``capacity`` ×
+    interval): the SLO-met requests a controller could at most serve at a steady ``capacity``
+    if it neither carried a burst's excess over into the next interval nor served a cheaper
+    subset of the requests. ``arrival_s`` in seconds from the window's start; arrivals at or
+    past ``window_s`` are not counted. The last interval may be shorter (the window's rest)."""
+    if not (math.isfinite(window_s) and window_s > 0 and interval_s > 0):
+        raise ValueError(f"need window_s > 0 and interval_s > 0, got {window_s!r}, {interval_s!r}")
+    if not (math.isfinite(capacity) and capacity >= 0):
+        raise ValueError(f"capacity must be a finite rate >= 0, got {capacity!r}")
+    n = max(1, math.ceil(window_s / interval_s - 1e-9))
+    edges = np.minimum(np.arange(n + 1, dtype=np.float64) * interval_s, window_s)
+    counts, _ = np.histogram(np.asarray(arrival_s, np.float64), bins=edges)
+    # np.histogram's last bin is closed; an arrival exactly at window_s belongs to no interval.
+    counts[-1] -= int(np.count_nonzero(np.asarray(arrival_s) == window_s))
+    return float(np.minimum(counts, capacity * np.diff(edges)).sum())

@@ -55,7 +55,7 @@ from typing import Any, Sequence
 
 import gymnasium as gym
 import numpy as np
-from omegaconf import DictConfig, open_dict
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from batchpilot.config import from_node, load_config
 from batchpilot.core.actions import ACTION_NVEC, action_mask, action_to_proposal
@@ -67,17 +67,20 @@ from batchpilot.core.plant import BreakerTrip, actuate
 from batchpilot.core.residual import ACTION_MODES, ResidualPID, residual_pid_config
 from batchpilot.core.shield import Shield, ShieldConfig
 from batchpilot.core.telemetry import FEATURE_NAMES, OBS_HIGH, OBS_LOW, SLO, Snapshot, Telemetry
-from batchpilot.envs.capacity import saturated_rate
+from batchpilot.envs.capacity import capacity_bound, saturated_rate, slo_rate
 from batchpilot.envs.deployments import Deployment, DeploymentSet
 from batchpilot.envs.engines import EngineFactory
 from batchpilot.envs.reward import RewardConfig, reward_terms
 from batchpilot.envs.workloads import RequestStream, build_workload
-from batchpilot.metrics import summarize
+from batchpilot.metrics import Offered, summarize
 
 #: ``env.memory_utilization`` draws only budgets where the shield admits this many requests of
 #: its starting context: below it the deployment serves nothing (DeepSeek-V3 on an H200 at 0.7
 #: holds 195k tokens of KV, but its weights alone are over the 80 % ceiling).
 MIN_SERVABLE_BATCH = 8
+#: ``ServingEnv._slo_capacity``'s figures in this process (a probe is deterministic on the
+#: simulator; every controller of a workload and seed asks for the same one).
+_SLO_CAPACITY: dict[tuple, float] = {}
 
 
 def _shift_stream(stream: RequestStream, t0: float) -> RequestStream:
@@ -293,10 +296,21 @@ class ServingEnv(gym.Env):
         return self._last_snapshot
 
     def episode_metrics(self) -> dict[str, float]:
-        """``vllm bench serve``-style aggregates over the episode so far."""
-        duration = max(self.engine.now - self._episode_start, 1e-9)
+        """``vllm bench serve``-style aggregates over the episode so far, read as a user reads
+        them (``batchpilot.metrics``): goodput over the arrival window (the episode's
+        ``episode_s``, or less when it ended early; the drain after it is outside the
+        denominator), SLO attainment over every request that arrived, the refusal rate, and in
+        an evaluation episode on the simulator (``drain_on_truncate``) the capacity bound
+        (``capacity_metrics``)."""
+        now = self.engine.now
+        duration = max(now - self._episode_start, 1e-9)
+        window = max(min(duration, self.max_steps * self.interval_s), 1e-9)
         n_admitted = self.admission.num_admitted
-        m = summarize(self._finished, duration, self.slo, num_rejected=len(self._rejections))
+        arrived = len(self.stream) - self.stream.num_remaining
+        offered = Offered(self.stream.prompt_len[:arrived], self.stream.output_len[:arrived])
+        m = summarize(self._finished, duration, self.slo, num_rejected=len(self._rejections), window_s=window,
+                      offered=offered, bucket_edges=self.admission_cfg.boundaries)
+        m.update(self.capacity_metrics(window, m["request_goodput"]))
         m.update(
             peak_kv_usage=self._peak_kv,
             preemptions=float(self._preemptions),
@@ -311,6 +325,46 @@ class ServingEnv(gym.Env):
             mean_engine_ttft_ms=1e3 * self._engine_ttft_s / self._num_engine_ttft if self._num_engine_ttft else math.nan,
         )
         return m
+
+    def capacity_metrics(self, window_s: float, goodput: float) -> dict[str, float]:
+        """``slo_capacity``: the most SLO-met requests/s the simulated engine finishes of this
+        episode's requests at a fixed concurrency (``envs.capacity.slo_rate``; the better of the
+        deployment's runnable 16- and 8-bit KV dtypes, so every controller of a cell gets the
+        same figure); ``capacity_bound``: Σ over the arrival window's control intervals of
+        min(arrivals, ``slo_capacity`` × interval), per second of window; ``share_of_bound``:
+        ``goodput`` / ``capacity_bound``. NaN outside an evaluation episode on the simulator
+        (a live engine would take real time to probe; training does not need them)."""
+        nan = {"slo_capacity": math.nan, "capacity_bound": math.nan, "share_of_bound": math.nan}
+        if not (self.cfg.env.drain_on_truncate and self.cfg.engine.kind == "sim" and len(self.stream)):
+            return nan
+        capacity = self._slo_capacity()
+        arrivals = np.asarray(self.stream.arrival_s) - self._episode_start
+        bound = capacity_bound(arrivals, window_s, self.interval_s, capacity) / window_s
+        return {"slo_capacity": capacity, "capacity_bound": bound,
+                "share_of_bound": goodput / bound if bound > 0 else math.nan}
+
+    def _slo_capacity(self) -> float:
+        """``slo_rate`` over the episode's requests, once per (deployment, requests, SLO) in a
+        process: the cells of one workload and seed share it."""
+        stream = copy.copy(self.stream)  # its own cursor over the same (read-only) arrays
+        stream.reset()
+        requests = stream.pop_until(math.inf)
+        base = self._engine_node if self._engine_node is not None else self.cfg.engine
+        model, hardware = self._nodes()
+        dtypes = [d for d in dict.fromkeys((self.kv16_dtype, self.kv8_dtype)) if self._caps.can_run(d)]
+        nodes = (base, self.cfg.model if model is None else model, self.cfg.hardware if hardware is None else hardware)
+        key = (repr([OmegaConf.to_container(n, resolve=True) for n in nodes]), repr(self.slo), self._max_num_seqs,
+               tuple(dtypes), hash(tuple((r.prompt_len, r.output_len, r.prefix_hashes) for r in requests)))
+        if key not in _SLO_CAPACITY:
+            rates = []
+            for d in dtypes or [str(base.get("kv_dtype", "auto"))]:
+                node = copy.deepcopy(base)
+                with open_dict(node):
+                    node.kv_dtype = d
+                rates.append(slo_rate(lambda n=node: self._new_engine(model, hardware, engine=n), requests,
+                                      self._max_num_seqs, self.slo)[0])
+            _SLO_CAPACITY[key] = max(rates)
+        return _SLO_CAPACITY[key]
 
     @property
     def finished_requests(self):

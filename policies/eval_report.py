@@ -24,12 +24,31 @@ import numpy as np
 ID_KEYS: tuple[str, ...] = (
     "policy", "workload", "seed", "model", "hardware", "engine", "window_start_s", "rate_multiplier",
 )
-#: Metric columns of a row (``vllm bench serve`` names plus the controller's footprint).
+#: Metric columns of a row (``vllm bench serve`` names plus the controller's footprint). As users
+#: read them (``batchpilot.metrics``, docs/evaluation.md "Metrics"): ``request_goodput`` over the
+#: arrival window, ``slo_attainment`` over the offered requests (refused = missed),
+#: ``refusal_rate`` beside them, attainment per prompt bucket and token-weighted, and the
+#: capacity bound (``slo_capacity``, ``capacity_bound``, ``share_of_bound``: goodput as a share
+#: of Σ min(arrivals, capacity at the SLO) per interval). ``request_goodput_run`` (drain in the
+#: denominator, as ``vllm bench serve``) and ``slo_attainment_completed`` (completed requests
+#: only) are the old views, kept to show how far the new ones move.
 METRIC_KEYS: tuple[str, ...] = (
     "request_throughput",
     "output_throughput",
     "request_goodput",
     "slo_attainment",
+    "refusal_rate",
+    "share_of_bound",
+    "capacity_bound",
+    "slo_capacity",
+    "slo_attainment_short",
+    "slo_attainment_medium",
+    "slo_attainment_long",
+    "slo_attainment_tokens",
+    "request_goodput_run",
+    "slo_attainment_completed",
+    "offered",
+    "window_s",
     "mean_ttft_ms",
     "p99_ttft_ms",
     "mean_tpot_ms",
@@ -50,6 +69,9 @@ ROW_KEYS: tuple[str, ...] = (*ID_KEYS, *METRIC_KEYS, "knobs", "wall_s", "error")
 HEADLINE_KEYS: tuple[str, ...] = (
     "request_goodput",
     "slo_attainment",
+    "refusal_rate",
+    "share_of_bound",
+    "slo_attainment_tokens",
     "request_throughput",
     "output_throughput",
     "p99_ttft_ms",
@@ -224,6 +246,45 @@ def ppo_comparison(rows: Sequence[Mapping[str, Any]]) -> tuple[str, str]:
     return "\n".join(lines), summary
 
 
+#: The reference every controller's goodput is divided by in ``reference_comparison``: vLLM
+#: tuned with its own flags where the run has it, else vLLM as shipped (a weaker yardstick).
+REFERENCES = ("vllm_tuned", "vllm_default")
+
+
+def reference_comparison(rows: Sequence[Mapping[str, Any]]) -> tuple[str, str]:
+    """Every controller against the reference (``REFERENCES``: ``vllm_tuned``, else
+    ``vllm_default``, named in the output) per workload × deployment cell: goodput, its ratio to
+    the reference's, SLO attainment over offered requests, refusal rate and share of the
+    capacity bound (means over the scored seeds); then each controller's geometric-mean ratio
+    over the cells where both ran. Empty strings when neither reference ran."""
+    names = {str(r["policy"]) for r in rows}
+    ref = next((c for c in REFERENCES if c in names), None)
+    if ref is None:
+        return "", ""
+    keys = ("request_goodput", "slo_attainment", "refusal_rate", "share_of_bound")
+    by: dict[tuple[str, str], dict[str, dict[str, Any]]] = {}
+    for e in aggregate(rows, keys):
+        by.setdefault((e["workload"], e["deployment"]), {})[e["policy"]] = e
+    head = ["workload", "deployment", "policy", "goodput", f"/ {ref}", "attainment", "refusal rate", "share of bound"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] * 3 + ["---:"] * (len(head) - 3)) + "|"]
+    ratios: dict[str, list[float]] = {}
+    for (wl, dep), v in by.items():
+        ref_g = v[ref]["request_goodput"][0] if ref in v else math.nan
+        for pol, e in v.items():
+            x = _ratio(e["request_goodput"][0], ref_g)
+            if pol != ref:
+                ratios.setdefault(pol, []).append(x)
+            lines.append("| " + " | ".join([wl, dep, pol, *(_fmt(e[k][0]) for k in keys[:1]), _fmt(x),
+                                             *(_fmt(e[k][0]) for k in keys[1:])]) + " |")
+    order = sorted(ratios, key=lambda p: p != "ppo")  # PPO's first: the figure the issue asks for
+    means = [f"{p} / {ref} {m:.3f}× ({n} cells)" for p in order for m, n in [_geomean(ratios[p])] if n]
+    why = "" if ref == "vllm_tuned" else " (vllm_tuned did not run: vLLM as shipped is the reference)"
+    summary = f"Reference: {ref}{why}."
+    if means:
+        summary += " Geometric means of the goodput ratio over the cells with both: " + ", ".join(means) + "."
+    return "\n".join(lines), summary
+
+
 #: Per episode, PPO below this fraction of a baseline's goodput counts as "much worse" in
 #: ``episode_comparison`` (means over seeds can hide one bad episode in many good ones).
 EPISODE_FLOOR = 0.95
@@ -307,6 +368,11 @@ def results_markdown(
         "\nHeadline:\n",
         markdown_table(rows, HEADLINE_KEYS),
     ]
+    ref_table, ref_summary = reference_comparison(rows)
+    if ref_table:
+        parts += ["\nEvery controller against the reference (goodput over the arrival window in req/s, attainment "
+                  "over offered requests, share of the capacity bound; means over the scored seeds):\n",
+                  ref_table, f"\n**{ref_summary}**"]
     comp, summary = ppo_comparison(rows)
     if comp:
         parts += ["\nPPO against the baselines (goodput in req/s, means over the scored seeds):\n", comp,
@@ -439,14 +505,15 @@ def plot_timelines(
 
 def plot_goodput_vs_slo(rows: Sequence[Mapping[str, Any]], out_dir: Path) -> Path:
     """Request goodput against SLO attainment, one panel per workload, a point per controller
-    (mean over seeds, 95 % CI bars)."""
+    (mean over seeds, 95 % CI bars; its refusal rate in the legend), the cell's capacity bound
+    as a dotted line."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    agg = aggregate(rows, ("request_goodput", "slo_attainment"))
+    agg = aggregate(rows, ("request_goodput", "slo_attainment", "refusal_rate", "capacity_bound"))
     panels = list(dict.fromkeys((e["workload"], e["deployment"]) for e in agg))
     multi = len({d for _, d in panels}) > 1
     policies = list(dict.fromkeys(e["policy"] for e in agg))
@@ -459,13 +526,19 @@ def plot_goodput_vs_slo(rows: Sequence[Mapping[str, Any]], out_dir: Path) -> Pat
     for ax, (wl, dep) in zip(axes.flat, panels):
         for e in (e for e in agg if (e["workload"], e["deployment"]) == (wl, dep)):
             (gx, gh, _), (sx, sh, _) = e["request_goodput"], e["slo_attainment"]
+            ref = e["refusal_rate"][0]
             ax.errorbar(
                 sx, gx, xerr=None if math.isnan(sh) else sh, yerr=None if math.isnan(gh) else gh,
-                fmt="o", color=colors[e["policy"]], label=e["policy"], capsize=3,
+                fmt="o", color=colors[e["policy"]], capsize=3,
+                label=e["policy"] + (f" (refused {ref:.0%})" if math.isfinite(ref) else ""),
             )
+        bound = [e["capacity_bound"][0] for e in agg if (e["workload"], e["deployment"]) == (wl, dep)]
+        if bound and math.isfinite(bound[0]):  # the same for every controller of the cell
+            ax.axhline(bound[0], color="k", ls=":", lw=0.8)
+            ax.annotate("capacity bound", (0.01, bound[0]), xycoords=("axes fraction", "data"), fontsize=7)
         ax.set_title(f"{wl} @ {dep}" if multi else wl, fontsize=9)
-        ax.set_xlabel("SLO attainment")
-        ax.set_ylabel("request goodput (req/s)")
+        ax.set_xlabel("SLO attainment (of offered requests)")
+        ax.set_ylabel("goodput (req/s over the arrival window)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     return _save(fig, out_dir / "goodput_vs_slo.png")
