@@ -593,6 +593,11 @@ class ControlConfig:
     #: than ``shield.max_batch`` (``Shield.start_kv_dtype``, the policy's ``kv_start`` in the
     #: evaluation): one restart before the gateway serves, and the KV dwell runs from it.
     kv_start: bool = True
+    #: The control loop itself failing (its task ended, or no decision completed for
+    #: ``fail_open_after_s``): True = requests bypass admission and go straight to a live engine
+    #: (vLLM's own scheduler queues them); False = admission keeps the last knobs.
+    fail_open: bool = False
+    fail_open_after_s: float = 10.0
 
     def __post_init__(self) -> None:
         if self.mode is None:
@@ -610,6 +615,8 @@ class ControlConfig:
             raise ValueError(f"serve.control.initial_batch_cap must be >= 1, got {self.initial_batch_cap}")
         if self.history_len < 0:
             raise ValueError(f"serve.control.history_len must be >= 0, got {self.history_len}")
+        if not self.fail_open_after_s > 0:
+            raise ValueError(f"serve.control.fail_open_after_s must be > 0, got {self.fail_open_after_s}")
         if self.stale_limit < 1 or self.safe_batch_cap < 1:
             raise ValueError("serve.control.stale_limit and serve.control.safe_batch_cap must be >= 1, got "
                              f"{self.stale_limit}, {self.safe_batch_cap}")
@@ -714,6 +721,23 @@ class ServeConfig:
     #: (else the connection is closed).
     body_timeout_s: float = 30.0
     header_timeout_s: float = 10.0
+    #: A request head (request line and headers) larger than this is answered 431 (JSON) and
+    #: the connection closed; the gateway's HTTP parser otherwise kept 20 MB of headers.
+    max_header_bytes: int = 64 * 1024
+    #: JSON arrays and objects a request body may open (its ``[`` and ``{`` bytes, counted
+    #: before the parse, an upper bound): 2.7 million empty arrays in one body cost 0.76 s to parse.
+    max_json_containers: int = 100_000
+    #: A top-level body field vLLM does not know (``request_body.KNOWN_FIELDS``) may hold this
+    #: much JSON; a larger one is a 400 and never reaches vLLM (which would ignore it).
+    max_unknown_field_bytes: int = 64 * 1024
+    #: The longest a request waits for a lane that cannot serve (engine stopped, exited,
+    #: restarting, unresponsive): past it 503 + Retry-After; what is queued on a lane down this
+    #: long is refused, and new requests to it at once. None: wait up to ``request_timeout_s``.
+    fail_fast_s: float | None = 1.0
+    #: A /health probe unanswered this long (and no answer from the upstream meanwhile) makes
+    #: the lane stop admitting until it answers again (a restart still needs
+    #: ``health_failures``/``health_grace_s``). None: only a timed-out probe's count matters.
+    unresponsive_s: float | None = 5.0
     priority_header: str = "x-priority"
     default_priority: int = 1
     #: Header carrying a trusted key; only requests with one may ask for a priority above the
@@ -788,6 +812,14 @@ class ServeConfig:
             raise ValueError(f"serve.max_body_bytes must be >= 1024, got {self.max_body_bytes}")
         if self.body_workers < 0:
             raise ValueError(f"serve.body_workers must be >= 0, got {self.body_workers}")
+        if self.max_header_bytes < 1024 or self.max_json_containers < 16 or self.max_unknown_field_bytes < 0:
+            raise ValueError("serve.max_header_bytes must be >= 1024, serve.max_json_containers >= 16 and "
+                             f"serve.max_unknown_field_bytes >= 0; got {self.max_header_bytes}, "
+                             f"{self.max_json_containers}, {self.max_unknown_field_bytes}")
+        for name in ("fail_fast_s", "unresponsive_s"):
+            v = getattr(self, name)
+            if v is not None and not (math.isfinite(v) and v > 0):
+                raise ValueError(f"serve.{name} must be a number of seconds > 0 or null, got {v}")
         if self.default_priority < 0:
             raise ValueError(f"serve.default_priority must be >= 0, got {self.default_priority}")
         self.priority_header = self.priority_header.lower()

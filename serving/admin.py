@@ -87,9 +87,31 @@ class KvDtypeBody(_Body):
 B = TypeVar("B", bound=_Body)
 
 
+#: The largest admin body (the largest real one is a few hundred bytes).
+MAX_ADMIN_BODY_BYTES = 64 * 1024
+
+
+async def _bounded_body(request: Request) -> bytes:
+    """The body, refused with 413 past ``MAX_ADMIN_BODY_BYTES`` (before reading it when its
+    length is declared)."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_ADMIN_BODY_BYTES:
+        raise GatewayError("body_too_large", f"an admin body may have at most {MAX_ADMIN_BODY_BYTES} bytes",
+                           status=413)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_ADMIN_BODY_BYTES:
+            raise GatewayError("body_too_large", f"an admin body may have at most {MAX_ADMIN_BODY_BYTES} bytes",
+                               status=413)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
 async def _body(request: Request, model: type[B]) -> B:
-    """The request body as ``model``; a 400 naming each wrong field otherwise."""
-    raw = await request.body()
+    """The request body as ``model``; a 400 naming each wrong field otherwise (not UTF-8, not
+    JSON, ``NaN``/``Infinity``, unknown keys: ``json_object`` and ``_Body``)."""
+    raw = await _bounded_body(request)
     data = json_object(raw) if raw else {}
     try:
         return model.model_validate(data)
@@ -109,6 +131,7 @@ async def status(request: Request) -> dict[str, Any]:
                                 "pid": ln.upstream.managed.pid if ln.upstream.managed else None}
                       for ln in gw.lanes},
         "engine_log_dir": str(gw.log_dir) if gw.log_dir else None,
+        "fail_open": gw.bypass_admission,
     }
 
 
@@ -185,8 +208,14 @@ async def reset_control(request: Request) -> dict[str, Any]:
     return {"ok": True}
 
 
+class EmptyBody(_Body):
+    """A route that takes no fields: any field, and a body that is not JSON, is a 400."""
+
+
 @router.post("/quality/reset", dependencies=[Depends(_require_token)])
 async def quality_reset(request: Request) -> dict[str, Any]:
+    """Body: none or ``{}``. The quality guard's samples and verdict back to start."""
+    await _body(request, EmptyBody)  # checked before anything changes, as on every admin route
     request.app.state.gateway.quality.reset()
     return {"ok": True}
 

@@ -288,6 +288,15 @@ class ControlLoop:
                                       kv_runnable={d: caps.can_run(d) for d in caps.kv_dtypes}, note=self._note,
                                       kv_restart_s=shield_cfg.dtype_restart_s, slo=s.slo)
         self._task: asyncio.Task | None = None
+        #: When (monotonic) a round of decisions last completed without an error (``failed``).
+        self.last_ok = time.monotonic()
+
+    def failed(self, now: float) -> bool:
+        """Whether the control loop itself has failed: its task ended (not by ``stop``) or no
+        round of decisions completed for ``serve.control.fail_open_after_s``."""
+        if self._task is not None and self._task.done():
+            return True
+        return now - self.last_ok > self.cfg.control.fail_open_after_s
 
     # --- lifecycle -----------------------------------------------------------------------
     async def start(self) -> None:
@@ -307,11 +316,15 @@ class ControlLoop:
         while True:
             await asyncio.sleep(max(next_t - time.monotonic(), 0.0))
             next_t += interval
+            ok = True
             for ln in self.gw.lanes:
                 try:
                     await self.tick(ln)
                 except Exception:  # one bad tick must not stop control of the service
+                    ok = False
                     log.exception("control tick failed on %s", ln.name)
+            if ok:
+                self.last_ok = time.monotonic()
 
     # --- the memory model ------------------------------------------------------------------
     def _use_memory_model(self, ln: Lane, ctl: LaneControl, mem: MemoryModel) -> None:

@@ -42,7 +42,7 @@ from batchpilot.serving.http1 import Http1Error, Http1Response
 from batchpilot.serving.http_server import GatewayServer, with_head_timeout
 from batchpilot.serving.lanes import Lane
 from batchpilot.serving.prom import CONTENT_TYPE, GatewayMetrics, bucket_name
-from batchpilot.serving.request_body import OFF_LOOP_BYTES, BodyInspector, with_model
+from batchpilot.serving.request_body import OFF_LOOP_BYTES, BodyInspector, BodyLimits, with_model
 from batchpilot.serving.settings import ServeConfig
 from batchpilot.serving.tokens import PromptCounter, PromptTooLong
 from batchpilot.serving.upstream import ManagedVLLM, Upstream, UpstreamDown, cpu_core_groups, free_port
@@ -195,7 +195,8 @@ class Gateway:
         from batchpilot.serving.supervisor import Supervisor
 
         self.supervisor = Supervisor(cfg, self.lanes, self.metrics)
-        self.bodies = BodyInspector(cfg.max_num_seqs, cfg.body_workers)
+        self.bodies = BodyInspector(cfg.max_num_seqs, cfg.body_workers,
+                                    BodyLimits(cfg.max_json_containers, cfg.max_unknown_field_bytes))
         self.control = None  # the ControlLoop, set in the lifespan (needs running upstreams)
         self.quality = None
         #: A stop was asked for (SIGTERM, Ctrl-C): nothing new is admitted; requests in flight
@@ -203,6 +204,9 @@ class Gateway:
         self.draining = False
         #: A second stop signal came (``hurry``): no more grace for requests or engines.
         self.hurried = False
+        #: ``serve.control.fail_open`` and the control loop has failed: requests skip admission
+        #: and go straight to a live engine (``_watch`` sets it).
+        self.bypass_admission = False
 
     # --- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
@@ -218,10 +222,28 @@ class Gateway:
         self.control = ControlLoop(self)
         await self.control.choose_start_kv_dtype()
         await self.control.start()
+        self.supervisor.spawn(self._watch(), "batchpilot-watch")
         self.ready = True
         log.info("gateway ready on %s:%d in front of %s%s", self.cfg.host, self.cfg.port,
                  ", ".join(ln.upstream.url for ln in self.lanes),
                  f" (engine logs in {self.log_dir})" if self.log_dir else "")
+
+    async def _watch(self) -> None:
+        """Several times a second, cheap checks that must not wait for a /health probe: lanes
+        stopped, hung or down too long (``Supervisor.check_lanes``), and whether the control
+        loop has failed (``serve.control.fail_open``)."""
+        period = min(self.cfg.health_interval_s, 0.25)
+        fail_open = self.cfg.control.fail_open
+        while True:
+            await asyncio.sleep(period)
+            now = time.monotonic()
+            self.supervisor.check_lanes(now)
+            if fail_open and self.control is not None:
+                failed = self.control.failed(now)
+                if failed != self.bypass_admission:
+                    log.error("the control loop has failed: requests now bypass admission (serve.control.fail_open)"
+                              if failed else "the control loop runs again: admission is back")
+                    self.bypass_admission = failed
 
     def hurry(self) -> None:
         """A second stop signal (Ctrl-C pressed again while the gateway drains or stops): the
@@ -267,8 +289,12 @@ class Gateway:
             return min(rotated, key=lambda ln: ln.load)
         if open_:
             return open_[0]
-        waiting = [ln for ln in self.lanes if ln.upstream.restarting or
+        waiting = [ln for ln in self.lanes if ln.upstream.restarting or ln.upstream.stalled or
                    (ln.upstream.managed is not None and self.cfg.auto_restart)]
+        ff = self.cfg.fail_fast_s
+        if ff is not None:  # lanes down past the bound refuse at once
+            now = time.monotonic()
+            waiting = [ln for ln in waiting if ln.down_since is None or now - ln.down_since < ff]
         if waiting:
             return min(waiting, key=lambda ln: ln.load)
         raise Refused("upstream_down", "no upstream vLLM server is answering; retry later",
@@ -444,7 +470,12 @@ async def _forward(gw: Gateway, lane: Lane, req: EngineRequest, bucket: int, bod
     if gw.draining:
         raise Refused("shutting_down", "the gateway is shutting down; retry later", status=503,
                       retry_after=cfg.retry_after_s)
-    await lane.acquire(req, deadline)
+    if gw.bypass_admission and lane.available:  # fail open: the control loop has failed
+        lane.telemetry.on_arrival(time.monotonic(), req.prompt_len)
+    elif lane.available or cfg.fail_fast_s is None:
+        await lane.acquire(req, deadline)
+    else:
+        await _acquire_down(lane, req, deadline, cfg.fail_fast_s)
     admitted[0] = True
     stream = bool(body.get("stream"))
     timer = _Timer(gw, lane, req, bucket, t_arrival, stream)
@@ -486,6 +517,20 @@ async def _forward(gw: Gateway, lane: Lane, req: EngineRequest, bucket: int, bod
 
     return SlotStream(_relay(resp, timer, lane, deadline, cfg.request_timeout_s, gw), on_close, status_code=200,
                       headers=resp_headers)
+
+
+async def _acquire_down(lane: Lane, req: EngineRequest, deadline: float, fail_fast_s: float) -> None:
+    """Wait for a slot on a lane that cannot serve now, at most ``fail_fast_s`` past when it
+    went down: then 503 ``upstream_down`` with Retry-After, not a wait until the request times out."""
+    now = time.monotonic()
+    until = (lane.down_since if lane.down_since is not None else now) + fail_fast_s
+    try:
+        await lane.acquire(req, min(deadline, max(until, now)))
+    except Refused as exc:
+        if exc.reason != "timeout" or until >= deadline:
+            raise
+        raise Refused("upstream_down", f"upstream {lane.name} cannot serve (stopped, restarting or not answering); "
+                      "retry later", status=503, retry_after=lane.retry_after_s) from None
 
 
 class SlotStream(StreamingResponse):
@@ -530,6 +575,9 @@ def _upstream_failed(lane: Lane, exc: Exception, stop_cut: str | None = None) ->
     if stop_cut is not None:
         raise Refused("shutting_down", f"the gateway is shutting down; the request was ended {stop_cut}; "
                       "retry later", status=503, retry_after=lane.retry_after_s) from None
+    if not lane.available and isinstance(exc, Http1Error):  # ended by the gateway (Supervisor.check_lanes)
+        raise Refused("upstream_down", f"upstream {lane.name} stopped answering (stopped or hung); retry later",
+                      status=503, retry_after=lane.retry_after_s) from None
     if isinstance(exc, (httpx.ConnectError,)) or getattr(exc, "connect", False):
         lane.upstream.healthy = False
         raise Refused("upstream_down", f"upstream {lane.name} refused the connection: {exc}",
@@ -714,12 +762,23 @@ def _ready(gw: Gateway) -> bool:
 
 
 async def _pass_through(request: Request, method: str, path: str) -> Response:
-    """Forward a read-only request to one upstream as it is (the body's size and arrival
-    bounded as for completions) and its answer back as it came."""
+    """Forward a read-only request to one upstream and its answer back as it came, after the
+    generation routes' limits: the body's size and arrival, its JSON's containers and unknown
+    fields, and the prompt's length (``/tokenize``: at most ``max_model_len`` tokens, counted
+    as for a completion; ``/detokenize``: as many token ids). A 7.5 MB prompt sent to vLLM's
+    /tokenize held its API server for 10 s, and every completion beside it waited."""
     gw: Gateway = request.app.state.gateway
-    raw = await _read_body(request, gw.cfg) if method == "POST" else None
+    raw: bytes | None = await _read_body(request, gw.cfg)  # a GET's body too: bounded, then dropped
+    if method == "POST":
+        _check_media_type(request)
+        raw = await _checked_forward_body(gw, raw, path)
+    else:
+        raw = None
     lane = gw.pick_lane()
-    headers = {"content-type": request.headers.get("content-type", "application/json")} if raw is not None else None
+    if not lane.available:
+        raise Refused("upstream_down", f"upstream {lane.name} cannot serve now; retry later", status=503,
+                      retry_after=gw.cfg.retry_after_s)
+    headers = {"content-type": "application/json"} if raw is not None else None
     try:
         r = await lane.upstream.client.request(method, path, content=raw, headers=headers,
                                                params=request.url.query or None, timeout=gw.cfg.request_timeout_s)
@@ -731,6 +790,28 @@ async def _pass_through(request: Request, method: str, path: str) -> Response:
         _upstream_failed(lane, exc)
     return Response(r.content, status_code=r.status_code,
                     media_type=r.headers.get("content-type", "application/json"))
+
+
+async def _checked_forward_body(gw: Gateway, raw: bytes, path: str) -> bytes:
+    """A forwarded POST body checked as a generation body is (``_pass_through``); the bytes to
+    send on (UTF-8)."""
+    max_len = max(gw.max_model_len(ln) for ln in gw.lanes)
+    route = path.strip("/")
+    parsed = await gw.bodies.inspect(raw, False, max_len, route=route)  # FORWARDED: POST is these two
+    if parsed.body:  # /tokenize with a prompt of a type the gateway can count
+        lane = gw.lanes[0]
+        try:
+            n = await gw.counter.count(parsed.body, parsed.chat, lane.upstream.tokenize, limit=max_len,
+                                       text=parsed.text, off_loop=len(parsed.raw) > OFF_LOOP_BYTES)
+        except PromptTooLong as exc:
+            raise BadRequest("prompt_too_long", str(exc)) from None
+        except UpstreamDown as exc:
+            raise Refused("upstream_down", str(exc), status=503, retry_after=gw.cfg.retry_after_s) from None
+        except ValueError as exc:
+            raise BadRequest("invalid_prompt", f"could not tokenize the prompt: {exc}") from None
+        if n > max_len:
+            raise BadRequest("prompt_too_long", f"the prompt has {n} tokens, more than the model's max_model_len={max_len}")
+    return parsed.raw
 
 
 async def _start_unless_stopped(gw: Gateway, stop_requested: Callable[[], bool] | None) -> None:
@@ -896,7 +977,7 @@ def build_app(settings: AppSettings) -> FastAPI:
     async def readyz(request: Request) -> JSONResponse:
         gw: Gateway = request.app.state.gateway
         ups = {ln.name: {"url": ln.upstream.url, "healthy": ln.upstream.healthy,
-                         "restarting": ln.upstream.restarting} for ln in gw.lanes}
+                         "restarting": ln.upstream.restarting, "stalled": ln.upstream.stalled} for ln in gw.lanes}
         ready = _ready(gw)
         return JSONResponse({"ready": ready, "upstreams": ups}, status_code=200 if ready else 503)
 
@@ -990,7 +1071,7 @@ def serve(cfg: Any) -> None:
     server = GatewayServer(uvicorn.Config(
         app, host=settings.serve.host, port=settings.serve.port, log_level=settings.serve.log_level,
         access_log=False, timeout_graceful_shutdown=uvicorn_graceful_shutdown_s(settings.serve.drain_s),
-        http=with_head_timeout(settings.serve.header_timeout_s),
+        http=with_head_timeout(settings.serve.header_timeout_s, settings.serve.max_header_bytes),
         # Longer than clients' idle pools keep connections: a server-side close racing a
         # client's reuse of the connection shows up as a reset at the client.
         timeout_keep_alive=75), on_hurry=hurry)

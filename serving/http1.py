@@ -163,6 +163,8 @@ class Http1Pool:
         self._idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter, float]] = []
         #: Connections with a request on them (taken, not yet released or closed).
         self._busy: set[asyncio.StreamWriter] = set()
+        #: Those of them still waiting for the response head (``abort_waiting_head``).
+        self._heads: set[asyncio.StreamWriter] = set()
         self._host_header = f"{host}:{port}".encode()
 
     def _release(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -196,6 +198,15 @@ class Http1Pool:
             w.close()
         return len(busy)
 
+    def abort_waiting_head(self) -> int:
+        """Close every connection whose request has no response head yet (an engine that stopped
+        answering): each waiting call fails with ``Http1Error``, its client has had nothing yet,
+        and vLLM aborts the request when it sees the close. Streams under way are left alone."""
+        heads, self._heads = self._heads, set()
+        for w in heads:
+            w.close()
+        return len(heads)
+
     async def _connect(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         try:
             return await asyncio.open_connection(self.host, self.port, limit=1 << 20)
@@ -213,6 +224,7 @@ class Http1Pool:
         payload = b"".join(head) + body
         reader, writer = self._reusable() or await self._connect()
         self._busy.add(writer)
+        self._heads.add(writer)
         try:
             writer.write(payload)
             parse = _Parse()
@@ -223,18 +235,22 @@ class Http1Pool:
                 if not data:
                     raise ConnectionResetError("connection closed before the response head")
                 parser.feed_data(data)
+            self._heads.discard(writer)
             return Http1Response(self, reader, writer, parse, parser)
         except httptools.HttpParserUpgrade:
             self._busy.discard(writer)
+            self._heads.discard(writer)
             writer.close()
             raise Http1Error(f"upstream {self.host}:{self.port} switched protocols (101); not supported",
                              connect=False) from None
         except (OSError, httptools.HttpParserError) as exc:
             self._busy.discard(writer)
+            self._heads.discard(writer)
             writer.close()
             raise Http1Error(f"upstream {self.host}:{self.port} failed: {exc!r}", connect=False) from None
         except BaseException:
             self._busy.discard(writer)
+            self._heads.discard(writer)
             writer.close()
             raise
 

@@ -79,6 +79,8 @@ class Lane:
     #: when the upstream reports another engine, so a restart that brought back another KV pool
     #: admits nothing against the previous pool's model while no decision has run since).
     before_admit: Callable[["Lane"], None] | None = None
+    #: When (monotonic) the lane last stopped being ``available``; None while it is.
+    down_since: float | None = None
 
     @classmethod
     def build(
@@ -96,8 +98,18 @@ class Lane:
 
     @property
     def available(self) -> bool:
-        """Admits requests now (healthy and not draining for a restart)."""
-        return self.upstream.healthy and not self.upstream.restarting
+        """Admits requests now (healthy, not stalled, not draining for a restart)."""
+        up = self.upstream
+        return up.healthy and not up.restarting and not up.stalled
+
+    def note_availability(self, now: float) -> bool:
+        """Update ``down_since``; returns whether the lane is available."""
+        ok = self.available
+        if ok:
+            self.down_since = None
+        elif self.down_since is None:
+            self.down_since = now
+        return ok
 
     @property
     def load(self) -> float:
@@ -240,13 +252,20 @@ class Lane:
             self._fail_waiter(rej)
         return len(out)
 
-    def fail_all_waiting(self, reason: str, message: str) -> None:
-        """Reject everything queued (gateway shutdown)."""
+    def fail_all_waiting(self, reason: str, message: str, count: bool = False) -> int:
+        """Reject everything queued (gateway shutdown; ``count``: as rejections in the metrics,
+        the lane down past ``serve.fail_fast_s``). Returns how many."""
+        n = 0
         for rid in list(self.waiters):
             fut = self.waiters.pop(rid)
             self.admission.cancel(rid, time.monotonic())
             if not fut.done():
+                n += 1
                 fut.set_exception(Refused(reason, message, status=503, retry_after=self.retry_after_s))
+                if count:
+                    self._count_rejected(reason)
+        self._publish_queue()
+        return n
 
     # --- helpers ---------------------------------------------------------------------------
     def _fail_waiter(self, rej: Rejection) -> None:

@@ -33,6 +33,83 @@ log = logging.getLogger(__name__)
 OFF_LOOP_BYTES = 256 * 1024
 #: The body keys the gateway reads (the body itself is forwarded as the client's bytes).
 KEPT_KEYS = ("model", "prompt", "messages", "max_tokens", "max_completion_tokens", "stream", "n", "best_of")
+#: Top-level fields of vLLM's completion, chat, tokenize and detokenize requests (0.32's
+#: ``CompletionRequest``, ``ChatCompletionRequest``, ``Tokenize*Request``, ``DetokenizeRequest``,
+#: names and aliases) and OpenAI's that vLLM ignores. vLLM takes any other field and ignores it
+#: (``extra="allow"``, logged at debug level); the gateway lets such a field through too (clients
+#: send ``metadata``, ``store``, ...) but only up to ``serve.max_unknown_field_bytes`` of JSON.
+KNOWN_FIELDS = frozenset((
+    "add_generation_prompt", "add_special_tokens", "allowed_token_ids", "bad_words", "cache_salt", "chat_template",
+    "chat_template_kwargs", "continue_final_message", "documents", "ec_transfer_params", "echo",
+    "frequency_penalty", "ignore_eos", "include_reasoning", "include_stop_str_in_output", "kv_transfer_params",
+    "length_penalty", "logit_bias", "logprob_token_ids", "logprobs", "max_completion_tokens", "max_tokens",
+    "media_io_kwargs", "messages", "min_p", "min_tokens", "mm_payload", "mm_processor_kwargs", "model", "n",
+    "parallel_tool_calls", "presence_penalty", "priority", "prompt", "prompt_embeds", "prompt_logprobs",
+    "reasoning_effort", "repetition_detection", "repetition_penalty", "request_id", "response_format",
+    "return_mm_kwargs", "return_prompt_text", "return_token_ids", "return_token_offsets",
+    "return_tokens_as_token_ids", "routed_experts_prompt_start", "seed", "session_id", "skip_special_tokens",
+    "spaces_between_special_tokens", "stop", "stop_token_ids", "stream", "stream_interval", "stream_options",
+    "structured_outputs", "suffix", "temperature", "thinking_token_budget", "tool_choice", "tools", "top_k",
+    "top_logprobs", "top_p", "truncate_prompt_tokens", "truncation_side", "use_beam_search", "user", "vllm_xargs",
+    "watermarking", "best_of", "tokens", "return_token_strs",
+))
+#: What each route's body is: a generation request, or vLLM's /tokenize or /detokenize.
+ROUTES = ("generate", "tokenize", "detokenize")
+
+
+@dataclass(frozen=True, slots=True)
+class BodyLimits:
+    """Bounds on what the gateway parses and forwards besides the body's size
+    (``serve.max_json_containers``, ``serve.max_unknown_field_bytes``)."""
+
+    max_containers: int = 100_000
+    max_unknown_field_bytes: int = 64 * 1024
+
+
+def check_containers(raw: bytes, limits: BodyLimits) -> None:
+    """Refuse a body that opens more JSON arrays/objects than ``limits`` allow, before parsing
+    it: counting two bytes costs milliseconds for 8 MiB, the parse of millions of containers
+    most of a second (``[``/``{`` inside strings count too: an upper bound)."""
+    n = raw.count(b"[") + raw.count(b"{")
+    if n > limits.max_containers:
+        raise BadRequest("too_many_json_values", f"the request body opens {n} or more JSON arrays/objects; the limit "
+                         f"is serve.max_json_containers={limits.max_containers}")
+
+
+def _json_size_over(value: Any, limit: int) -> bool:
+    """Whether ``value`` takes more than ``limit`` bytes as JSON (about: strings count their
+    characters, scalars a few bytes); stops as soon as it knows, so the walk costs at most
+    ``limit`` steps."""
+    size, stack = 0, [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            size += len(v) + 3
+        elif isinstance(v, dict):
+            size += 2 + 2 * len(v)
+            for k, x in v.items():
+                size += len(k) + 3
+                stack.append(x)
+        elif isinstance(v, list):
+            size += 2 + len(v)
+            stack.extend(v)
+        else:
+            size += 5
+        if size > limit:
+            return True
+    return False
+
+
+def check_unknown_fields(body: dict[str, Any], raw_len: int, limits: BodyLimits) -> None:
+    """A 400 for a top-level field vLLM does not know holding more than
+    ``limits.max_unknown_field_bytes`` of JSON (vLLM would parse it, then ignore it)."""
+    if raw_len <= limits.max_unknown_field_bytes:
+        return  # no field can be larger than the body
+    for key in body.keys() - KNOWN_FIELDS:
+        if _json_size_over(body[key], limits.max_unknown_field_bytes):
+            raise BadRequest("unknown_field_too_large", f"field {str(key)[:60]!r} is not one vLLM reads and holds more "
+                             f"than serve.max_unknown_field_bytes={limits.max_unknown_field_bytes} bytes of JSON; "
+                             "remove it", param=str(key)[:60])
 
 
 @dataclass(slots=True)
@@ -47,6 +124,8 @@ class Parsed:
     #: opening brace is (after JSON whitespace).
     raw: bytes
     brace: int
+    #: Whether the prompt is chat messages (a /tokenize body says so by having ``messages``).
+    chat: bool = False
 
 
 _gc_lock = threading.Lock()
@@ -77,21 +156,30 @@ def _gc_paused() -> Iterator[None]:
                 gc.enable()
 
 
-def inspect_body(raw: bytes, chat: bool, max_num_seqs: int, max_prompt_tokens: int) -> Parsed:
+def inspect_body(raw: bytes, chat: bool, max_num_seqs: int, max_prompt_tokens: int,
+                 limits: BodyLimits = BodyLimits(), route: str = "generate") -> Parsed:
     """Parse and validate ``raw``, count its sequences and collect its prompt (pure: safe in a
     worker thread). Only the keys the gateway reads are kept; the rest of the parsed body, and
-    a refused body, are freed here, not on the loop."""
+    a refused body, are freed here, not on the loop. ``route``: a generation body, or one of
+    vLLM's /tokenize (``chat`` is then whether it has ``messages``) or /detokenize."""
+    check_containers(raw, limits)
     with _gc_paused() if len(raw) > OFF_LOOP_BYTES else nullcontext():
         body = json_object(raw)
         err: GatewayError | None = None
         try:
-            _validate(body, chat, max_num_seqs, max_prompt_tokens)
-            seqs = num_sequences(body, chat)
-            if seqs > max_num_seqs:
-                raise BadRequest("too_many_sequences", f"the request runs {seqs} sequences (n/best_of x prompts); "
-                                 f"the engine runs at most max_num_seqs={max_num_seqs} at once")
-            kept = {k: body[k] for k in KEPT_KEYS if k in body}
-            text = prompt_text(kept, chat)
+            check_unknown_fields(body, len(raw), limits)
+            if route != "generate":
+                kept, seqs = _forwarded_prompt(body, route, max_prompt_tokens), 1
+                chat = "messages" in kept
+                text = prompt_text(kept, chat) if kept else PromptText([], 0, 0, 0)
+            else:
+                _validate(body, chat, max_num_seqs, max_prompt_tokens)
+                seqs = num_sequences(body, chat)
+                if seqs > max_num_seqs:
+                    raise BadRequest("too_many_sequences", f"the request runs {seqs} sequences (n/best_of x "
+                                     f"prompts); the engine runs at most max_num_seqs={max_num_seqs} at once")
+                kept = {k: body[k] for k in KEPT_KEYS if k in body}
+                text = prompt_text(kept, chat)
         except GatewayError as exc:
             err = exc.with_traceback(None)  # the traceback's frames would keep the body alive
         del body
@@ -100,7 +188,7 @@ def inspect_body(raw: bytes, chat: bool, max_num_seqs: int, max_prompt_tokens: i
     enc = json.detect_encoding(raw)
     if enc != "utf-8":  # UTF-16/32 or a UTF-8 byte order mark: json.loads takes them; vLLM gets UTF-8
         raw = raw.decode(enc, "surrogatepass").encode("utf-8", "surrogatepass")
-    return Parsed(kept, seqs, text, raw, len(raw) - len(raw.lstrip(b" \t\r\n")))
+    return Parsed(kept, seqs, text, raw, len(raw) - len(raw.lstrip(b" \t\r\n")), chat)
 
 
 def _validate(body: dict[str, Any], chat: bool, max_num_seqs: int, max_prompt_tokens: int) -> None:
@@ -152,6 +240,25 @@ def _validate(body: dict[str, Any], chat: bool, max_num_seqs: int, max_prompt_to
         n = body.get(key)
         if n is not None and n < 1:
             raise BadRequest("invalid_field", f"'{key}' must be an integer >= 1, got {n!r}", param=key)
+
+
+def _forwarded_prompt(body: dict[str, Any], route: str, max_tokens: int) -> dict[str, Any]:
+    """What of a /tokenize or /detokenize body the gateway counts: its prompt (``{"prompt"}``
+    or ``{"messages"}``), or nothing to count. Only lengths are refused here: a list longer
+    than the model's length (each item is at least a token); a wrong type is left to vLLM, so
+    its own error answer comes back as it is."""
+    key = "tokens" if route == "detokenize" else ("messages" if "messages" in body else "prompt")
+    v = body.get(key)
+    if isinstance(v, list) and len(v) > max_tokens:
+        raise BadRequest("prompt_too_long", f"'{key}' has {len(v)} items, so at least {len(v)} tokens, more than "
+                         f"the model's max_model_len={max_tokens}", param=key)
+    if route == "detokenize":
+        return {}  # its length is bounded above; vLLM checks the ids
+    if key == "messages":
+        return {"messages": v} if isinstance(v, list) and v and all(isinstance(m, dict) for m in v) else {}
+    if isinstance(v, str) or (isinstance(v, list) and v and all(_is_int(x) for x in v)):
+        return {"prompt": v}
+    return {}
 
 
 def _is_int(x: Any) -> bool:
@@ -254,12 +361,13 @@ def _close_sockets() -> None:
                 os.close(fd)
 
 
-def _inspect_in_worker(raw: bytes, chat: bool, max_num_seqs: int, max_prompt_tokens: int) -> Parsed | GatewayError:
+def _inspect_in_worker(raw: bytes, chat: bool, max_num_seqs: int, max_prompt_tokens: int, limits: BodyLimits,
+                       route: str) -> Parsed | GatewayError:
     """``inspect_body`` in the worker process; a refusal comes back as a value (an exception
     raised there would come back with the worker's traceback attached). The client's bytes are
     not sent back when they are the body as it goes upstream (``raw`` empty): the gateway has them."""
     try:
-        parsed = inspect_body(raw, chat, max_num_seqs, max_prompt_tokens)
+        parsed = inspect_body(raw, chat, max_num_seqs, max_prompt_tokens, limits, route)
     except GatewayError as exc:
         return exc
     if parsed.raw is raw:
@@ -278,9 +386,10 @@ class BodyInspector:
     worker that dies (killed, out of memory) costs the requests it held nothing but time: they
     are inspected again in a thread and the pool is started again."""
 
-    def __init__(self, max_num_seqs: int, workers: int = 1) -> None:
+    def __init__(self, max_num_seqs: int, workers: int = 1, limits: BodyLimits = BodyLimits()) -> None:
         self.max_num_seqs = max_num_seqs
         self.workers = workers
+        self.limits = limits
         self._pool: ProcessPoolExecutor | None = None
 
     def start(self) -> None:
@@ -299,15 +408,15 @@ class BodyInspector:
             self._pool.shutdown(wait=wait, cancel_futures=True)
             self._pool = None
 
-    async def inspect(self, raw: bytes, chat: bool, max_prompt_tokens: int) -> Parsed:
+    async def inspect(self, raw: bytes, chat: bool, max_prompt_tokens: int, route: str = "generate") -> Parsed:
         if len(raw) <= OFF_LOOP_BYTES:
-            return inspect_body(raw, chat, self.max_num_seqs, max_prompt_tokens)
+            return inspect_body(raw, chat, self.max_num_seqs, max_prompt_tokens, self.limits, route)
         pool = self._pool
         if pool is not None:
             loop = asyncio.get_running_loop()
             try:
                 out = await loop.run_in_executor(pool, _inspect_in_worker, raw, chat, self.max_num_seqs,
-                                                 max_prompt_tokens)
+                                                 max_prompt_tokens, self.limits, route)
             except BrokenProcessPool:
                 log.warning("a body-inspection worker died; starting the pool again")
                 if self._pool is pool:
@@ -319,4 +428,5 @@ class BodyInspector:
                 if not out.raw:
                     out.raw = raw
                 return out
-        return await asyncio.to_thread(inspect_body, raw, chat, self.max_num_seqs, max_prompt_tokens)
+        return await asyncio.to_thread(inspect_body, raw, chat, self.max_num_seqs, max_prompt_tokens, self.limits,
+                                       route)

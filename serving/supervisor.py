@@ -51,6 +51,8 @@ class Supervisor:
         self._pending: set[int] = set()  # lanes with a restart asked for or under way
         self.closing = False
         self.last_restart_s: float | None = None
+        #: Lane index -> when (monotonic) its /health probe under way was sent.
+        self._probe_sent: dict[int, float] = {}
 
     def spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task:
         """Run ``coro`` in the background, kept (not garbage-collected mid-run), its failure
@@ -96,9 +98,16 @@ class Supervisor:
     async def probe(self, ln: Lane) -> None:
         """One health probe of ``ln``; marks it down, or restarts it, when the evidence says so."""
         up, cfg, st = ln.upstream, self.cfg, self._probes[ln.index]
-        why = await up.probe(cfg.health_timeout_s)
+        self._probe_sent[ln.index] = time.monotonic()
+        try:
+            why = await up.probe(cfg.health_timeout_s)
+        finally:
+            self._probe_sent.pop(ln.index, None)
         now = time.monotonic()
         if why is None:
+            if up.stalled and not (up.managed is not None and up.managed.stopped()):
+                up.stalled = False
+                log.info("upstream %s answers again", ln.name)
             if st.failures:
                 log.info("upstream %s answers /health again after %d failed probes", ln.name, st.failures)
             st.failures = 0
@@ -111,6 +120,8 @@ class Supervisor:
         if st.failures == 0:
             st.since = now
         st.failures += 1
+        if cfg.unresponsive_s is not None and "did not answer" in why and cfg.health_timeout_s >= cfg.unresponsive_s:
+            up.stalled = True  # timed out at or past the unresponsive bound (``check_lanes`` may not have seen it)
         exited = up.managed is not None and not up.managed.alive()
         down = exited or why.startswith("connection refused") or (
             st.failures >= cfg.health_failures and now - st.since >= cfg.health_grace_s)
@@ -125,6 +136,43 @@ class Supervisor:
         if up.managed is not None and cfg.auto_restart and not self.closing:
             self.spawn(self.restart(ln, cause="crash" if exited else "unresponsive", drain=False),
                        f"batchpilot-restart-{ln.name}")
+
+    def check_lanes(self, now: float) -> None:
+        """Several times a second: a lane whose engine is stopped (SIGSTOP) or has not answered
+        a /health probe for ``serve.unresponsive_s`` stops admitting (``Upstream.stalled``), at
+        once and without a restart; a lane unavailable for ``serve.fail_fast_s`` refuses what is
+        queued on it (503 + Retry-After: a client behind a router retries elsewhere at once
+        instead of waiting out a restart or a hang)."""
+        cfg = self.cfg
+        for ln in self.lanes:
+            up = ln.upstream
+            stopped = up.managed is not None and up.managed.stopped()
+            sent = self._probe_sent.get(ln.index)
+            hung = (cfg.unresponsive_s is not None and sent is not None and now - sent > cfg.unresponsive_s
+                    and not up.answered_within(cfg.unresponsive_s, now))
+            if stopped or hung:
+                if not up.stalled:
+                    log.warning("upstream %s %s: no admissions until it answers", ln.name, "is stopped (SIGSTOP)"
+                                if stopped else f"has not answered /health for {now - sent:.1f} s")
+                up.stalled = True
+            elif up.stalled and sent is None and not hung and up.answered_within(cfg.health_interval_s * 4, now):
+                up.stalled = False  # real answers came back meanwhile
+            was_down = ln.down_since is not None
+            if ln.note_availability(now):
+                if was_down:
+                    ln.pump()
+                continue
+            if cfg.fail_fast_s is None or now - ln.down_since < cfg.fail_fast_s:
+                continue
+            n = ln.fail_all_waiting("upstream_down", f"upstream {ln.name} cannot serve (stopped, restarting or not "
+                                    f"answering for {now - ln.down_since:.1f} s); retry later", count=True) \
+                if ln.waiters else 0
+            # A stalled engine's requests that have had no answer yet are ended too (503, as if
+            # never sent); a planned restart's drain lets requests in flight finish instead.
+            cut = up.pool.abort_waiting_head() if up.stalled else 0
+            if n or cut:
+                log.warning("upstream %s down for %.1f s: refused %d queued request(s), ended %d waiting for "
+                            "their answer", ln.name, now - ln.down_since, n, cut)
 
     async def restart(self, lane: Lane, *, cause: str, kv_dtype: str | None = None, drain: bool = True) -> bool:
         """Restart a managed lane's upstream; returns False when it is not managed or already

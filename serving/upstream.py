@@ -76,6 +76,10 @@ class EngineInfo:
     num_kv_blocks_override: int | None = None
 
 
+#: Environment variables holding the gateway's secrets (``ServeConfig``), never passed to engines.
+GATEWAY_SECRET_ENV = frozenset({"BATCHPILOT_ADMIN_TOKEN", "BATCHPILOT_TRUSTED_KEYS"})
+
+
 class ManagedVLLM:
     """A ``vllm serve`` process the gateway owns. Runs in its own process group, so ``stop``
     also ends the engine-core child processes, but in the gateway's session: Linux gives each
@@ -162,7 +166,10 @@ class ManagedVLLM:
             self._launch()
 
     def _launch(self) -> None:
-        env = dict(os.environ)
+        # The gateway's own secrets stay out of the engine's environment (readable in
+        # /proc/<pid>/environ by its user, and by any code the engine runs); it needs only its
+        # API key, set below.
+        env = {k: v for k, v in os.environ.items() if k not in GATEWAY_SECRET_ENV}
         env["VLLM_CPU_KVCACHE_SPACE"] = str(self.kv_cache_space_gib)
         if self.cpu_cores is not None:
             env.setdefault("VLLM_CPU_OMP_THREADS_BIND", self.cpu_cores)
@@ -192,6 +199,31 @@ class ManagedVLLM:
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
+
+    def stopped(self) -> bool:
+        """Whether a process of the engine (the reaper, ``vllm serve`` or an engine-core child)
+        is stopped (SIGSTOP, a debugger): the engine then answers nothing until it is continued,
+        and /health may still answer while only its engine core is stopped. Read from /proc
+        (Linux; elsewhere never stopped), a few small files per call."""
+        p = self.proc
+        if p is None:
+            return False
+        todo, seen = [p.pid], 0
+        while todo and seen < 64:
+            pid = todo.pop()
+            seen += 1
+            try:
+                with open(f"/proc/{pid}/stat", "rb") as f:
+                    stat = f.read()
+                state = stat[stat.rfind(b")") + 2:stat.rfind(b")") + 3]
+                if state in (b"T", b"t"):
+                    return True
+                for tid in os.listdir(f"/proc/{pid}/task"):
+                    with open(f"/proc/{pid}/task/{tid}/children", "rb") as f:
+                        todo.extend(int(x) for x in f.read().split())
+            except (OSError, ValueError):
+                continue
+        return False
 
     def close(self) -> None:
         """Stop for good: a start still under way finishes first and is stopped; later ones fail."""
@@ -309,6 +341,9 @@ class Upstream:
         self._restricted_scrape = True
         #: True while the gateway drains / restarts it on purpose (no new admissions).
         self.restarting = False
+        #: True while its process is stopped or a /health probe has gone unanswered past
+        #: ``serve.unresponsive_s`` (``Supervisor.check_lanes``): no admissions until it answers.
+        self.stalled = False
         self.info: EngineInfo | None = None
         self.num_restarts = 0
         #: Seconds the managed process last took to come up (start-up or restart): what a KV
