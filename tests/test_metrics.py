@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from batchpilot.core.engine import FinishedRequest
 from batchpilot.core.telemetry import SLO
-from batchpilot.metrics import SUMMARY_KEYS, VLLM_METRIC_NAMES, parse_vllm_metrics, summarize
+from batchpilot.metrics import SUMMARY_KEYS, VLLM_METRIC_NAMES, Offered, parse_vllm_metrics, summarize
 
 
 def fr(i: int, arrival: float, first: float, finish: float, prompt: int, output: int, itl=None):
@@ -56,6 +56,39 @@ def test_summary_matches_hand_computation():
     assert s["p99_e2el_ms"] == pytest.approx(np.percentile([2200, 500, 6000, 6100], 99))
 
 
+def test_goodput_is_over_the_arrival_window_and_attainment_over_offered_requests():
+    """The same four completions, one refusal and one request still open, offered over an 8 s
+    window and drained until 10 s: goodput over the 8 s, attainment over all six offered (the
+    refused and the open one are misses), the old views under their own names."""
+    offered = Offered(np.array([100, 50, 400, 10, 2000, 9000]), np.array([21, 1, 41, 31, 10, 10]))
+    s = summarize(REQS, 10.0, SLO(ttft_ms=1000, tpot_ms=100), num_rejected=1, window_s=8.0, offered=offered)
+    assert s["request_goodput"] == pytest.approx(2 / 8.0)  # r0 and r1 over the window
+    assert s["request_goodput_run"] == pytest.approx(2 / 10.0)  # vllm bench serve's: drain included
+    assert s["request_throughput"] == pytest.approx(0.4)  # throughputs stay over the run
+    assert s["offered"] == 6 and s["window_s"] == 8.0
+    assert s["slo_attainment"] == pytest.approx(2 / 6)
+    assert s["slo_attainment_completed"] == pytest.approx(2 / 4)
+    assert s["refusal_rate"] == pytest.approx(1 / 6)
+    # Buckets at 1024 / 8192: short = the four served ones (r0, r1 met), medium = the 2000-token
+    # refused one, long = the open 9000-token one.
+    assert s["slo_attainment_short"] == pytest.approx(2 / 4)
+    assert s["slo_attainment_medium"] == 0.0 and s["slo_attainment_long"] == 0.0
+    tokens = (100 + 21) + (50 + 1)
+    assert s["slo_attainment_tokens"] == pytest.approx(tokens / (560 + 94 + 2010 + 9010))
+
+
+def test_offered_fewer_than_served_is_an_error_and_buckets_without_offers_are_nan():
+    with pytest.raises(ValueError, match="exceed the 3 offered"):
+        summarize(REQS, 10.0, SLO(), offered=Offered(np.array([1, 2, 3]), np.array([1, 1, 1])))
+    s = summarize(REQS, 10.0, SLO(), offered=Offered(np.array([100, 50, 400, 10]), np.array([21, 1, 41, 31])))
+    assert math.isnan(s["slo_attainment_medium"]) and math.isnan(s["slo_attainment_long"])
+    plain = summarize(REQS, 10.0, SLO())  # without offered requests: no bucket, no token figure
+    assert math.isnan(plain["slo_attainment_short"]) and math.isnan(plain["slo_attainment_tokens"])
+    assert plain["window_s"] == 10.0 and plain["offered"] == 4
+    with pytest.raises(ValueError, match="window_s"):
+        summarize(REQS, 10.0, SLO(), window_s=0.0)
+
+
 def test_itl_uses_per_token_timings_when_present():
     reqs = [
         fr(0, 0.0, 0.1, 0.4, 10, 4, itl=(0.05, 0.05, 0.2)),
@@ -78,7 +111,7 @@ def test_e2el_slo_and_no_slo():
 def test_empty_run_gives_nan_latencies_not_zero():
     s = summarize([], 5.0, SLO(), num_rejected=3)
     assert s["completed"] == 0 and s["request_throughput"] == 0
-    assert s["slo_attainment"] == 0.0
+    assert s["slo_attainment"] == 0.0 and s["request_goodput"] == 0.0 and s["refusal_rate"] == 1.0
     assert math.isnan(s["p99_ttft_ms"]) and math.isnan(s["mean_itl_ms"])
     assert math.isnan(summarize([], 5.0, SLO())["slo_attainment"])
 
