@@ -32,7 +32,6 @@ clock charges the step time after scheduling (no CPU/GPU overlap).
 from __future__ import annotations
 
 import functools
-import heapq
 import math
 from collections import OrderedDict, deque
 from heapq import heappop, heappush
@@ -624,11 +623,6 @@ class SimEngine(Engine):
         r = seq.req
         agg.finished.append(FinishedRequest(r.request_id, r.arrival_time, seq.first_token_time, t, r.prompt_len,
                                             seq.out, r.priority, seq.npre))
-
-    def _clean_heap(self) -> None:
-        heap = self._heap
-        while heap and heap[0][2] != heap[0][3].epoch:
-            heapq.heappop(heap)
 
     def _fast_forward(self, t_end: float, stop_on_finish: bool, agg: StepResult) -> None:
         """Run, in closed form, the pure-decode iterations before the next event: a finish,
