@@ -187,3 +187,28 @@ def test_training_episodes_skip_the_probe():
     m = episode(env)
     assert math.isnan(m["capacity_bound"]) and math.isnan(m["share_of_bound"])
     assert not math.isnan(m["slo_attainment"])
+
+
+def _row(pol: str, wl: str, seed: int, goodput: float) -> dict:
+    from batchpilot.policies import eval_report as rep
+
+    return {**dict.fromkeys(rep.METRIC_KEYS, 0.5), "policy": pol, "workload": wl, "model": "m", "hardware": "h",
+            "seed": seed, "request_goodput": goodput}
+
+
+def test_results_md_divides_by_vllm_tuned_and_falls_back_to_vllm_default_saying_so():
+    from batchpilot.policies import eval_report as rep
+
+    rows = [_row(p, wl, s, g * k) for wl, k in (("a", 1.0), ("b", 2.0)) for s in (0, 1)
+            for p, g in (("ppo", 4.0), ("vllm_tuned", 2.0), ("vllm_default", 1.0))]
+    table, summary = rep.reference_comparison(rows)
+    assert "Reference: vllm_tuned." in summary and "ppo / vllm_tuned 2.000× (2 cells)" in summary
+    assert summary.index("ppo /") < summary.index("vllm_default /")  # PPO's ratio first
+    assert "| a | m/h | ppo | 4.00 | 2.00 | 0.500 | 0.500 | 0.500 |" in table
+    md = rep.results_markdown(rows, [], [0, 1], [3])
+    assert table in md and "refusal rate" in md
+    untuned = [r for r in rows if r["policy"] != "vllm_tuned"]
+    _, summary = rep.reference_comparison(untuned)
+    assert "vllm_tuned did not run: vLLM as shipped is the reference" in summary
+    assert "ppo / vllm_default 4.000× (2 cells)" in summary
+    assert rep.reference_comparison([r for r in untuned if r["policy"] == "ppo"]) == ("", "")
