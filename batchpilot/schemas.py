@@ -32,6 +32,8 @@ store entry                     dataclass                                       
 ``policy/schema_ppo``           ``PPOPolicyNode``: ``PPOPolicyConfig`` + kind     conf/policy/ppo.yaml
 ``policy/schema_lookahead``     ``LookaheadPolicyNode``: ``LookaheadConfig`` +    conf/policy/lookahead.yaml
                                 kind
+``policy/schema_vllm_tuned``    ``VllmTunedPolicyNode``: ``VllmTunedConfig`` +    conf/policy/vllm_tuned.yaml
+                                kind, name
 ``serve/schema``                ``ServeNode``: ``ServeConfig`` less its secrets   conf/serve/default.yaml
 ``schema/gateway_bench``        ``GatewayBenchConfig`` (here)                     conf/bench.yaml ``gateway_bench``
 ``schema/client_bench``         ``ClientBenchConfig`` (here)                      conf/bench.yaml ``client_bench``
@@ -317,6 +319,14 @@ class SimEngineConfig:
     ingress_latency_s: float = 0.0
     #: The simulator is deterministic; kept so runs record the seed they were made with.
     seed: int = 0
+    #: vLLM's own admission, as ``vllm serve`` (0.32) applies it (``envs/api_server.py``):
+    #: ``--max-num-active-seqs`` caps the running requests below ``max_num_seqs`` (None: no
+    #: cap); ``--max-num-queued-reqs`` answers 503 while that many requests are unfinished
+    #: (waiting + running); ``--max-num-queued-tokens`` answers 503 while the prompts of the
+    #: requests without a first token add up to that many tokens. None: no limit.
+    max_num_active_seqs: int | None = None
+    max_num_queued_reqs: int | None = None
+    max_num_queued_tokens: int | None = None
 
     def __post_init__(self) -> None:
         def bad(name: str, fix: str) -> ValueError:
@@ -341,6 +351,11 @@ class SimEngineConfig:
             raise bad("restart_mode", "use 'requeue' or 'drain'")
         if not (isinstance(self.ingress_latency_s, (int, float)) and 0 <= self.ingress_latency_s < math.inf):
             raise bad("ingress_latency_s", "must be a finite number of seconds >= 0")
+        if self.max_num_active_seqs is not None and not 1 <= self.max_num_active_seqs <= self.max_num_seqs:
+            raise bad("max_num_active_seqs", f"must be in [1, max_num_seqs={self.max_num_seqs}] or null (as vLLM requires)")
+        for name in ("max_num_queued_reqs", "max_num_queued_tokens"):
+            if getattr(self, name) is not None and getattr(self, name) < 0:
+                raise bad(name, "must be >= 0 or null (no limit)")
 
     @classmethod
     def from_cfg(cls, cfg: Any) -> "SimEngineConfig":
@@ -520,6 +535,61 @@ class LookaheadConfig:
     arrivals: str = "future"
 
 
+@dataclass(slots=True)
+class VllmTunedConfig:
+    """``conf/policy/vllm_tuned.yaml``: vLLM tuned with its own start-up flags, the yardstick an
+    operator would deploy instead of batchpilot (``policies/evaluation.py``). The grid is every
+    combination of the lists; each point is a ``vllm serve`` started with those flags, scored on
+    ``best_static.tune_seeds`` with best_static's objective (as vLLM's ``benchmarks/auto_tune``:
+    restart per setting, keep the best that meets the latency objective)."""
+
+    #: ``--max-num-seqs`` values (the running batch).
+    max_num_seqs: list[int] = field(default_factory=lambda: [32, 64, 128, 256])
+    #: ``--max-num-batched-tokens`` values (the iteration's token budget); each must be >= the
+    #: point's max_num_seqs, as vLLM requires (smaller pairs are skipped, said so).
+    max_num_batched_tokens: list[int] = field(default_factory=lambda: [2048, 8192])
+    #: ``--max-num-queued-tokens`` values, in tokens (null: no limit).
+    max_num_queued_tokens: list[int | None] = field(default_factory=lambda: [None])
+    #: ``--max-num-queued-tokens`` as factors of vLLM's docs' rule, the TTFT objective x the
+    #: prefill throughput (measured at the point's max_num_seqs and token budget on the tuning
+    #: seed's prompts); 1.0 is the docs' suggestion. Added to the values above.
+    queued_tokens_ttft_factors: list[float] = field(default_factory=lambda: [1.0])
+    #: ``--max-num-queued-reqs`` values (null: no limit).
+    max_num_queued_reqs: list[int | None] = field(default_factory=lambda: [None])
+    #: ``--max-num-active-seqs`` for every point (null: max_num_seqs); at most each max_num_seqs.
+    max_num_active_seqs: int | None = None
+    #: Prompts of the tuning seed's requests the prefill throughput is measured with.
+    prefill_probe_requests: int = 256
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_num_queued_tokens",
+                     "queued_tokens_ttft_factors", "max_num_queued_reqs"):
+            values = list(getattr(self, name))
+            if len(set(values)) != len(values):
+                raise ValueError(f"vllm_tuned.{name} lists a value twice: {values}")
+        if not self.max_num_seqs or min(self.max_num_seqs) < 1:
+            raise ValueError(f"vllm_tuned.max_num_seqs must be non-empty and >= 1, got {list(self.max_num_seqs)}")
+        if not self.max_num_batched_tokens or min(self.max_num_batched_tokens) < 1:
+            raise ValueError("vllm_tuned.max_num_batched_tokens must be non-empty and >= 1, got "
+                             f"{list(self.max_num_batched_tokens)}")
+        if not self.max_num_queued_tokens and not self.queued_tokens_ttft_factors:
+            raise ValueError("vllm_tuned: max_num_queued_tokens and queued_tokens_ttft_factors are both empty; "
+                             "list null in max_num_queued_tokens for no limit")
+        if not self.max_num_queued_reqs:
+            raise ValueError("vllm_tuned.max_num_queued_reqs is empty; [null] for no limit")
+        for name in ("max_num_queued_tokens", "max_num_queued_reqs"):
+            bad = [v for v in getattr(self, name) if v is not None and v < 0]
+            if bad:
+                raise ValueError(f"vllm_tuned.{name} must be >= 0 or null, got {bad}")
+        bad_f = [f for f in self.queued_tokens_ttft_factors if not (f > 0 and math.isfinite(f))]
+        if bad_f:
+            raise ValueError(f"vllm_tuned.queued_tokens_ttft_factors must be > 0, got {bad_f}")
+        if self.max_num_active_seqs is not None and self.max_num_active_seqs < 1:
+            raise ValueError(f"vllm_tuned.max_num_active_seqs must be >= 1 or null, got {self.max_num_active_seqs}")
+        if self.prefill_probe_requests < 1:
+            raise ValueError(f"vllm_tuned.prefill_probe_requests must be >= 1, got {self.prefill_probe_requests}")
+
+
 # The conf/policy files' schemas: the controller's dataclass plus ``kind``, which selects the
 # builder (``policies/controllers.py build_controller``), and a static controller's ``name``.
 # PID's, AIMD's and PPO's leave out the SLO fields: build_controller fills them from the top
@@ -531,6 +601,8 @@ StaticPolicyNode = node_schema(StaticConfig, "StaticPolicyNode", extra=[("kind",
 PPOPolicyNode = node_schema(PPOPolicyConfig, "PPOPolicyNode", extra=[("kind", str, "ppo")], exclude=("slo",))
 LookaheadPolicyNode = node_schema(LookaheadConfig, "LookaheadPolicyNode", extra=[("kind", str, "lookahead")],
                                   exclude=("slo",))
+VllmTunedPolicyNode = node_schema(VllmTunedConfig, "VllmTunedPolicyNode",
+                                  extra=[("kind", str, "vllm_tuned"), ("name", str, "vllm_tuned")])
 
 
 # --- serve -----------------------------------------------------------------------------------
@@ -1381,6 +1453,7 @@ SCHEMAS: tuple[tuple[str, str, type], ...] = (
     ("policy", "schema_static", StaticPolicyNode),
     ("policy", "schema_ppo", PPOPolicyNode),
     ("policy", "schema_lookahead", LookaheadPolicyNode),
+    ("policy", "schema_vllm_tuned", VllmTunedPolicyNode),
     ("serve", "schema", ServeNode),
     ("schema", "gateway_bench", GatewayBenchConfig),
     ("schema", "client_bench", ClientBenchConfig),

@@ -17,6 +17,12 @@ costs O(events), and ``advance_until`` adds up whole pure-decode stretches (no p
 finish, no admission possible, enough blocks) in closed form. Results equal stepping one
 iteration at a time.
 
+vLLM's own admission (``envs/api_server.py``): ``max_num_active_seqs`` caps the running
+requests as vLLM's scheduler does; ``max_num_queued_reqs`` / ``max_num_queued_tokens`` refuse a
+request at ``add_request`` (``RequestRejected`` with the flag's name as its reason) exactly when
+``vllm serve``'s API server answers 503: unfinished requests (waiting + running) at the limit, or
+the prompts still without a first token at or over the token limit.
+
 Ingress latency (``ingress_latency_s``, 0 by default): a request added now reaches the
 scheduler that much engine time later, as a live request crosses the API server (HTTP, tokens,
 the engine core's input queue) before its first iteration. It matters where admission feeds the
@@ -50,6 +56,7 @@ from batchpilot.core.engine import (
     RequestRejected,
     StepResult,
 )
+from batchpilot.envs.api_server import API_SERVER_503, QueueLimits
 from batchpilot.envs.specs import HardwareSpec, ModelSpec
 from batchpilot.envs.step_time import StepTimeModel
 from batchpilot.schemas import SimEngineConfig  # declared there (the engine/schema_sim schema); re-exported
@@ -104,7 +111,12 @@ class SimEngine(Engine):
         self._now = 0.0
         self._down_until = 0.0
         self._it = 0  # global iteration counter
-        self._max_active = self.cfg.max_num_seqs
+        #: ``--max-num-active-seqs``: the most requests running, whatever ``set_max_active`` asks.
+        self._active_limit = self.cfg.max_num_active_seqs or self.cfg.max_num_seqs
+        self._max_active = self._active_limit
+        self._limits = QueueLimits(self.cfg.max_num_queued_reqs, self.cfg.max_num_queued_tokens)
+        #: Prompt tokens of the requests without a first token (what ``max_num_queued_tokens`` counts).
+        self._queued_tokens = 0
         self._draining = False
         self._pending: StepResult | None = None  # iterations run by a draining restart
         self._num_preemptions = 0
@@ -204,10 +216,25 @@ class SimEngine(Engine):
             kv_block_bytes={d: self.model.kv_block_bytes(d, self.cfg.block_size) for d in KV_DTYPES_ALL},
             num_kv_blocks_total=self._total_blocks)
 
+    @property
+    def num_unfinished(self) -> int:
+        """Requests added and not finished (waiting, running or on their way in)."""
+        return len(self._ids)
+
+    @property
+    def num_queued_tokens(self) -> int:
+        """Prompt tokens of the unfinished requests without a first token (vLLM's
+        ``get_num_queued_tokens``)."""
+        return self._queued_tokens
+
     def add_request(self, request: Request) -> None:
         rid = request.request_id
         if rid in self._ids:
             raise ValueError(f"request id {rid!r} is already in the engine; ids must be unique")
+        if self._limits.active:  # vLLM's API server checks these before anything else (503)
+            why = self._limits.refusal(len(self._ids), self._queued_tokens)
+            if why is not None:
+                raise RequestRejected(rid, why, f"HTTP 503: {API_SERVER_503[why]}")
         if request.prompt_len < 1 or request.output_len < 1:
             raise RequestRejected(rid, "invalid_length", f"prompt_len={request.prompt_len} and output_len="
                                   f"{request.output_len} must both be >= 1")
@@ -221,6 +248,7 @@ class SimEngine(Engine):
             raise RequestRejected(rid, "exceeds_kv_capacity", f"needs {need} KV blocks, the cache has "
                                   f"{self._total_blocks}; use a smaller request or an 8-bit KV dtype")
         self._ids.add(rid)
+        self._queued_tokens += request.prompt_len
         lat = self.cfg.ingress_latency_s
         if lat > 0:
             self._inbound.append((self._now + lat, _Seq(request, out)))
@@ -229,10 +257,10 @@ class SimEngine(Engine):
 
     def set_max_active(self, n: int) -> bool:
         """Limit running requests (as vLLM's ``max_num_active_reqs``): stops admissions while
-        ``n`` or more run; never preempts."""
+        ``n`` or more run; never preempts. Never above ``max_num_active_seqs``/``max_num_seqs``."""
         if n < 0:
             raise ValueError(f"set_max_active(n={n}): n must be >= 0")
-        self._max_active = min(int(n), self.cfg.max_num_seqs)
+        self._max_active = min(int(n), self._active_limit)
         return True
 
     def idle_until(self, t: float) -> None:
@@ -577,6 +605,7 @@ class SimEngine(Engine):
             out_tokens += 1
             if seq.gen == 1:
                 seq.first_token_time = t
+                self._queued_tokens -= seq.prompt
                 agg.first_tokens.append((seq.rid, seq.req.arrival_time, t))
             if seq.gen >= seq.out:
                 self._finish(seq, seq.held, t, agg)

@@ -31,6 +31,9 @@ from batchpilot.envs.workloads import build_workload
 from batchpilot.schemas import BestStaticConfig, EvaluateApp, LauncherConfig, LoadConfig, check_app
 
 BEST_STATIC = "best_static"
+#: The policy kind of vLLM tuned with its own flags (``conf/policy/vllm_tuned.yaml``): like
+#: best_static, a grid tuned on ``best_static.tune_seeds`` before its scored seeds run.
+VLLM_TUNED_KIND = "vllm_tuned"
 
 
 class EvaluationError(ValueError):
@@ -105,11 +108,14 @@ class EvalConfig:
     config_name: str = "evaluate"
     #: Where group files are looked up: ``conf/`` and the run's ``hydra.searchpath`` folders.
     config_dirs: tuple[Path, ...] = (CONF_DIR,)
+    #: The controllers tuned on ``best_static.tune_seeds`` first: best_static and every policy
+    #: of kind ``vllm_tuned``.
+    tuned: tuple[str, ...] = ()
 
     @property
     def all_seeds(self) -> tuple[int, ...]:
-        """The scored seeds, then best_static's tuning seeds when it runs."""
-        tune = self.best_static.tune_seeds if BEST_STATIC in self.policies else ()
+        """The scored seeds, then the tuning seeds when a tuned controller runs."""
+        tune = self.best_static.tune_seeds if self.tuned else ()
         return (*self.seeds, *tune)
 
     @classmethod
@@ -143,12 +149,13 @@ class EvalConfig:
         deps = [Deployment.parse(str(d), dirs) for d in (cfg.deployments or [])]
         if len(set(deps)) != len(deps):
             raise EvaluationError(f"deployments lists a pair twice: {[d.label for d in deps]}")
-        if BEST_STATIC in pol:
+        tuned = [p for p in pol if p == BEST_STATIC or policy_kind(p, dirs) == VLLM_TUNED_KIND]
+        if tuned:
             both = sorted(set(bsc.tune_seeds) & set(seeds))
             if both:
                 raise EvaluationError(
                     f"best_static.tune_seeds {list(bsc.tune_seeds)} overlap seeds {seeds} at {both}: "
-                    f"best_static must be tuned on other seeds (trace windows) than those it is scored on"
+                    f"{' and '.join(tuned)} must be tuned on other seeds (trace windows) than those scored"
                 )
         timeline_seeds = [seeds[0]] if cfg.timeline_seeds is None else [int(s) for s in cfg.timeline_seeds]
         stray = [s for s in timeline_seeds if s not in seeds]
@@ -179,7 +186,21 @@ class EvalConfig:
             launcher=_launcher(cfg.launcher),
             max_episode_s=float(cfg.max_episode_s),
             config_dirs=dirs,
+            tuned=tuple(tuned),
         )
+
+
+def policy_kind(name: str, dirs: Sequence[Path]) -> str | None:
+    """The ``kind`` of ``conf/policy/<name>.yaml`` (None: no such file, or unreadable; the
+    caller that builds it names the problem)."""
+    from batchpilot.config import load_group_file
+
+    if name == BEST_STATIC or group_file("policy", name, dirs) is None:
+        return None
+    try:
+        return str(load_group_file("policy", name, dirs).get("kind"))
+    except (ValueError, OmegaConfBaseException):
+        return None
 
 
 # --- composing one workload's config ------------------------------------------------------------

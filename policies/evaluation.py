@@ -9,6 +9,13 @@ end (``env.drain_on_truncate``), so every request's fate counts: finished, or re
 Controllers are named by ``conf/policy/<name>.yaml`` (``ppo``, ``pid``, ``aimd``,
 ``vllm_default``, ``static``) plus ``best_static``:
 
+``vllm_tuned`` (``conf/policy/vllm_tuned.yaml``, kind ``vllm_tuned``) is vLLM tuned with its own
+start-up flags, what an operator would deploy instead of batchpilot: a sweep over
+``max_num_seqs`` × ``max_num_batched_tokens`` × vLLM's API-server queue limits
+(``batchpilot.policies.vllm_tuned``), tuned on the same ``best_static.tune_seeds`` with the same
+objective as best_static, and run with no batchpilot admission, shield or breaker
+(``envs/server_env.py``); ``vllm_tuned_hindsight`` is its grid's best on the scored seeds.
+
 ``best_static`` is the best fixed configuration *for that workload*, found by a grid search
 over batch cap × bucketing × KV dtype (``best_static:`` in ``conf/evaluate.yaml``). Each grid
 point runs one episode on the tuning seed (seed 0 by default) — so it is tuned with
@@ -53,6 +60,7 @@ from batchpilot.core.knobs import Knobs
 from batchpilot.policies.controllers import CONTROLLER_BUILDERS, Controller, build_controller
 from batchpilot.policies.eval_plan import (
     BEST_STATIC,
+    VLLM_TUNED_KIND,
     EvalConfig,
     EvaluationError,
     WorkloadPlan,
@@ -68,6 +76,13 @@ HINDSIGHT = "best_static_hindsight"
 #: limit) and no batchpilot admission limits in front of the engine (``policy_overrides.<name>.as_shipped=false`` puts them back).
 AS_SHIPPED = ("vllm_default",)
 AS_SHIPPED_KEY = "as_shipped"
+#: A policy's ``engine.*`` settings for its episodes (vllm_tuned's flags: a server per setting).
+ENGINE_KEY = "engine"
+
+
+def hindsight_name(name: str) -> str:
+    """The row name of a tuned controller's grid best on the scored seeds."""
+    return HINDSIGHT if name == BEST_STATIC else f"{name}_hindsight"
 
 
 # --- controllers ----------------------------------------------------------------------------
@@ -119,9 +134,12 @@ def make_controller(policy: Mapping[str, Any], plan: WorkloadPlan, name: str | N
     _ensure_kind(kind, name)
     slo = plan.cfg.slo
     slo_ms = {"ttft": slo.get("ttft_ms"), "tpot": slo.get("tpot_ms"), "e2el": slo.get("e2el_ms")}
-    d = {k: v for k, v in policy.items() if k != AS_SHIPPED_KEY}
+    if kind == VLLM_TUNED_KIND:
+        raise EvaluationError(f"policy {name!r} is a sweep of vLLM's flags: the evaluation tunes it (its grid points "
+                              f"are static settings), it is no controller to build")
+    d = {k: v for k, v in policy.items() if k not in (AS_SHIPPED_KEY, ENGINE_KEY)}
     try:
-        return build_controller(d, plan.max_num_seqs, slo_ms=slo_ms)
+        return build_controller(d, engine_max_num_seqs(policy, plan), slo_ms=slo_ms)
     except (ImportError, ValueError) as e:
         hint = (
             " Ship/train one (scripts/train.py, scripts/export.py), point policy_overrides.ppo.path=DIR "
@@ -132,6 +150,12 @@ def make_controller(policy: Mapping[str, Any], plan: WorkloadPlan, name: str | N
         raise EvaluationError(f"policy {name!r} cannot be built: {e}.{hint}") from e
 
 
+def engine_max_num_seqs(policy: Mapping[str, Any], plan: WorkloadPlan) -> int:
+    """The episode engine's ``max_num_seqs``: the policy's own engine setting, else the plan's."""
+    own = (policy.get(ENGINE_KEY) or {}).get("max_num_seqs")
+    return plan.max_num_seqs if own is None else int(own)
+
+
 def start_knobs(policy: Mapping[str, Any], plan: WorkloadPlan, controller: Controller | None = None) -> Knobs | None:
     """The knobs an episode starts with: a static setting from t=0 (vLLM started that way),
     PID/AIMD at their ``initial_batch_cap``; a residual policy at the cap of the PID it corrects
@@ -140,8 +164,9 @@ def start_knobs(policy: Mapping[str, Any], plan: WorkloadPlan, controller: Contr
     (``plan.kv_start``); None = the environment's defaults (an absolute policy, as trained)."""
     kind = policy.get("kind")
     if kind == "static":
+        top = engine_max_num_seqs(policy, plan)
         cap = policy.get("batch_cap")
-        cap = plan.max_num_seqs if cap is None else min(int(cap), plan.max_num_seqs)
+        cap = top if cap is None else min(int(cap), top)
         return Knobs(max(1, cap), str(policy.get("bucketing", "fifo")), str(policy.get("kv_dtype", "auto")))
     start = policy.get("initial_batch_cap", getattr(controller, "initial_batch_cap", None))
     if start is None:
@@ -191,32 +216,6 @@ def episode_config(plan: WorkloadPlan, knobs: Knobs | None, as_shipped: bool = F
     return c
 
 
-class Unshielded:
-    """A shield that lets every proposal through as it is: vLLM as shipped has no breaker, no
-    shedding, no step or memory limit in front of it. It keeps the real shield's other duties
-    (memory predictions for telemetry) by delegating them."""
-
-    def __init__(self, shield: Any) -> None:
-        self._shield = shield
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._shield, name)
-
-    def apply(self, proposal: Any, current: Knobs, inputs: Any, now: float) -> Any:
-        from batchpilot.core.shield import Decision
-
-        knobs = Knobs(
-            batch_cap=current.batch_cap if proposal.batch_cap is None else int(proposal.batch_cap),
-            bucketing=proposal.bucketing or current.bucketing,
-            kv_dtype=proposal.kv_dtype or current.kv_dtype,
-        )
-        return Decision(
-            knobs=knobs,
-            predicted_memory_fraction=self._shield.predicted_fraction(knobs.batch_cap, knobs.kv_dtype),
-            dtype_switched=knobs.kv_dtype != current.kv_dtype,
-        )
-
-
 def run_episode(
     env: Any,
     controller: Controller,
@@ -227,7 +226,8 @@ def run_episode(
     shielded: bool = True,
 ) -> Episode:
     """One episode: reset with ``seed`` (on the trace window starting at ``window_start_s``),
-    then decide → shield (``Unshielded`` when not ``shielded``) → one interval, until the
+    then decide → shield (passed through when not ``shielded``; a ``VllmServerEnv`` has none) →
+    one interval, until the
     environment truncates (after draining) or the engine fails."""
     t0 = time.perf_counter()
     if window_start_s is not None:
@@ -235,7 +235,10 @@ def run_episode(
             env.cfg.workload.start_s = float(window_start_s)
     env.reset(seed=seed)
     if not shielded:
-        env.shield = Unshielded(env.shield)
+        from batchpilot.envs.server_env import PassThroughShield
+
+        if not isinstance(env.shield, PassThroughShield):
+            env.shield = PassThroughShield(env.shield)
     bind = getattr(controller, "bind", None)
     if bind is not None:  # a controller that tries its options on copies of the env (lookahead)
         bind(env)
@@ -261,8 +264,14 @@ def run_policy(
 ) -> Iterator[tuple[int, Episode]]:
     """Episodes of one controller on one workload, one per seed, on one environment (a live
     engine starts once per controller, not once per seed)."""
+    from batchpilot.envs.server_env import VllmServerEnv
     from batchpilot.envs.serving_env import ServingEnv
 
+    engine = policy.get(ENGINE_KEY)
+    if engine and plan.cfg.engine.kind != "sim":
+        raise EvaluationError(f"policy {policy.get('name', policy.get('kind'))!r} starts an engine per setting "
+                              f"({dict(engine)}): run it with engine=sim; live, scripts/live_evaluate.py runs vLLM's "
+                              f"flags on managed servers")
     controller = make_controller(policy, plan)
     if getattr(controller, "needs_simulator", False) and plan.cfg.engine.kind != "sim":
         raise EvaluationError(f"policy {policy.get('name', policy.get('kind'))!r} tries its options on copies of "
@@ -274,7 +283,14 @@ def run_policy(
             f"engine cannot run: {plan.kv_why_not.get(knobs.kv_dtype)}"
         )
     as_shipped = bool(policy.get(AS_SHIPPED_KEY, False))
-    env = ServingEnv(cfg=episode_config(plan, knobs, as_shipped))
+    # As shipped: vLLM alone, no batchpilot admission gate, shield or breaker, by construction.
+    if as_shipped:
+        env: ServingEnv = VllmServerEnv(episode_config(plan, knobs, as_shipped), engine=engine)
+    elif engine:
+        raise EvaluationError(f"policy {policy.get('name', policy.get('kind'))!r}: engine settings are a server's "
+                              f"flags, for a policy run as shipped (as_shipped: true)")
+    else:
+        env = ServingEnv(cfg=episode_config(plan, knobs))
     try:
         warm = plan.cfg.engine.get("warmup")
         if plan.cfg.engine.kind == "vllm" and warm and float(warm.get("seconds", 0)) > 0:
@@ -505,21 +521,25 @@ def _user_overrides(overrides: Sequence[str] | None) -> list[str]:
     return [*hc.overrides.task, *search]
 
 
+#: (workload index, tuned controller's name): the key of a grid and its pick.
+GridKey = tuple[int, str]
+
+
 @dataclass(slots=True)
 class _Matrix:
-    """The run's cells and what came back: the grid points scored, best_static's pick per
-    workload, the episodes by (workload, controller, seed)."""
+    """The run's cells and what came back: each tuned controller's grid points scored and its
+    pick per workload (best_static, vllm_tuned), the episodes by (workload, controller, seed)."""
 
     plans: Sequence[WorkloadPlan]
     ecfg: EvalConfig
-    grids: dict[int, list[GridPoint]] = field(default_factory=dict)
-    notes: dict[int, list[str]] = field(default_factory=dict)
-    left: dict[int, int] = field(default_factory=dict)
-    best: dict[int, GridPoint] = field(default_factory=dict)
-    hindsight: dict[int, GridPoint] = field(default_factory=dict)
-    left_hindsight: dict[int, int] = field(default_factory=dict)
-    #: (workload, grid point, seed) -> episode on a scored seed.
-    grid_episodes: dict[tuple[int, int, int], Episode] = field(default_factory=dict)
+    grids: dict[GridKey, list[Any]] = field(default_factory=dict)
+    notes: dict[GridKey, list[str]] = field(default_factory=dict)
+    left: dict[GridKey, int] = field(default_factory=dict)
+    best: dict[GridKey, Any] = field(default_factory=dict)
+    hindsight: dict[GridKey, Any] = field(default_factory=dict)
+    left_hindsight: dict[GridKey, int] = field(default_factory=dict)
+    #: (workload, tuned controller, grid point, seed) -> episode on a scored seed.
+    grid_episodes: dict[tuple[int, str, int, int], Episode] = field(default_factory=dict)
     episodes: dict[tuple[int, str, int], Episode] = field(default_factory=dict)
 
     @property
@@ -527,39 +547,52 @@ class _Matrix:
         return any(str(p.cfg.engine.kind) == "vllm" for p in self.plans)
 
     @property
+    def bounds(self) -> dict[str, str]:
+        """Hindsight row name -> the tuned controller it bounds."""
+        return {hindsight_name(n): n for n in self.ecfg.tuned} if self.ecfg.best_static.hindsight else {}
+
+    @property
     def names(self) -> list[str]:
-        """The table's controllers: best_static_hindsight right after best_static."""
+        """The table's controllers: each tuned one's hindsight bound right after it."""
         out = []
         for n in self.ecfg.policies:
             out.append(n)
-            if n == BEST_STATIC and self.ecfg.best_static.hindsight:
-                out.append(HINDSIGHT)
+            if n in self.ecfg.tuned and self.ecfg.best_static.hindsight:
+                out.append(hindsight_name(n))
         return out
 
     def table_cells(self, wi: int, name: str, policy: Mapping[str, Any]) -> list[Cell]:
         return split_cells(wi, name, policy, self.ecfg.seeds, self.ecfg.timeline_seeds, self.live)
 
+    def grid(self, plan: WorkloadPlan, name: str) -> tuple[list[Any], list[str]]:
+        """A tuned controller's grid points on this workload, and notes on what was skipped."""
+        if name == BEST_STATIC:
+            return best_static_grid(self.ecfg.best_static, plan)
+        from batchpilot.policies.vllm_tuned import tuned_config, vllm_tuned_grid
+
+        cfg = tuned_config(policy_config(name, self.ecfg, plan), name)
+        return vllm_tuned_grid(cfg, plan, self.ecfg.best_static.tune_seeds[0])
+
     def first_cells(self) -> list[Cell]:
         """Everything that can start at once: every grid point (on the tuning seeds, and on
-        the scored ones for the hindsight bound) and every controller but best_static (whose
-        seeds wait for its workload's grid)."""
+        the scored ones for the hindsight bound) and every controller but the tuned ones (whose
+        seeds wait for their workload's grid)."""
         cells: list[Cell] = []
         bs = self.ecfg.best_static
         for wi, plan in enumerate(self.plans):
             for name in self.ecfg.policies:
-                if name == BEST_STATIC:
-                    self.grids[wi], self.notes[wi] = best_static_grid(bs, plan)
-                    self.left[wi] = len(self.grids[wi])
-                    grid = list(enumerate(self.grids[wi]))
-                    cells += [Cell(wi, name, p.policy(), tuple(bs.tune_seeds), (), i) for i, p in grid]
-                    if bs.hindsight:
-                        self.left_hindsight[wi] = len(self.grids[wi])
-                        cells += [
-                            Cell(wi, name, p.policy(HINDSIGHT), tuple(self.ecfg.seeds), (), i, True)
-                            for i, p in grid
-                        ]
-                else:
+                if name not in self.ecfg.tuned:
                     cells += self.table_cells(wi, name, policy_config(name, self.ecfg, plan))
+                    continue
+                key = (wi, name)
+                self.grids[key], self.notes[key] = self.grid(plan, name)
+                self.left[key] = len(self.grids[key])
+                grid = list(enumerate(self.grids[key]))
+                cells += [Cell(wi, name, p.policy(name), tuple(bs.tune_seeds), (), i) for i, p in grid]
+                if bs.hindsight:
+                    self.left_hindsight[key] = len(grid)
+                    bound = hindsight_name(name)
+                    cells += [Cell(wi, name, p.policy(bound), tuple(self.ecfg.seeds), (), i, True) for i, p in grid]
         return cells
 
     @property
@@ -570,49 +603,54 @@ class _Matrix:
         return grid + len(self.plans) * len(self.ecfg.policies) * len(self.ecfg.seeds)
 
     def done(self, cell: Cell, result: CellResult, log: Callable[[str], None]) -> list[Cell]:
-        """Record a finished cell; when it was a workload's last grid point, pick best_static
-        there and return its seeds' cells."""
+        """Record a finished cell; when it was the last grid point of a tuned controller on a
+        workload, pick its setting there and return its seeds' cells."""
         wi, plan = cell.workload, self.plans[cell.workload]
+        if cell.point is None:
+            for seed, ep in result:
+                if ep.error:
+                    log(f"[red]{plan.key} · {cell.name} · seed {seed}: engine failed: {ep.error}")
+                self.episodes[(wi, cell.name, seed)] = ep
+            return []
         floor = self.ecfg.best_static.min_slo_attainment
-        if cell.point is not None:
-            point = self.grids[wi][cell.point]
-            good = float(np.mean([ep.metrics["request_goodput"] for _, ep in result]))
-            att = float(np.mean([ep.metrics["slo_attainment"] for _, ep in result]))
-            if cell.hindsight:
-                point.hindsight_goodput, point.hindsight_attainment = good, att
-                for seed, ep in result:
-                    self.grid_episodes[(wi, cell.point, seed)] = ep
-                self.left_hindsight[wi] -= 1
-                if not self.left_hindsight[wi]:
-                    self.hindsight[wi] = pick_best(self.grids[wi], floor, hindsight=True)
-                    log(f"{HINDSIGHT} on {plan.key}: {self.hindsight[wi].label} (upper bound: picked on the scored seeds)")
-                return []
-            point.request_goodput, point.slo_attainment = good, att
-            self.left[wi] -= 1
-            if self.left[wi]:
-                return []
-            best = self.best[wi] = pick_best(self.grids[wi], floor)
-            for note in self.notes[wi]:
-                log(f"best_static on {plan.key}: {note}")
-            tune = list(self.ecfg.best_static.tune_seeds)
-            log(f"best_static on {plan.key}: {best.label} ({len(self.grids[wi])} grid points, tuning seeds {tune})")
-            return self.table_cells(wi, BEST_STATIC, best.policy())
-        for seed, ep in result:
-            if ep.error:
-                log(f"[red]{plan.key} · {cell.name} · seed {seed}: engine failed: {ep.error}")
-            self.episodes[(wi, cell.name, seed)] = ep
-        return []
+        key = (wi, cell.name)
+        point = self.grids[key][cell.point]
+        good = float(np.mean([ep.metrics["request_goodput"] for _, ep in result]))
+        att = float(np.mean([ep.metrics["slo_attainment"] for _, ep in result]))
+        if cell.hindsight:
+            point.hindsight_goodput, point.hindsight_attainment = good, att
+            for seed, ep in result:
+                self.grid_episodes[(wi, cell.name, cell.point, seed)] = ep
+            self.left_hindsight[key] -= 1
+            if not self.left_hindsight[key]:
+                self.hindsight[key] = pick_best(self.grids[key], floor, hindsight=True)
+                log(f"{hindsight_name(cell.name)} on {plan.key}: {self.hindsight[key].label} (upper bound: picked "
+                    f"on the scored seeds)")
+            return []
+        point.request_goodput, point.slo_attainment = good, att
+        self.left[key] -= 1
+        if self.left[key]:
+            return []
+        best = self.best[key] = pick_best(self.grids[key], floor)
+        for note in self.notes[key]:
+            log(f"{cell.name} on {plan.key}: {note}")
+        tune = list(self.ecfg.best_static.tune_seeds)
+        log(f"{cell.name} on {plan.key}: {best.label} ({len(self.grids[key])} grid points, tuning seeds {tune})")
+        return self.table_cells(wi, cell.name, best.policy(cell.name))
 
     def episode(self, wi: int, name: str, seed: int) -> Episode:
-        if name == HINDSIGHT:
-            return self.grid_episodes[(wi, self.grids[wi].index(self.hindsight[wi]), seed)]
+        base = self.bounds.get(name)
+        if base is not None:
+            key = (wi, base)
+            point = next(i for i, p in enumerate(self.grids[key]) if p is self.hindsight[key])
+            return self.grid_episodes[(wi, base, point, seed)]
         return self.episodes[(wi, name, seed)]
 
     def knobs(self, wi: int, name: str) -> str:
-        if name == BEST_STATIC:
-            return self.best[wi].label
-        if name == HINDSIGHT:
-            return self.hindsight[wi].label
+        if name in self.ecfg.tuned:
+            return self.best[(wi, name)].label
+        if name in self.bounds:
+            return self.hindsight[(wi, self.bounds[name])].label
         policy = policy_config(name, self.ecfg, self.plans[wi])
         k = start_knobs(policy, self.plans[wi]) if policy.get("kind") == "static" else None
         return f"cap={k.batch_cap} {k.bucketing} kv={k.kv_dtype}" if k else ""
@@ -638,15 +676,34 @@ class _Matrix:
                         out[(plan.key, name, seed)] = tl
         return out
 
-    def search(self) -> list[dict[str, Any]]:
+    def search(self, name: str = BEST_STATIC) -> list[dict[str, Any]]:
+        """Every grid point of tuned controller ``name``, per workload, with its scores and
+        whether it was picked (``chosen``) or is the hindsight bound (``hindsight_chosen``)."""
         return [
             {
                 "workload": self.plans[wi].name, "deployment": f"{self.plans[wi].model}/{self.plans[wi].hardware}",
-                **asdict(p), "chosen": p is self.best[wi], "hindsight_chosen": p is self.hindsight.get(wi),
+                **asdict(p), "chosen": p is self.best[(wi, n)], "hindsight_chosen": p is self.hindsight.get((wi, n)),
             }
-            for wi in sorted(self.grids)
-            for p in self.grids[wi]
+            for wi, n in sorted(self.grids)
+            if n == name
+            for p in self.grids[(wi, n)]
         ]
+
+    def picks(self, name: str) -> list[str]:
+        """results.md's lines on a vllm_tuned controller's picks (best_static's are the report's)."""
+        tune = list(self.ecfg.best_static.tune_seeds)
+        out = []
+        for wi, n in sorted(self.grids):
+            if n != name:
+                continue
+            best, bound = self.best[(wi, n)], self.hindsight.get((wi, n))
+            out.append(f"- {name} on {self.plans[wi].key}: {best.label} (tuning seeds {tune}: goodput "
+                       f"{best.request_goodput:.3g} req/s, attainment {best.slo_attainment:.3g}; "
+                       f"{len(self.grids[(wi, n)])} grid points)")
+            if bound is not None:
+                out.append(f"- {hindsight_name(name)} on {self.plans[wi].key}: {bound.label} (scored seeds: goodput "
+                           f"{bound.hindsight_goodput:.3g} req/s, attainment {bound.hindsight_attainment:.3g})")
+        return out
 
 
 def _config_name(config_name: str | None) -> str:
@@ -655,6 +712,31 @@ def _config_name(config_name: str | None) -> str:
     from hydra.core.hydra_config import HydraConfig
 
     return str(HydraConfig.get().job.config_name) if HydraConfig.initialized() else "evaluate"
+
+
+def check_policies(plans: Sequence[WorkloadPlan], ecfg: EvalConfig) -> None:
+    """Fail before any episode runs: every controller must build on every workload and find
+    room (a vllm_tuned sweep must read, and needs the simulator)."""
+    from batchpilot.policies.vllm_tuned import tuned_config
+
+    for plan in plans:
+        for name in ecfg.policies:
+            if name == BEST_STATIC:
+                policy: dict[str, Any] = {}
+            elif name in ecfg.tuned:  # a vllm_tuned sweep: vLLM alone, as shipped by construction
+                tuned_config(policy_config(name, ecfg, plan), name)
+                if str(plan.cfg.engine.kind) != "sim":
+                    raise EvaluationError(
+                        f"policy {name!r} starts a server per setting of its grid: run it with engine=sim; live, "
+                        f"scripts/live_evaluate.py runs vLLM's flags on managed servers")
+                continue
+            else:
+                policy = policy_config(name, ecfg, plan)
+                make_controller(policy, plan, name)
+            if plan.no_room and not policy.get(AS_SHIPPED_KEY, False):
+                raise EvaluationError(
+                    f"workload {plan.key!r}, policy {name!r}: {plan.no_room} (only a policy run as shipped, "
+                    f"without the shield, e.g. vllm_default, could run there)")
 
 
 def evaluate(
@@ -680,18 +762,7 @@ def evaluate(
     console = Console(stderr=True)
     t_start = time.perf_counter()
     plans = plan_matrix(user, ecfg, console.log)
-    # Fail before any episode runs: every controller must build on every workload, and find room.
-    for plan in plans:
-        for name in ecfg.policies:
-            if name == BEST_STATIC:
-                policy: dict[str, Any] = {}
-            else:
-                policy = policy_config(name, ecfg, plan)
-                make_controller(policy, plan, name)
-            if plan.no_room and not policy.get(AS_SHIPPED_KEY, False):
-                raise EvaluationError(
-                    f"workload {plan.key!r}, policy {name!r}: {plan.no_room} (only a policy run as shipped, "
-                    f"without the shield, e.g. vllm_default, could run there)")
+    check_policies(plans, ecfg)
     matrix = _Matrix(plans, ecfg)
     cells = matrix.first_cells()
     for plan in plans:
@@ -728,7 +799,12 @@ def evaluate(
     rep.write_rows(rows, out)
     rep.write_timelines(timelines, out)
     (out / "best_static_search.json").write_text(json.dumps(rep.jsonable(search), indent=1) + "\n")
-    (out / "results.md").write_text(rep.results_markdown(rows, search, ecfg.seeds, ecfg.best_static.tune_seeds))
+    md = rep.results_markdown(rows, search, ecfg.seeds, ecfg.best_static.tune_seeds)
+    for name in ecfg.tuned:
+        if name != BEST_STATIC:  # vllm_tuned: its grid and picks beside best_static's
+            (out / f"{name}_search.json").write_text(json.dumps(rep.jsonable(matrix.search(name)), indent=1) + "\n")
+            md += "\n" + "\n".join(matrix.picks(name)) + "\n"
+    (out / "results.md").write_text(md)
     table = rep.markdown_table(rows)
     plots: list[Path] = []
     if ecfg.plots:

@@ -1,0 +1,191 @@
+"""``vllm_tuned``: vLLM tuned with its own start-up flags, the yardstick an operator would deploy
+instead of batchpilot (issue 53).
+
+The sweep is what vLLM's ``benchmarks/auto_tune`` and ``vllm bench sweep serve_sla`` do: one
+server per setting of ``--max-num-seqs`` × ``--max-num-batched-tokens`` × the API server's
+``--max-num-queued-tokens`` / ``--max-num-queued-reqs`` (``conf/policy/vllm_tuned.yaml``), each
+scored on traffic other than the traffic it is then judged on, keeping the best that meets the
+latency objective. The evaluation (``policies/evaluation.py``) runs the grid through the same
+cells, tuning seeds and objective as best_static; this module builds the grid.
+
+A queued-tokens limit may be given as vLLM's docs put it, the TTFT objective × the prefill
+throughput (``queued_tokens_ttft_factors``). The throughput is measured as an operator would:
+at the point's ``max_num_seqs`` and token budget, on prompts of the tuning seed's own requests
+(never the scored seeds'), as prompt tokens per second of a saturated prefill-only run.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import numpy as np
+from omegaconf import open_dict
+
+from batchpilot.config import from_node
+from batchpilot.core.engine import RequestRejected
+from batchpilot.policies.eval_plan import EvaluationError, WorkloadPlan
+from batchpilot.schemas import VllmTunedConfig
+
+#: The policy keys ``from_node`` must not pass to ``VllmTunedConfig`` (they select the class),
+#: and the evaluation's own (``policy_overrides`` may carry ``as_shipped``: vLLM tuned is
+#: always run as shipped).
+_NOT_SETTINGS = ("kind", "name", "as_shipped")
+
+
+def tuned_config(policy: Mapping[str, Any], name: str) -> VllmTunedConfig:
+    """The sweep ``policy`` (a ``conf/policy`` file of kind vllm_tuned, overrides merged)
+    describes; a bad value is an ``EvaluationError`` naming the policy."""
+    try:
+        return from_node(VllmTunedConfig, dict(policy), drop=_NOT_SETTINGS)
+    except ValueError as e:
+        raise EvaluationError(f"policy {name!r}: {e}") from None
+
+
+@dataclass(slots=True)
+class EngineGridPoint:
+    """One ``vllm serve`` setting of the sweep, and how it scored."""
+
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_num_queued_tokens: int | None = None
+    max_num_queued_reqs: int | None = None
+    max_num_active_seqs: int | None = None
+    #: ``max_num_queued_tokens`` = this × TTFT objective × ``prefill_tokens_per_s`` (None: the
+    #: limit was given in tokens).
+    ttft_factor: float | None = None
+    prefill_tokens_per_s: float | None = None
+    #: Means over the tuning seeds.
+    request_goodput: float = math.nan
+    slo_attainment: float = math.nan
+    #: Means over the scored seeds (the hindsight bound).
+    hindsight_goodput: float = math.nan
+    hindsight_attainment: float = math.nan
+
+    def engine(self) -> dict[str, Any]:
+        """The flags as ``engine.*`` settings (``SimEngineConfig``'s names are vLLM's)."""
+        return {
+            "max_num_seqs": self.max_num_seqs, "max_num_batched_tokens": self.max_num_batched_tokens,
+            "max_num_queued_tokens": self.max_num_queued_tokens, "max_num_queued_reqs": self.max_num_queued_reqs,
+            "max_num_active_seqs": self.max_num_active_seqs,
+        }
+
+    def policy(self, name: str = "vllm_tuned") -> dict[str, Any]:
+        """A static controller on a server started with these flags, run as shipped."""
+        return {
+            "kind": "static", "name": name, "batch_cap": self.max_num_active_seqs or self.max_num_seqs,
+            "bucketing": "fifo", "kv_dtype": "auto", "as_shipped": True, "engine": self.engine(),
+        }
+
+    @property
+    def label(self) -> str:
+        parts = [f"--max-num-seqs {self.max_num_seqs}", f"--max-num-batched-tokens {self.max_num_batched_tokens}"]
+        if self.max_num_active_seqs is not None:
+            parts.append(f"--max-num-active-seqs {self.max_num_active_seqs}")
+        if self.max_num_queued_tokens is not None:
+            how = f" ({self.ttft_factor:g}x TTFT x prefill)" if self.ttft_factor is not None else ""
+            parts.append(f"--max-num-queued-tokens {self.max_num_queued_tokens}{how}")
+        if self.max_num_queued_reqs is not None:
+            parts.append(f"--max-num-queued-reqs {self.max_num_queued_reqs}")
+        return " ".join(parts)
+
+
+def _engine_cfg(plan: WorkloadPlan, seqs: int, tokens: int) -> Any:
+    c = copy.deepcopy(plan.cfg)
+    with open_dict(c):
+        c.engine.max_num_seqs = seqs
+        c.engine.max_num_batched_tokens = tokens
+        c.engine.kv_dtype = "auto"
+    return c
+
+
+def tuning_prompts(plan: WorkloadPlan, tune_seed: int, limit: int) -> list[Any]:
+    """The first ``limit`` requests of the tuning seed's episode (its trace window), as an
+    operator samples their own traffic to measure the prefill throughput."""
+    from batchpilot.envs.workloads import build_workload
+
+    wl = copy.deepcopy(plan.cfg.workload)
+    with open_dict(wl):
+        if plan.windows:
+            wl.start_s = plan.windows[tune_seed]
+    offset = int(wl.get("seed_offset", 0) or 0)
+    stream = build_workload(wl, np.random.default_rng(tune_seed + offset), plan.max_model_len)
+    return stream.pop_until(math.inf)[:limit]
+
+
+def prefill_throughput(plan: WorkloadPlan, seqs: int, tokens: int, requests: list[Any]) -> float:
+    """Prompt tokens per second of a prefill-only run (every request asks for one token) of
+    ``requests``, all queued at once, on the simulated engine at ``seqs`` × ``tokens``."""
+    from batchpilot.envs.engines import build_engine
+
+    engine = build_engine(_engine_cfg(plan, seqs, tokens))
+    try:
+        total = 0
+        for i, r in enumerate(requests):
+            one = {"output_len": 1, "arrival_time": 0.0, "request_id": f"prefill-probe-{i}"}
+            if hasattr(r, "max_tokens"):
+                one["max_tokens"] = 1
+            try:
+                engine.add_request(dataclasses.replace(r, **one))
+            except RequestRejected:  # too long for this engine: vLLM refuses it too
+                continue
+            total += r.prompt_len
+        while engine.num_running or engine.num_waiting:
+            engine.step()
+        return total / engine.now if engine.now > 0 else math.nan
+    finally:
+        engine.close()
+
+
+def _fits(plan: WorkloadPlan, seqs: int, tokens: int) -> str | None:
+    """Why the deployment cannot start at ``seqs`` × ``tokens`` (None: it can)."""
+    from batchpilot.envs.engines import build_engine
+
+    try:
+        build_engine(_engine_cfg(plan, seqs, tokens)).close()
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def vllm_tuned_grid(
+    cfg: VllmTunedConfig, plan: WorkloadPlan, tune_seed: int
+) -> tuple[list[EngineGridPoint], list[str]]:
+    """The sweep's settings on this deployment, and notes on what was skipped or measured.
+    ``tune_seed``'s prompts measure the prefill throughput of the TTFT-rule limits."""
+    notes: list[str] = []
+    factors = list(cfg.queued_tokens_ttft_factors)
+    ttft_ms = plan.cfg.slo.get("ttft_ms")
+    if factors and ttft_ms is None:
+        notes.append("queued_tokens_ttft_factors skipped: the SLO has no ttft_ms")
+        factors = []
+    prompts = tuning_prompts(plan, tune_seed, cfg.prefill_probe_requests) if factors else []
+    points: list[EngineGridPoint] = []
+    for seqs in sorted(cfg.max_num_seqs):
+        for tokens in sorted(cfg.max_num_batched_tokens):
+            if tokens < seqs:
+                notes.append(f"--max-num-seqs {seqs} with --max-num-batched-tokens {tokens} skipped: vLLM "
+                             f"needs max_num_batched_tokens >= max_num_seqs")
+                continue
+            why = _fits(plan, seqs, tokens)
+            if why is not None:
+                notes.append(f"--max-num-seqs {seqs} --max-num-batched-tokens {tokens} skipped: {why}")
+                continue
+            active = None if cfg.max_num_active_seqs is None else min(cfg.max_num_active_seqs, seqs)
+            limits: list[tuple[int | None, float | None]] = [(t, None) for t in cfg.max_num_queued_tokens]
+            rate = prefill_throughput(plan, seqs, tokens, prompts) if factors and prompts else math.nan
+            if math.isfinite(rate):
+                limits += [(max(1, round(f * float(ttft_ms) / 1000.0 * rate)), f) for f in factors]
+                notes.append(f"prefill throughput at --max-num-seqs {seqs} --max-num-batched-tokens {tokens}: "
+                             f"{rate:,.0f} prompt tokens/s (tuning seed {tune_seed}, {len(prompts)} prompts)")
+            for queued_tokens, factor in limits:
+                for queued_reqs in cfg.max_num_queued_reqs:
+                    points.append(EngineGridPoint(
+                        seqs, tokens, queued_tokens, queued_reqs, active, factor,
+                        rate if factor is not None else None))
+    if not points:
+        raise EvaluationError(f"vllm_tuned on {plan.key!r}: no setting of the grid runs here ({'; '.join(notes)})")
+    return points, notes
