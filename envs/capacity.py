@@ -6,8 +6,9 @@ share of every deployment's capacity, and training's deployment randomisation
 requests are kept waiting or running, FIFO, the engine's own KV dtype, no shield.
 
 ``slo_rate`` and ``capacity_bound`` give the evaluation's capacity bound per cell: the most
-SLO-met requests/s the engine finishes of the workload's own requests at a fixed concurrency,
-and Σ over the window of min(arrivals, that rate) per interval (docs/evaluation.md, metrics).
+SLO-met requests/s the engine finishes of the workload's own requests at a fixed concurrency
+(per prompt bucket), and Σ over the window of min(arrivals, that rate) per interval, the
+engine's time going to the cheapest bucket first (docs/evaluation.md, "Metrics").
 """
 
 from __future__ import annotations
@@ -146,19 +147,38 @@ def slo_rate(
     return rates[best_c], best_c
 
 
-def capacity_bound(arrival_s: np.ndarray, window_s: float, interval_s: float, capacity: float) -> float:
-    """Σ over the window's intervals of min(arrivals in the interval, ``capacity`` ×
-    interval): the SLO-met requests a controller could at most serve at a steady ``capacity``
-    if it neither carried a burst's excess over into the next interval nor served a cheaper
-    subset of the requests. ``arrival_s`` in seconds from the window's start; arrivals at or
-    past ``window_s`` are not counted. The last interval may be shorter (the window's rest)."""
+def capacity_bound(
+    arrival_s: np.ndarray, window_s: float, interval_s: float, capacity: float | Sequence[float],
+    classes: np.ndarray | None = None,
+) -> float:
+    """Σ over the window's intervals of min(arrivals in the interval, ``capacity`` × interval):
+    the SLO-met requests a controller could at most serve at steady capacity without carrying
+    a burst's excess over into the next interval. ``arrival_s`` in seconds from the window's
+    start; arrivals at or past ``window_s`` are not counted; the last interval may be shorter.
+
+    With ``classes`` (a class index per arrival, e.g. its prompt bucket) ``capacity`` holds one
+    rate per class, each the engine's whole capacity spent on that class: per interval the
+    engine's time goes to the classes with the highest rate first (a request of class c costs
+    1 / capacity[c] seconds), as far as each class's arrivals go. One class is the plain sum."""
     if not (math.isfinite(window_s) and window_s > 0 and interval_s > 0):
         raise ValueError(f"need window_s > 0 and interval_s > 0, got {window_s!r}, {interval_s!r}")
-    if not (math.isfinite(capacity) and capacity >= 0):
-        raise ValueError(f"capacity must be a finite rate >= 0, got {capacity!r}")
+    caps = np.atleast_1d(np.asarray(capacity, np.float64))
+    if caps.ndim != 1 or not np.all(np.isfinite(caps)) or np.any(caps < 0):
+        raise ValueError(f"capacity must be finite rates >= 0, got {capacity!r}")
+    t = np.asarray(arrival_s, np.float64)
+    cls = np.zeros(t.size, np.int64) if classes is None else np.asarray(classes, np.int64)
+    if cls.shape != t.shape or (cls.size and (cls.min() < 0 or cls.max() >= caps.size)):
+        raise ValueError(f"classes must give each of the {t.size} arrivals an index below {caps.size}")
     n = max(1, math.ceil(window_s / interval_s - 1e-9))
     edges = np.minimum(np.arange(n + 1, dtype=np.float64) * interval_s, window_s)
-    counts, _ = np.histogram(np.asarray(arrival_s, np.float64), bins=edges)
-    # np.histogram's last bin is closed; an arrival exactly at window_s belongs to no interval.
-    counts[-1] -= int(np.count_nonzero(np.asarray(arrival_s) == window_s))
-    return float(np.minimum(counts, capacity * np.diff(edges)).sum())
+    inside = t < window_s  # np.histogram's last bin is closed: an arrival at window_s is outside
+    counts = np.stack([np.histogram(t[inside & (cls == c)], bins=edges)[0] for c in range(caps.size)])
+    budget = np.diff(edges)  # engine seconds left per interval
+    served = 0.0
+    for c in np.argsort(-caps, kind="stable"):
+        if caps[c] <= 0:
+            continue
+        x = np.minimum(counts[c], budget * caps[c])
+        served += float(x.sum())
+        budget = np.maximum(budget - x / caps[c], 0.0)
+    return served

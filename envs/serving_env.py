@@ -327,28 +327,37 @@ class ServingEnv(gym.Env):
         return m
 
     def capacity_metrics(self, window_s: float, goodput: float) -> dict[str, float]:
-        """``slo_capacity``: the most SLO-met requests/s the simulated engine finishes of this
-        episode's requests at a fixed concurrency (``envs.capacity.slo_rate``; the better of the
+        """The capacity bound (docs/evaluation.md, "Metrics"). ``slo_capacity``: the most SLO-met
+        requests/s the simulated engine finishes of this episode's requests, in arrival order, at
+        a fixed concurrency (``envs.capacity.slo_rate``); ``capacity_bound``: Σ over the arrival
+        window's control intervals of min(arrivals, capacity at the SLO × interval), per second
+        of window, with that capacity measured per admission bucket (the bucket's own requests)
+        and the engine's time going to the bucket it serves fastest first (``capacity_bound``
+        with classes: a controller's bucketing may serve cheap prompts first);
+        ``share_of_bound``: ``goodput`` / ``capacity_bound``. Each rate is the better of the
         deployment's runnable 16- and 8-bit KV dtypes, so every controller of a cell gets the
-        same figure); ``capacity_bound``: Σ over the arrival window's control intervals of
-        min(arrivals, ``slo_capacity`` × interval), per second of window; ``share_of_bound``:
-        ``goodput`` / ``capacity_bound``. NaN outside an evaluation episode on the simulator
-        (a live engine would take real time to probe; training does not need them)."""
+        same figures. NaN outside an evaluation episode on the simulator (a live engine would
+        take real time to probe; training does not need them)."""
         nan = {"slo_capacity": math.nan, "capacity_bound": math.nan, "share_of_bound": math.nan}
         if not (self.cfg.env.drain_on_truncate and self.cfg.engine.kind == "sim" and len(self.stream)):
             return nan
-        capacity = self._slo_capacity()
-        arrivals = np.asarray(self.stream.arrival_s) - self._episode_start
-        bound = capacity_bound(arrivals, window_s, self.interval_s, capacity) / window_s
-        return {"slo_capacity": capacity, "capacity_bound": bound,
-                "share_of_bound": goodput / bound if bound > 0 else math.nan}
-
-    def _slo_capacity(self) -> float:
-        """``slo_rate`` over the episode's requests, once per (deployment, requests, SLO) in a
-        process: the cells of one workload and seed share it."""
         stream = copy.copy(self.stream)  # its own cursor over the same (read-only) arrays
         stream.reset()
         requests = stream.pop_until(math.inf)
+        buckets = np.searchsorted(np.asarray(self.admission_cfg.boundaries), self.stream.prompt_len, side="right")
+        mix = self._slo_capacity(requests)
+        per_bucket = [self._slo_capacity([r for r, b in zip(requests, buckets) if b == i])
+                      for i in range(self.admission_cfg.num_buckets)]
+        arrivals = np.asarray(self.stream.arrival_s) - self._episode_start
+        bound = capacity_bound(arrivals, window_s, self.interval_s, per_bucket, buckets) / window_s
+        return {"slo_capacity": mix, "capacity_bound": bound,
+                "share_of_bound": goodput / bound if bound > 0 else math.nan}
+
+    def _slo_capacity(self, requests: list) -> float:
+        """``slo_rate`` of ``requests`` (0 for none), once per (deployment, requests, SLO) in a
+        process: the cells of one workload and seed share it."""
+        if not requests:
+            return 0.0
         base = self._engine_node if self._engine_node is not None else self.cfg.engine
         model, hardware = self._nodes()
         dtypes = [d for d in dict.fromkeys((self.kv16_dtype, self.kv8_dtype)) if self._caps.can_run(d)]

@@ -135,6 +135,19 @@ def test_capacity_bound_sums_min_of_arrivals_and_capacity_per_interval():
     assert capacity_bound(arrivals, 3.5, 1.0, 0.0) == 0.0
     with pytest.raises(ValueError, match="capacity"):
         capacity_bound(arrivals, 3.5, 1.0, math.inf)
+    with pytest.raises(ValueError, match="classes"):
+        capacity_bound(arrivals, 3.5, 1.0, [1.0, 2.0], np.full(arrivals.size, 2))
+
+
+def test_capacity_bound_spends_each_interval_on_the_fastest_class_first():
+    """Two classes: short (4 req/s when the engine does only them) and long (1 req/s). In 1 s:
+    3 shorts cost 0.75 s, the rest (0.25 s) serves 0.25 of a long; 2 longs alone cost 2 s."""
+    arrivals = np.array([0.1, 0.2, 0.3, 0.4, 0.5, 1.1, 1.2])
+    classes = np.array([0, 0, 0, 1, 1, 1, 1])
+    assert capacity_bound(arrivals, 2.0, 1.0, [4.0, 1.0], classes) == pytest.approx(3.25 + 1.0)
+    assert capacity_bound(arrivals, 2.0, 1.0, [1.0, 4.0], 1 - classes) == pytest.approx(3.25 + 1.0)  # by rate
+    assert capacity_bound(arrivals, 2.0, 1.0, [4.0, 0.0], classes) == pytest.approx(3.0)
+    assert capacity_bound(arrivals, 2.0, 1.0, [4.0], np.zeros(7, int)) == capacity_bound(arrivals, 2.0, 1.0, 4.0)
     with pytest.raises(ValueError, match="window_s"):
         capacity_bound(arrivals, 0.0, 1.0, 1.0)
 
