@@ -1304,6 +1304,48 @@ class LiveGatewayNode:
 
 
 @dataclass(slots=True)
+class LiveTuningWindowNode:
+    """``vllm_tuned.tuning``: the window of the scenario's trace the sweep replays (trace
+    seconds, as ``live_scenario.start_s`` / ``duration_s``), disjoint from the scored one."""
+
+    #: null = right after the scored window (as replayed: a sized scenario's grown window).
+    start_s: float | None
+    #: null = as long as the scored window.
+    duration_s: float | None
+
+
+@dataclass(slots=True)
+class LiveTunedFlagsNode:
+    """``vllm_tuned.flags``: vLLM's limits given (null = not given); any set skips the sweep.
+    Each an integer, or ``slo`` for ``max_num_queued_tokens`` (checked in ``live_tuned``)."""
+
+    max_num_seqs: Any
+    max_num_batched_tokens: Any
+    max_num_active_seqs: Any
+    max_num_queued_reqs: Any
+    max_num_queued_tokens: Any
+
+
+@dataclass(slots=True)
+class LiveVllmTunedNode:
+    """``vllm_tuned`` of ``conf/live_evaluate.yaml``: the second managed ``vllm serve``, started
+    with vLLM's own limits, either given (``flags``) or swept (``grid``) on a tuning window
+    (``policies/live_tuned.py``)."""
+
+    #: Fixed settings instead of the sweep (all null: sweep).
+    flags: LiveTunedFlagsNode
+    #: Each key's values; the sweep tries every combination (at most ``max_settings``).
+    grid: dict[str, list[Any]]
+    max_settings: int
+    tuning: LiveTuningWindowNode
+    #: A setting is kept only if its SLO attainment on the tuning window reaches this.
+    attainment_floor: float
+    #: Requests of the tuning window sent at once with one output token each to measure vLLM's
+    #: prefill throughput (for a ``slo`` queued-tokens limit).
+    prefill_probe_requests: int
+
+
+@dataclass(slots=True)
 class LiveEvaluateApp:
     """``conf/live_evaluate.yaml`` (``policies/live_evaluation.py``; see the comments there)."""
 
@@ -1318,6 +1360,7 @@ class LiveEvaluateApp:
     warmup: LiveWarmupNode
     client: LiveClientNode
     gateway: LiveGatewayNode
+    vllm_tuned: LiveVllmTunedNode
     plots: bool
     sim_twin: bool
     twin_match: bool

@@ -9,6 +9,9 @@ that no path always runs first or last:
 
 - ``vllm_direct``: the client at the ``vllm serve`` port itself (vLLM as shipped; the gateway
   is idle in ``static`` mode, its control loop still reads vLLM's /metrics once a second);
+- ``vllm_tuned``: the client at a second managed ``vllm serve`` with vLLM's own limits
+  (``--max-num-seqs``, ``--max-num-queued-tokens``, ...), swept on a tuning window of the
+  trace disjoint from the scored one, or given (``policies/live_tuned.py``);
 - ``static`` / ``pid`` / ``ppo``: the client at the gateway, whose controller is switched
   through its admin API (``/admin/mode``: static, pid, policy). Before each gateway path the
   knobs are reset at once to the start-up ones (``/admin/freeze`` with ``force``) and the KV
@@ -26,8 +29,9 @@ ttft:<slo> tpot:<slo>`` from ``conf/slo``), the accounting (requests = completed
 vLLM's preemptions, peak KV usage, iterations (and their mean tokens) and mean wait in its own
 queue from its /metrics. Out: results.json, results.csv,
 results.md (mean ± 95 % CI per path and the paired per-round difference to ``vllm_direct``),
-goodput.png and per-run client logs under ``runs/``. Nothing in ``batchpilot.serving`` is
-imported: the gateway is a process, reached over HTTP.
+goodput.png and per-run client logs under ``runs/``. The gateway is a process, reached over HTTP;
+only vllm_tuned's engine is started with the gateway's own launcher (``ManagedVLLM``), so that it
+differs from the gateway's engine by its flags alone.
 """
 
 from __future__ import annotations
@@ -67,17 +71,37 @@ from batchpilot.envs.timed_trace import (
 from batchpilot.envs.traces import TraceOptions
 from batchpilot.policies.eval_plan import override_key
 from batchpilot.policies.eval_report import _fmt, mean_ci
+from batchpilot.policies.live_tuned import (
+    TUNED,
+    TunedConfigError,
+    base_engine_settings,
+    check_disjoint,
+    choose,
+    needs_prefill_probe,
+    plan_settings,
+    resolve_setting,
+    setting_label,
+    tuned_engine,
+    tuning_scenario,
+)
 from batchpilot.schemas import LiveEvaluateApp, LiveScenarioConfig, check_app, from_node
 
 log = logging.getLogger(__name__)
 
 #: Paths a run can take, and the gateway's control mode for each gateway path.
-PATHS: tuple[str, ...] = ("vllm_direct", "static", "pid", "ppo")
+PATHS: tuple[str, ...] = ("vllm_direct", TUNED, "static", "pid", "ppo")
 GATEWAY_MODE = {"static": "static", "pid": "pid", "ppo": "policy"}
 BASELINE = "vllm_direct"
+#: Paths whose client talks to a vLLM itself (the gateway idle in ``static`` mode meanwhile):
+#: vLLM as shipped, and vLLM with its own limits (``policies/live_tuned.py``, its own engine).
+DIRECT_PATHS: tuple[str, ...] = (BASELINE, TUNED)
+#: The start of a failed request's error for an HTTP refusal: vLLM's queue limits answer 503,
+#: the gateway's breaker 429. Counted per row (``refused``), and misses like any failure.
+REFUSAL_REASONS: tuple[str, ...] = ("Service Unavailable", "Too Many Requests")
 #: Columns of results.json / results.csv, in order.
 LIVE_ROW_KEYS: tuple[str, ...] = (
-    "scenario", "path", "round", "position", "requests", "completed", "failed", "accounted",
+    "scenario", "path", "round", "position", "requests", "completed", "failed", "refused", "engine_refusals",
+    "accounted",
     "request_goodput", "slo_attainment", "request_throughput", "output_throughput",
     "mean_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "p99_tpot_ms", "p99_e2el_ms", "duration_s",
     "preemptions", "peak_kv_usage", "peak_running", "mean_running", "mean_batch_cap", "acting", "kv_dtype",
@@ -87,7 +111,7 @@ LIVE_ROW_KEYS: tuple[str, ...] = (
 #: Metrics of the table (mean ± 95 % CI per path).
 TABLE_KEYS: tuple[str, ...] = (
     "request_goodput", "slo_attainment", "request_throughput", "p99_ttft_ms", "p99_tpot_ms",
-    "preemptions", "peak_kv_usage", "failed",
+    "preemptions", "peak_kv_usage", "failed", "refused",
 )
 
 
@@ -501,7 +525,8 @@ def run_client(args: Any, log_file: Path) -> dict[str, Any]:
 #: carried, and the time requests waited in its own queue (what the twin's engine is compared on).
 ENGINE_COUNTERS = ("vllm:num_preemptions_total", "vllm:iteration_tokens_total_count", "vllm:iteration_tokens_total_sum",
                    "vllm:request_queue_time_seconds_count", "vllm:request_queue_time_seconds_sum",
-                   "vllm:time_to_first_token_seconds_count", "vllm:time_to_first_token_seconds_sum")
+                   "vllm:time_to_first_token_seconds_count", "vllm:time_to_first_token_seconds_sum",
+                   "vllm:admission_rejections_total")
 #: The gateway's: the wait in its admission queue (a gateway run's TTFT = this + the engine's + the trips).
 GATEWAY_COUNTERS = ("batchpilot:admission_wait_seconds_count", "batchpilot:admission_wait_seconds_sum")
 
@@ -524,7 +549,8 @@ def engine_row_fields(before: Mapping[str, float], after: Mapping[str, float]) -
     """A run's engine-side figures from vLLM's counters before and after it (``ENGINE_COUNTERS``),
     and the gateway's when given (``GATEWAY_COUNTERS``): preemptions, the iterations it ran,
     their mean tokens (prefill and decode), the mean wait in vLLM's own queue, vLLM's own mean
-    TTFT (from its API server's arrival), the mean wait in the gateway's admission queue."""
+    TTFT (from its API server's arrival), the mean wait in the gateway's admission queue, the
+    requests vLLM's queue limits refused (``engine_refusals``)."""
     # A counter lower after than before was reset (vLLM restarted, e.g. for a KV switch): count
     # from the reset, as Prometheus's increase() does.
     d = {k: after[k] - before[k] if after[k] >= before[k] else after[k] for k in before}
@@ -533,7 +559,9 @@ def engine_row_fields(before: Mapping[str, float], after: Mapping[str, float]) -
            "mean_iteration_tokens": _mean_of(d, "vllm:iteration_tokens_total"),
            "mean_engine_queue_ms": _mean_of(d, "vllm:request_queue_time_seconds", 1e3),
            "mean_engine_ttft_ms": _mean_of(d, "vllm:time_to_first_token_seconds", 1e3),
-           "mean_admission_wait_ms": math.nan}
+           "mean_admission_wait_ms": math.nan,
+           # requests vLLM's API server refused (503) at --max-num-queued-reqs / -tokens
+           "engine_refusals": d.get("vllm:admission_rejections_total", 0.0)}
     if "batchpilot:admission_wait_seconds_count" in d:
         out["mean_admission_wait_ms"] = _mean_of(d, "batchpilot:admission_wait_seconds", 1e3)
     return out
@@ -551,6 +579,8 @@ def row_from_result(result: Mapping[str, Any], *, scenario: str, path: str, rnd:
     return {
         "scenario": scenario, "path": path, "round": rnd, "position": position, "requests": requests,
         "completed": completed, "failed": failed, "accounted": completed + failed == requests,
+        # answered 503 (vLLM's queue limits) or 429 (the gateway's breaker): failed, so misses
+        "refused": sum(1 for e in errors if str(e).startswith(REFUSAL_REASONS)),
         "request_goodput": goodput,
         "slo_attainment": round(good) / requests if requests and math.isfinite(good) else math.nan,
         "request_throughput": float(result.get("request_throughput", math.nan)),
@@ -725,6 +755,8 @@ def _check(cfg: DictConfig) -> list[str]:
         raise LiveEvaluationError(f"rounds must be >= 1, got {cfg.rounds}")
     check_client(cfg.client)
     check_gateway_overrides(cfg.gateway.overrides)
+    if TUNED in paths:
+        check_tuned(cfg)
     try:  # the client's --goodput and every controller's objectives
         SLO(ttft_ms=cfg.slo.get("ttft_ms"), tpot_ms=cfg.slo.get("tpot_ms"), e2el_ms=cfg.slo.get("e2el_ms"))
     except ValueError as e:
@@ -737,6 +769,27 @@ def _check(cfg: DictConfig) -> list[str]:
         known = sorted(p.stem for p in hw_dir.glob("*.yaml"))
         raise LiveEvaluationError(f"twin_hardware={cfg.twin_hardware!r} is not a profile in conf/hardware; known: {known}")
     return paths
+
+
+def check_tuned(cfg: DictConfig) -> tuple[list[dict[str, Any]], bool, dict[str, Any] | None]:
+    """``vllm_tuned``: its settings (the fixed ``flags``, or the sweep's grid, at most
+    ``max_settings``), its floor, and for a sweep the tuning window as written (disjoint from
+    the scored window). Returns (settings, given, the tuning scenario or None)."""
+    node = cfg.vllm_tuned
+    try:
+        settings, given = plan_settings(OmegaConf.to_container(node, resolve=True))  # type: ignore[arg-type]
+        floor = float(node.attainment_floor)
+        if not 0.0 <= floor <= 1.0:
+            raise TunedConfigError(f"vllm_tuned.attainment_floor={floor} must be within 0 and 1")
+        if int(node.prefill_probe_requests) < 1:
+            raise TunedConfigError(f"vllm_tuned.prefill_probe_requests={node.prefill_probe_requests} must be >= 1")
+        sc = OmegaConf.to_container(cfg.live_scenario, resolve=True)
+        assert isinstance(sc, dict)
+        tuning = (None if given and not needs_prefill_probe(settings)  # the window a sweep or a prefill probe reads
+                  else tuning_scenario(sc, OmegaConf.to_container(node.tuning, resolve=True)))  # type: ignore[arg-type]
+    except TunedConfigError as e:
+        raise LiveEvaluationError(str(e)) from None
+    return settings, given, tuning
 
 
 def check_out_dir(out_dir: Path) -> None:
@@ -777,6 +830,13 @@ def live_evaluate(cfg: DictConfig, model_dir: Path | None = None) -> dict[str, A
         tf = scenario_trace(scenario)
     except (OSError, ValueError) as e:
         raise LiveEvaluationError(f"live_scenario {scenario.get('name', '?')!r}: {e}") from None
+    tuned_plan = check_tuned(cfg) if TUNED in paths else None
+    if tuned_plan is not None and tuned_plan[2] is not None:
+        try:  # the tuning window as written: not empty (its overlap with the scored one is checked)
+            scenario_trace(OmegaConf.create(tuned_plan[2]))
+        except (OSError, ValueError) as e:
+            raise LiveEvaluationError(f"vllm_tuned.tuning (trace s {tuned_plan[2]['start_s']:g}-"
+                                      f"{tuned_plan[2]['start_s'] + tuned_plan[2]['duration_s']:g}): {e}") from None
     order = schedule(paths, int(cfg.rounds), str(cfg.order), int(cfg.seed))
     out_dir = Path(str(cfg.out_dir))
     runs_dir = out_dir / "runs"
@@ -789,7 +849,7 @@ def live_evaluate(cfg: DictConfig, model_dir: Path | None = None) -> dict[str, A
     log_handler.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"))
     logging.getLogger().addHandler(log_handler)
     try:
-        return _live_evaluate(cfg, out_dir, order, pdirs, speed, tf, model_dir)
+        return _live_evaluate(cfg, out_dir, order, pdirs, speed, tf, model_dir, tuned_plan)
     finally:
         logging.getLogger().removeHandler(log_handler)
         log_handler.close()
@@ -810,7 +870,9 @@ def save_run_config(cfg: DictConfig, out_dir: Path) -> None:
 
 
 def _live_evaluate(cfg: DictConfig, out_dir: Path, order: list[list[str]], pdirs: Mapping[str, str],
-                   speed: Mapping[str, Any] | None, tf: TimedTraceFile, model_dir: Path | None) -> dict[str, Any]:
+                   speed: Mapping[str, Any] | None, tf: TimedTraceFile, model_dir: Path | None,
+                   tuned_plan: tuple[list[dict[str, Any]], bool, dict[str, Any] | None] | None = None,
+                   ) -> dict[str, Any]:
     """The run itself, into ``out_dir`` (made), after ``live_evaluate``'s checks."""
     scenario = cfg.live_scenario
     runs_dir = out_dir / "runs"
@@ -833,54 +895,70 @@ def _live_evaluate(cfg: DictConfig, out_dir: Path, order: list[list[str]], pdirs
     salt = 0
     t_start = time.monotonic()
     total = sum(map(len, order))
+    tuned: dict[str, Any] = {"url": None}  # the vllm_tuned engine's URL while one runs
+    tuned_meta: dict[str, Any] = {}
 
     def meta(interrupted: bool = False) -> dict[str, Any]:  # tf and load as they are now (sizing replaces them)
-        return _meta(cfg, tf, order, pdirs, load, done=len(rows), interrupted=interrupted)
+        return _meta(cfg, tf, order, pdirs, load, done=len(rows), interrupted=interrupted, tuned=tuned_meta)
 
     with partial_on_interrupt(lambda: write_results(rows, out_dir, meta=meta(interrupted=True), plots=False),
                               lambda: len(rows), total, out_dir), \
-            running_gateway(cfg, scenario, model_dir, served, out_dir / "gateway.log") as gw:
+            running_gateway(cfg, scenario, model_dir, served, out_dir / "gateway.log") as gw, \
+            contextlib.ExitStack() as engines:
         vllm_url = gw.upstream()["url"]
         print(f"live_evaluate: gateway {gw.url}, vLLM {vllm_url}, up after {time.monotonic() - t_start:.0f} s",
               flush=True)
 
+        def engine_url(path: str) -> str:
+            """The vLLM a path's requests end in: vllm_tuned's own, else the gateway's."""
+            if path == TUNED:
+                if tuned["url"] is None:
+                    raise LiveEvaluationError("vllm_tuned: no tuned engine is running")
+                return str(tuned["url"])
+            return vllm_url
+
+        def all_idle() -> bool:
+            return (engine_idle(vllm_url) and gateway_idle(gw)
+                    and (tuned["url"] is None or engine_idle(str(tuned["url"]))))
+
         def run_counters(path: str) -> dict[str, float]:
             """vLLM's counters, and the gateway's for a run through it (vLLM direct waits in none)."""
-            c = engine_counters(vllm_url)
-            return c if path == BASELINE else c | gateway_counters(gw.url)
+            c = engine_counters(engine_url(path))
+            return c if path in DIRECT_PATHS else c | gateway_counters(gw.url)
 
         def one_run(path: str, records: Sequence[Mapping[str, Any]], name: str) -> tuple[dict[str, Any], dict]:
             nonlocal salt
             salt += 1
             jsonl = write_timed_trace([{**r, "hash_ids": [salt * HASH_STRIDE + h for h in r["hash_ids"]]}
                                        for r in records], runs_dir / f"{name}.jsonl")
-            wait_until(lambda: engine_idle(vllm_url) and gateway_idle(gw), cfg.gateway.settle_timeout_s,
+            wait_until(all_idle, cfg.gateway.settle_timeout_s,
                        "vLLM and the gateway idle before a run (gateway.settle_timeout_s)", alive=gw.exited,
                        log=gw.log_path)
             prepare_path(gw, path, cfg.gateway.settle_timeout_s, pdirs.get(path))
             sub = TimedTraceFile(records=tuple(records), chunk_tokens=tf.chunk_tokens, source=tf.source,
                                  clipped=tf.clipped, duration_s=tf.duration_s, summary=tf.summary)
-            url = vllm_url if path == BASELINE else gw.url
+            eng = engine_url(path)
+            url = eng if path in DIRECT_PATHS else gw.url
             args = client_namespace(url, jsonl, sub, model_dir, served, goodput, client_cfg, int(cfg.seed))
             restarts0 = gw.upstream().get("restarts", 0)
             counters0 = run_counters(path)
             tick0 = gw.status()["control"]["ticks"]
             t0 = time.monotonic()
-            with _VllmSampler(vllm_url) as sampler:
+            with _VllmSampler(eng) as sampler:
                 result = run_client(args, runs_dir / f"{name}.log")
             extra = {"wall_s": time.monotonic() - t0, "peak_kv_usage": sampler.peak_kv,
                      "peak_running": sampler.peak_running, "mean_running": sampler.mean_running,
                      "mean_batch_cap": math.nan}
-            if path != BASELINE:  # what the control loop saw and set during the run, a line per tick
+            if path not in DIRECT_PATHS:  # what the control loop saw and set during the run, a line per tick
                 decisions = gw.decisions(tick0)
                 (runs_dir / f"{name}.decisions.jsonl").write_text("".join(json.dumps(d) + "\n" for d in decisions))
                 if decisions:
                     extra["mean_batch_cap"] = sum(d["batch_cap"] for d in decisions) / len(decisions)
-            wait_until(lambda: engine_idle(vllm_url), cfg.gateway.settle_timeout_s,
+            wait_until(lambda: engine_idle(eng), cfg.gateway.settle_timeout_s,
                        "vLLM idle after a run (gateway.settle_timeout_s)", alive=gw.exited, log=gw.log_path)
             extra.update(engine_row_fields(counters0, run_counters(path)))
             lane, ups = gw.lane(), gw.upstream()
-            extra["acting"] = "vllm" if path == BASELINE else gw.status()["control"].get("acting", "")
+            extra["acting"] = "vllm" if path in DIRECT_PATHS else gw.status()["control"].get("acting", "")
             extra["kv_dtype"] = lane["knobs_in_force"].get("kv_dtype", "")
             extra["engine_restarts"] = ups.get("restarts", 0) - restarts0
             return result, extra
@@ -897,6 +975,34 @@ def _live_evaluate(cfg: DictConfig, out_dir: Path, order: list[list[str]], pdirs
 
         if scenario.load_multiple is not None:  # sized to this machine: a saturated probe first
             load, sized, tf = machine_load(scenario, tf, lambda recs: one_run(BASELINE, recs, "capacity_probe")[0])
+
+        if tuned_plan is not None:  # vllm_tuned: its flags (swept, or given), then its engine for the rounds
+            @contextlib.contextmanager
+            def use_engine(resolved: Mapping[str, int]) -> Iterator[str]:
+                with tuned_engine(model_dir, served, int(scenario.max_model_len), int(cfg.gateway.kv_cache_space_gib),
+                                  [*cfg.gateway.extra_vllm_args, *scenario.vllm_args], resolved,
+                                  base_engine_settings(cfg.gateway.overrides), out_dir,
+                                  float(cfg.gateway.startup_timeout_s), alive_check=gw.exited) as (url, _):
+                    tuned["url"] = url
+                    try:
+                        yield url
+                    finally:
+                        tuned["url"] = None
+
+            def warm_tuned(records: Sequence[Mapping[str, Any]], name: str) -> None:
+                if nw > 0:
+                    res, _ = one_run(TUNED, records[:nw], name)
+                    print(f"live_evaluate: warm-up {name}: {res.get('completed')} of {len(records[:nw])} completed",
+                          flush=True)
+
+            settings, given, tuning_sc = tuned_plan
+            tuned_meta, chosen = tune_flags(cfg, settings, given, tuning_sc, sized, tf, one_run, use_engine, warm_tuned)
+            write_results(rows, out_dir, meta=meta(), plots=False)
+            try:
+                engines.enter_context(use_engine(chosen))
+            except RuntimeError as e:
+                raise LiveEvaluationError(str(e)) from None
+            warm_tuned(tf.records, "warmup_vllm_tuned")
 
         label = scenario_label(sized or OmegaConf.to_container(scenario, resolve=True), tf)
         for rnd, paths_r in enumerate(order):
@@ -918,7 +1024,7 @@ def _live_evaluate(cfg: DictConfig, out_dir: Path, order: list[list[str]], pdirs
         assert isinstance(sc, dict)
         sc = {**sc, "trace": tf.source}  # the file read (the simulator resolves a relative one from the repo)
         twin, match = twin_of_rows(tf, sc, {"ttft_ms": cfg.slo.ttft_ms, "tpot_ms": cfg.slo.tpot_ms}, rows,
-                                   paths=paths, match=bool(cfg.twin_match),
+                                   paths=[p for p in paths if p != TUNED], match=bool(cfg.twin_match),
                                    match_gateway=bool(cfg.twin_match_gateway),
                                    vllm_args=[*cfg.gateway.extra_vllm_args, *scenario.vllm_args],
                                    priority=header_priority(client_cfg.get("headers"), 1), seed=int(cfg.seed),
@@ -946,9 +1052,10 @@ def partial_on_interrupt(write: Callable[[], object], done: Callable[[], int], t
 
 
 def _meta(cfg: DictConfig, tf: TimedTraceFile, order: list[list[str]], pdirs: Mapping[str, str],
-          load: Mapping[str, float], done: int = 0, interrupted: bool = False) -> dict[str, Any]:
+          load: Mapping[str, float], done: int = 0, interrupted: bool = False,
+          tuned: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """results.json's meta. ``complete``: every planned run is in (false while the run goes on,
-    and in what an interrupted or killed run leaves)."""
+    and in what an interrupted or killed run leaves). ``vllm_tuned``: its flags and the sweep."""
     total = sum(map(len, order))
     return {"complete": done == total and not interrupted, "runs_done": done, "runs_planned": total,
             "interrupted": interrupted,
@@ -956,7 +1063,7 @@ def _meta(cfg: DictConfig, tf: TimedTraceFile, order: list[list[str]], pdirs: Ma
             "requests_per_run": len(tf), "window_s": tf.duration_s, "order": order,
             "slo": {"ttft_ms": cfg.slo.ttft_ms, "tpot_ms": cfg.slo.tpot_ms},
             "warmup_requests": int(cfg.warmup.requests), "host_cpus": os.cpu_count(),
-            "policies": dict(pdirs), "load": dict(load)}
+            "policies": dict(pdirs), "load": dict(load), **({"vllm_tuned": dict(tuned)} if tuned else {})}
 
 
 def machine_load(scenario: DictConfig, tf: TimedTraceFile,
@@ -982,6 +1089,86 @@ def machine_load(scenario: DictConfig, tf: TimedTraceFile,
           f"{scenario.load_multiple} x that over {tf.duration_s:.1f} s (written: {load['written_rate_req_s']:.2f} "
           f"req/s; time_scale {sized['time_scale']:.3g})", flush=True)
     return load, sized, tf
+
+
+#: A sweep point's figures kept in results.json (``meta.vllm_tuned.points``) and results.md.
+SWEEP_KEYS: tuple[str, ...] = ("request_goodput", "slo_attainment", "completed", "failed", "refused",
+                               "p99_ttft_ms", "p99_tpot_ms", "duration_s")
+
+
+def prefill_throughput(run: Callable[[Sequence[Mapping[str, Any]]], Mapping[str, Any]],
+                       records: Sequence[Mapping[str, Any]]) -> float:
+    """vLLM's prefill throughput here (prompt tokens / s): ``records``' prompts sent at once
+    with one output token each (``run``: straight to the gateway's vLLM), for a queued-tokens
+    limit sized as vLLM's docs say (TTFT objective x prefill throughput)."""
+    res = run([{**r, "timestamp": 0.0, "output_length": 1} for r in records])
+    tok, dur = float(res.get("total_input_tokens") or 0.0), float(res.get("duration") or math.nan)
+    if not (math.isfinite(dur) and dur > 0 and tok > 0) or int(res.get("completed") or 0) < len(records):
+        raise LiveEvaluationError(f"vllm_tuned: the prefill probe completed {res.get('completed')} of {len(records)} "
+                                  f"requests ({tok:.0f} prompt tokens in {dur} s); cannot size max_num_queued_tokens=slo")
+    return tok / dur
+
+
+def tune_flags(cfg: DictConfig, settings: Sequence[Mapping[str, Any]], given: bool,
+               tuning_sc: Mapping[str, Any] | None, sized: Mapping[str, Any] | None, tf: TimedTraceFile,
+               one_run: Callable[..., tuple[dict[str, Any], dict]],
+               use_engine: Callable[[Mapping[str, int]], contextlib.AbstractContextManager[str]],
+               warm: Callable[[Sequence[Mapping[str, Any]], str], None]) -> tuple[dict[str, Any], dict[str, int]]:
+    """vllm_tuned's flags: the given ones, or the sweep's pick (``live_tuned.choose``) after
+    vLLM was restarted with each setting (``use_engine``), warmed up and replayed the tuning
+    window (a sized scenario's at the scored window's rate). Returns (results.json's
+    ``meta.vllm_tuned``, the chosen setting)."""
+    node = cfg.vllm_tuned
+    meta: dict[str, Any] = {"given": given, "attainment_floor": float(node.attainment_floor),
+                            "settings": [dict(s) for s in settings], "prefill_tok_s": None, "points": []}
+    ttf = None
+    if tuning_sc is not None:  # the tuning window, sized to the scored one's rate when that is sized
+        try:
+            tsc = dict(tuning_sc)
+            if sized is not None:  # a null start_s begins after the scored window as replayed (grown)
+                written = OmegaConf.to_container(cfg.live_scenario, resolve=True)
+                tsc = tuning_scenario(written, OmegaConf.to_container(node.tuning, resolve=True), replayed=sized)  # type: ignore[arg-type]
+            ttf = scenario_trace(OmegaConf.create(tsc))
+            if sized is not None:
+                tsc, ttf = sized_window(OmegaConf.create(tsc), ttf, tf.rate)
+                check_disjoint(sized, tsc, "as replayed, both sized to this machine")
+        except (TunedConfigError, OSError, ValueError) as e:
+            raise LiveEvaluationError(f"vllm_tuned.tuning: {e}") from None
+        meta.update(tuning_window=scenario_label(tsc, ttf), tuning_requests=len(ttf))
+    if needs_prefill_probe(settings):
+        assert ttf is not None  # check_tuned makes the tuning window for it
+        recs = ttf.records[:int(node.prefill_probe_requests)]
+        meta["prefill_tok_s"] = prefill_throughput(lambda r: one_run(BASELINE, r, "prefill_probe")[0], recs)
+        print(f"live_evaluate: vllm_tuned: prefill throughput {meta['prefill_tok_s']:.0f} tokens/s "
+              f"({len(recs)} tuning-window prompts at once)", flush=True)
+    resolved = [resolve_setting(s, cfg.slo.get("ttft_ms"), meta["prefill_tok_s"]) for s in settings]
+    if given:
+        meta["chosen"] = {"setting": resolved[0], "flags": setting_label(resolved[0])}
+        print(f"live_evaluate: vllm_tuned: flags given, no sweep: {setting_label(resolved[0])}", flush=True)
+        return meta, resolved[0]
+    assert ttf is not None
+    for i, setting in enumerate(resolved):
+        t0 = time.monotonic()
+        try:
+            with use_engine(setting):
+                up_s = time.monotonic() - t0
+                warm(ttf.records, f"sweep{i}_warmup")
+                res, _ = one_run(TUNED, ttf.records, f"sweep{i}")
+        except RuntimeError as e:  # a setting vLLM refuses to start with
+            raise LiveEvaluationError(str(e)) from None
+        row = row_from_result(res, scenario="tuning", path=TUNED, rnd=i, position=0, requests=len(ttf))
+        point = {"setting": setting, "flags": setting_label(setting), "engine_start_s": up_s,
+                 **{k: _clean(row[k]) for k in SWEEP_KEYS}}
+        meta["points"].append(point)
+        print(f"live_evaluate: vllm_tuned sweep {i + 1}/{len(resolved)} ({point['flags']}): goodput "
+              f"{row['request_goodput']:.3f} req/s, attainment {row['slo_attainment']:.3f}, "
+              f"{row['refused']} refused of {len(ttf)}", flush=True)
+    best = choose(meta["points"], float(node.attainment_floor))
+    meta["chosen"] = {"setting": best["setting"], "flags": best["flags"], "met_floor": best["met_floor"],
+                      "tuning_goodput": best["request_goodput"], "tuning_attainment": best["slo_attainment"]}
+    print(f"live_evaluate: vllm_tuned: chose {best['flags']} (best of {len(resolved)} on the tuning window"
+          f"{'' if best['met_floor'] else '; none reached the attainment floor'})", flush=True)
+    return meta, dict(best["setting"])
 
 
 def capacity_probe(run: Callable[[Sequence[Mapping[str, Any]]], Mapping[str, Any]],
@@ -1111,6 +1298,31 @@ def _incomplete_note(meta: Mapping[str, Any]) -> list[str]:
     return [f"Incomplete: {done} of {total} runs so far (the run is going on, or ended before finishing).", ""]
 
 
+def tuned_markdown(tuned: Mapping[str, Any]) -> list[str]:
+    """results.md's vllm_tuned section: the flags it ran with and every sweep point."""
+    chosen = tuned.get("chosen") or {}
+    how = ("given (vllm_tuned.flags), no sweep" if tuned.get("given") else
+           f"the best goodput of {len(tuned.get('points') or [])} settings on the tuning window "
+           f"{tuned.get('tuning_window')} ({tuned.get('tuning_requests')} requests), SLO attainment floor "
+           f"{tuned.get('attainment_floor')}" + ("" if chosen.get("met_floor", True) else ": none reached it"))
+    out = [f"## {TUNED}", "", f"- flags: `{chosen.get('flags', '?')}`: {how}"]
+    if tuned.get("prefill_tok_s"):
+        out.append(f"- prefill throughput measured: {float(tuned['prefill_tok_s']):.0f} tokens/s "
+                   "(max_num_queued_tokens=slo: the TTFT objective x this)")
+    if tuned.get("points"):
+        out += ["", "| flags | goodput | SLO attainment | refused | failed | p99 TTFT ms | chosen |",
+                "|---|---:|---:|---:|---:|---:|:-:|"]
+        for p in tuned["points"]:
+            out.append(f"| `{p['flags']}` | {_fmt(_num(p.get('request_goodput')))} | "
+                       f"{_fmt(_num(p.get('slo_attainment')))} | {p.get('refused')} | {p.get('failed')} | "
+                       f"{_fmt(_num(p.get('p99_ttft_ms')))} | {'yes' if p['setting'] == chosen.get('setting') else ''} |")
+    return [*out, ""]
+
+
+def _num(v: Any) -> float:
+    return math.nan if v is None else float(v)
+
+
 def write_results(rows: Sequence[Mapping[str, Any]], out_dir: Path, *, meta: Mapping[str, Any] | None = None,
                   plots: bool = True) -> dict[str, Path]:
     """results.json ({"meta", "rows", "paired_differences"}), results.csv, results.md, goodput.png."""
@@ -1121,10 +1333,13 @@ def write_results(rows: Sequence[Mapping[str, Any]], out_dir: Path, *, meta: Map
     extra = [p for p in dict.fromkeys(r["path"] for r in rows) if p not in PATHS]
     to_ppo = ([d for d in paired_differences(rows, baseline="ppo") if d["path"] in extra]
               if extra and any(r["path"] == "ppo" for r in rows) else [])
+    to_tuned = paired_differences(rows, baseline=TUNED)  # every path against vLLM with its own limits
     files = {"json": out_dir / "results.json", "csv": out_dir / "results.csv", "md": out_dir / "results.md"}
     files["json"].write_text(json.dumps({"meta": dict(meta or {}), "rows": clean,
                                          "paired_differences": [{k: _clean(v) for k, v in d.items()} for d in diffs],
-                                         "paired_to_ppo": [{k: _clean(v) for k, v in d.items()} for d in to_ppo]},
+                                         "paired_to_ppo": [{k: _clean(v) for k, v in d.items()} for d in to_ppo],
+                                         "paired_to_vllm_tuned": [{k: _clean(v) for k, v in d.items()}
+                                                                  for d in to_tuned]},
                                         indent=1) + "\n")
     with files["csv"].open("w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(LIVE_ROW_KEYS))
@@ -1141,6 +1356,11 @@ def write_results(rows: Sequence[Mapping[str, Any]], out_dir: Path, *, meta: Map
     if to_ppo:
         md += ["Paired per-round difference to ppo, the shipped policy (request goodput, req/s):", "",
                diff_table(to_ppo, baseline="ppo"), ""]
+    if to_tuned:
+        md += [f"Paired per-round difference to {TUNED}, vLLM with its own limits (request goodput, req/s):", "",
+               diff_table(to_tuned, baseline=TUNED), ""]
+    if meta and meta.get("vllm_tuned"):
+        md += tuned_markdown(meta["vllm_tuned"])
     files["md"].write_text("\n".join(md))
     if plots and rows:
         files["plot"] = plot_goodput(rows, out_dir)
@@ -1148,8 +1368,8 @@ def write_results(rows: Sequence[Mapping[str, Any]], out_dir: Path, *, meta: Map
 
 
 __all__ = [
-    "BASELINE", "GATEWAY_MODE", "LIVE_ROW_KEYS", "PATHS", "LiveEvaluationError", "LiveEvaluationInterrupted",
-    "live_evaluate",
+    "BASELINE", "DIRECT_PATHS", "GATEWAY_MODE", "LIVE_ROW_KEYS", "PATHS", "LiveEvaluationError",
+    "LiveEvaluationInterrupted", "check_tuned", "live_evaluate", "prefill_throughput", "tune_flags",
     "paired_differences", "prom_values", "row_from_result", "schedule", "scenario_trace", "summary_table",
     "write_results",
 ]
