@@ -234,10 +234,20 @@ class Gateway:
         loop has failed (``serve.control.fail_open``)."""
         period = min(self.cfg.health_interval_s, 0.25)
         fail_open = self.cfg.control.fail_open
+        managed = [ln.upstream.managed for ln in self.lanes if ln.upstream.managed is not None]
+        next_refresh = 0.0
         while True:
             await asyncio.sleep(period)
             now = time.monotonic()
-            self.supervisor.check_lanes(now)
+            if managed and now >= next_refresh:  # the engines' processes, for ManagedVLLM.stopped
+                next_refresh = now + 5.0
+                with contextlib.suppress(Exception):
+                    await asyncio.to_thread(lambda: [m.refresh_group() for m in managed])
+                now = time.monotonic()
+            try:
+                self.supervisor.check_lanes(now)
+            except Exception:  # a check that failed once must not end the watch
+                log.exception("lane check failed")
             if fail_open and self.control is not None:
                 failed = self.control.failed(now)
                 if failed != self.bypass_admission:

@@ -30,7 +30,11 @@ SHIPPED = Path(__file__).resolve().parents[1] / "policies" / "pretrained"
 def gw(request: pytest.FixtureRequest) -> RunningGateway:
     # body_timeout_s: well above what the large (4-9 MB) bodies below take to arrive on a slow,
     # busy machine, since each must be refused for its content, not cut off as slow.
+    # max_json_containers: above the millions of arrays/objects of the bodies below, so that
+    # their parse off the loop is what is tested (the default refuses them before the parse:
+    # tests/test_gateway_hardening2.py).
     with running_gateway("serve.header_timeout_s=2", "serve.body_timeout_s=10", "serve.control.interval_s=0.5",
+                         "serve.max_json_containers=4000000",
                          f"serve.control.policy_dir={SHIPPED}", request=request) as g:
         yield g
 

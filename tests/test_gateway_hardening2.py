@@ -253,3 +253,25 @@ def test_a_failed_control_loop_fails_open_when_asked(request: pytest.FixtureRequ
             return most
 
         assert asyncio.run(overlap()) >= 2
+
+
+def test_a_short_soak_crosses_no_answers_and_fails_fast(tmp_path) -> None:
+    """``scripts/soak.py`` shortened: mixed traffic with each fault once (engine SIGSTOP, SIGKILL
+    and its restart, huge bodies, slow clients). No answer reaches the wrong client, the gateway
+    answers every request (no client timeout, no 500), every load refusal carries Retry-After,
+    and requests sent while the engine is stopped are answered (503) long before the 60 s
+    request timeout."""
+    from batchpilot.serving.soak import SoakConfig, soak
+
+    cfg = SoakConfig(duration_s=150, fault_every_s=15, sigstop_s=8, burst_s=8, clients=4,
+                     log_dir=str(tmp_path / "soak"))
+    out = soak(cfg)
+    assert [f["kind"] for f in out["faults"]][:4] == ["sigstop", "sigkill", "huge_body", "slow_client"], out
+    assert out["sent"] > 50 and out["crossed"] == 0, out
+    # No 500, no client timeout (-1), no reset (-2); 502: requests in flight when the engine was killed.
+    assert set(out["by_status"]) <= {"200", "502", "503", "429"}, out
+    assert out["refusals_without_retry_after"] == 0, out
+    stop = out["faults"][0]
+    assert stop["statuses"].get("503", 0) > 0 and stop["p99_s"] < 30, stop
+    for f in out["faults"][2:4]:
+        assert f["statuses"].get("200", 0) > 0, f  # huge bodies and slow clients stall nobody
