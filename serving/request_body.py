@@ -63,10 +63,11 @@ ROUTES = ("generate", "tokenize", "detokenize")
 @dataclass(frozen=True, slots=True)
 class BodyLimits:
     """Bounds on what the gateway parses and forwards besides the body's size
-    (``serve.max_json_containers``, ``serve.max_unknown_field_bytes``)."""
+    (``serve.max_json_containers``, ``serve.max_unknown_field_bytes``; the gateway passes the
+    configured ones). None: unbounded."""
 
-    max_containers: int = 100_000
-    max_unknown_field_bytes: int = 64 * 1024
+    max_containers: int | None = None
+    max_unknown_field_bytes: int | None = None
 
 
 def check_containers(raw: bytes, limits: BodyLimits) -> int:
@@ -74,7 +75,7 @@ def check_containers(raw: bytes, limits: BodyLimits) -> int:
     it: counting two bytes costs milliseconds for 8 MiB, the parse of millions of containers
     most of a second (``[``/``{`` inside strings count too: an upper bound)."""
     n = raw.count(b"[") + raw.count(b"{")
-    if n > limits.max_containers:
+    if limits.max_containers is not None and n > limits.max_containers:
         raise BadRequest("too_many_json_values", f"the request body opens {n} or more JSON arrays/objects; the limit "
                          f"is serve.max_json_containers={limits.max_containers}")
     return n
@@ -107,8 +108,8 @@ def _json_size_over(value: Any, limit: int) -> bool:
 def check_unknown_fields(body: dict[str, Any], raw_len: int, limits: BodyLimits) -> None:
     """A 400 for a top-level field vLLM does not know holding more than
     ``limits.max_unknown_field_bytes`` of JSON (vLLM would parse it, then ignore it)."""
-    if raw_len <= limits.max_unknown_field_bytes:
-        return  # no field can be larger than the body
+    if limits.max_unknown_field_bytes is None or raw_len <= limits.max_unknown_field_bytes:
+        return  # unbounded, or no field can be larger than the body
     for key in body.keys() - KNOWN_FIELDS:
         if _json_size_over(body[key], limits.max_unknown_field_bytes):
             raise BadRequest("unknown_field_too_large", f"field {str(key)[:60]!r} is not one vLLM reads and holds more "

@@ -46,6 +46,9 @@ class SoakConfig:
     fault_every_s: float = 180.0
     #: The faults, injected in this order, again and again (``FAULTS``).
     faults: list[str] = field(default_factory=lambda: list(FAULTS))
+    #: Faults injected at least (the run goes on past ``duration_s`` for them: a restart may take
+    #: minutes on a slow machine); 0: as many as ``duration_s`` holds.
+    min_faults: int = 0
     #: How long the engine stays stopped (sigstop); how long huge bodies / slow clients go on.
     sigstop_s: float = 20.0
     burst_s: float = 20.0
@@ -70,6 +73,8 @@ class SoakConfig:
         for name in ("duration_s", "fault_every_s", "sigstop_s", "burst_s", "client_timeout_s", "startup_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"soak.{name} must be > 0, got {getattr(self, name)}")
+        if self.min_faults < 0:
+            raise ValueError(f"soak.min_faults must be >= 0, got {self.min_faults}")
         if self.clients < 1 or self.max_tokens < 1 or not 0 <= self.stream_share <= 1:
             raise ValueError("soak.clients and soak.max_tokens must be >= 1 and soak.stream_share in [0, 1]")
 
@@ -269,12 +274,14 @@ async def run_soak(cfg: SoakConfig, gw: Gateway) -> dict[str, Any]:
     i = 0
     while True:
         next_at = (windows[-1].t1 if windows else t_start) + cfg.fault_every_s
-        if next_at >= t_start + cfg.duration_s:
+        if next_at >= t_start + cfg.duration_s and i >= cfg.min_faults:
             break
         await asyncio.sleep(max(next_at - time.monotonic(), 0.0))
         windows.append(await _inject(gw, cfg, cfg.faults[i % len(cfg.faults)]))
         i += 1
-    await asyncio.sleep(max(t_start + cfg.duration_s - time.monotonic(), 0.0))
+    # Past the last fault: calm traffic until the end, and at least fault_every_s of it.
+    end = max(t_start + cfg.duration_s, (windows[-1].t1 + cfg.fault_every_s) if windows else 0.0)
+    await asyncio.sleep(max(end - time.monotonic(), 0.0))
     stop.set()
     await asyncio.gather(*clients)
     return summarize(answers, windows, time.monotonic() - t_start)
@@ -319,5 +326,6 @@ def soak(cfg: SoakConfig) -> dict[str, Any]:
     finally:
         gw.stop()
     out["log_dir"] = str(gw.folder)
+    (gw.folder / "soak.json").write_text(json.dumps(out, indent=1))
     return out
 

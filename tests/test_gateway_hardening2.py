@@ -263,9 +263,10 @@ def test_a_short_soak_crosses_no_answers_and_fails_fast(tmp_path) -> None:
     request timeout."""
     from batchpilot.serving.soak import SoakConfig, soak
 
-    cfg = SoakConfig(duration_s=150, fault_every_s=15, sigstop_s=8, burst_s=8, clients=4,
+    cfg = SoakConfig(duration_s=100, fault_every_s=15, min_faults=4, sigstop_s=8, burst_s=8, clients=4,
                      log_dir=str(tmp_path / "soak"))
     out = soak(cfg)
+    print(json.dumps(out))
     assert [f["kind"] for f in out["faults"]][:4] == ["sigstop", "sigkill", "huge_body", "slow_client"], out
     assert out["sent"] > 50 and out["crossed"] == 0, out
     # No 500, no client timeout (-1), no reset (-2); 502: requests in flight when the engine was killed.
