@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from batchpilot.core.admission import Admission, AdmissionConfig, Rejection
+from batchpilot.core.admission import Admission, AdmissionConfig, Rejection, charged_max_tokens
 from batchpilot.core.engine import Request
 from batchpilot.core.knobs import Knobs
 from batchpilot.core.telemetry import Telemetry
@@ -285,10 +285,11 @@ class Lane:
             frac = getattr(self.admission.memory, "blocks_fraction", None)
             if frac is not None:
                 m = self.admission
-                blocks = m.memory.request_blocks(r.prompt_len, r.max_tokens, r.num_seqs)
+                out = charged_max_tokens(r)  # what admission charged it
+                blocks = m.memory.request_blocks(r.prompt_len, out, r.num_seqs)
                 share = frac(blocks, r.num_seqs, m.kv_dtype)
                 ceiling = getattr(getattr(m.memory, "cfg", None), "memory_ceiling", None)
-                msg = (f"{msg}: {r.prompt_len} prompt + {r.max_tokens} output tokens x {r.num_seqs} sequence(s) "
+                msg = (f"{msg}: {r.prompt_len} prompt + {out} output tokens x {r.num_seqs} sequence(s) "
                        f"predict {share:.0%} of the engine's memory" + (f" (ceiling {ceiling:.0%})" if ceiling else ""))
         return Refused(rej.reason, msg, status=REJECT_STATUS.get(rej.reason, 503),
                        retry_after=None if rej.reason == "too_large_for_memory" else self.retry_after_s)

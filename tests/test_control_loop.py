@@ -232,14 +232,14 @@ def test_the_gateway_admits_by_memory_per_request() -> None:
     async def burst() -> tuple[int, list[str]]:
         # Not streamed: the prefill backlog (tested in test_admission.py) does not hold them.
         tasks = [asyncio.ensure_future(lane.acquire(Request(f"L{i}", 0.0, 1500, 500, priority=i % 2,
-                                                            reports_first_token=False),
+                                                            reports_first_token=False, max_tokens=500),
                                                     deadline=1e12)) for i in range(64)]
         await asyncio.sleep(0)
         admitted = sum(t.done() and t.exception() is None for t in tasks)
         assert lane.admission.predicted_fraction() <= shield.cfg.memory_ceiling
         reasons = []
         try:
-            await lane.acquire(Request("huge", 0.0, 1900, 2000, priority=0, num_seqs=64), deadline=1e12)
+            await lane.acquire(Request("huge", 0.0, 1900, 2000, priority=0, num_seqs=64, max_tokens=2000), deadline=1e12)
         except Refused as exc:
             reasons.append(exc.reason)
             assert exc.status == 400 and "ceiling 80%" in exc.message

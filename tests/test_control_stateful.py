@@ -354,7 +354,7 @@ class ControlPath(RuleBasedStateMachine):
         shield.memory = mem
         try:
             reqs = [self.reqs[r] for r in adm._in_flight]
-            blocks = sum(shield.request_blocks(r.prompt_len, r.output_len, r.num_seqs) for r in reqs)
+            blocks = sum(shield.request_blocks(r.prompt_len, r.max_tokens, r.num_seqs) for r in reqs)
             mine = shield.blocks_fraction(blocks, sum(r.num_seqs for r in reqs), adm.kv_dtype)
         finally:
             shield.memory = model_in_use
@@ -460,7 +460,7 @@ class ControlPath(RuleBasedStateMachine):
         for prompt, out, seqs, prio, wait_s in reqs:
             self.n += 1
             rid = f"r{self.n}"
-            req = self.reqs[rid] = Request(rid, now, prompt, out, priority=prio, num_seqs=seqs)
+            req = self.reqs[rid] = Request(rid, now, prompt, out, priority=prio, num_seqs=seqs, max_tokens=out)
             self.queued[rid] = self.aloop.create_task(self.lane.acquire(req, now + wait_s))
         STATS["requests"] += len(reqs)
         STATS["core_requests"] += sum(r[3] == 0 for r in reqs)

@@ -19,8 +19,11 @@ from batchpilot.policies.evaluation import evaluate, run_episode
 from batchpilot.policies.lookahead import ARRIVALS, LookaheadController, LookaheadError, Option, recent_arrivals
 from batchpilot.schemas import LookaheadConfig
 
-#: A bursty minute on Llama-3-8B/H100, loaded enough that the options differ.
-BURSTY = ["workload=bursty", "workload.duration_s=40", "env.episode_s=40", "env.drain_on_truncate=true"]
+#: A bursty minute on Llama-3-8B/H100, loaded enough that the options differ (clients capped at
+#: 1024 tokens: with the workload's own caps, some sending none, admission's memory check holds
+#: the batch below where the cap matters).
+BURSTY = ["workload=bursty", "workload.duration_s=40", "env.episode_s=40", "env.drain_on_truncate=true",
+          "workload.max_tokens.caps=[1024]", "workload.max_tokens.weights=null"]
 
 
 def test_a_copy_of_the_episode_finishes_what_the_episode_then_finishes() -> None:

@@ -471,7 +471,7 @@ class Admission:
             seqs = _num_seqs(req)
         memory = self._memory
         if memory is not None:
-            blocks = int(memory.request_blocks(req.prompt_len, _max_tokens(req), seqs))  # _blocks
+            blocks = int(memory.request_blocks(req.prompt_len, charged_max_tokens(req), seqs))  # _blocks
             if not memory.fits(blocks, seqs, self.kv_dtype):
                 return self._reject(req, "too_large_for_memory", now)
         else:
@@ -529,7 +529,7 @@ class Admission:
             return self.submit(req, now), False
         memory = self._memory
         if memory is not None:
-            blocks = int(memory.request_blocks(prompt_len, _max_tokens(req), seqs))  # _blocks
+            blocks = int(memory.request_blocks(prompt_len, charged_max_tokens(req), seqs))  # _blocks
             # Beside what is in flight within the ceiling, it fits alone too (``fits`` is monotone);
             # otherwise ``submit`` asks about it alone.
             if not memory.fits(self.kv_blocks_in_flight + blocks, self.num_seqs_in_flight + seqs, self.kv_dtype):
@@ -711,7 +711,7 @@ class Admission:
     def _blocks(self, req: Any, seqs: int) -> int:
         """KV blocks ``req`` holds at its end; ``seqs`` is its ``_num_seqs`` (callers have it)."""
         assert self._memory is not None
-        return int(self._memory.request_blocks(req.prompt_len, _max_tokens(req), seqs))
+        return int(self._memory.request_blocks(req.prompt_len, charged_max_tokens(req), seqs))
 
     def _reject(self, req: Any, reason: str, now: float) -> Rejection:
         self.num_rejected_by_reason[reason] += 1
@@ -791,7 +791,7 @@ def _num_seqs(req: Any) -> int:
     return max(1, int(getattr(req, "num_seqs", 1)))
 
 
-def _max_tokens(req: Any) -> int:
+def charged_max_tokens(req: Any) -> int:
     """The output tokens admission charges a request: its ``max_tokens`` (the most it may
     generate, as the gateway knows it), 0 when it has none. Never ``output_len``: how long the
     answer turns out is unknown until the engine produces it (tests/test_no_oracle.py)."""
