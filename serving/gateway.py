@@ -304,7 +304,7 @@ class Gateway:
         ff = self.cfg.fail_fast_s
         if ff is not None:  # lanes down past the bound refuse at once
             now = time.monotonic()
-            waiting = [ln for ln in waiting if ln.down_since is None or now - ln.down_since < ff]
+            waiting = [ln for ln in waiting if ln.down_since is None or now - ln.down_since < ff or not ln.fails_fast]
         if waiting:
             return min(waiting, key=lambda ln: ln.load)
         raise Refused("upstream_down", "no upstream vLLM server is answering; retry later",
@@ -482,7 +482,7 @@ async def _forward(gw: Gateway, lane: Lane, req: EngineRequest, bucket: int, bod
                       retry_after=cfg.retry_after_s)
     if gw.bypass_admission and lane.available:  # fail open: the control loop has failed
         lane.telemetry.on_arrival(time.monotonic(), req.prompt_len)
-    elif lane.available or cfg.fail_fast_s is None:
+    elif lane.available or cfg.fail_fast_s is None or not lane.fails_fast:
         await lane.acquire(req, deadline)
     else:
         await _acquire_down(lane, req, deadline, cfg.fail_fast_s)

@@ -102,6 +102,13 @@ class Lane:
         up = self.upstream
         return up.healthy and not up.restarting and not up.stalled
 
+    @property
+    def fails_fast(self) -> bool:
+        """Whether requests for this lane, while it is unavailable, are refused after
+        ``serve.fail_fast_s``: yes, unless it is down for a restart the gateway chose (queued
+        requests wait for that one, within their own timeouts, as they always did)."""
+        return not (self.upstream.restarting and self.upstream.planned_restart)
+
     def note_availability(self, now: float) -> bool:
         """Update ``down_since``; returns whether the lane is available."""
         ok = self.available

@@ -162,7 +162,7 @@ class Supervisor:
                 if was_down:
                     ln.pump()
                 continue
-            if cfg.fail_fast_s is None or now - ln.down_since < cfg.fail_fast_s:
+            if cfg.fail_fast_s is None or now - ln.down_since < cfg.fail_fast_s or not ln.fails_fast:
                 continue
             n = ln.fail_all_waiting("upstream_down", f"upstream {ln.name} cannot serve (stopped, restarting or not "
                                     f"answering for {now - ln.down_since:.1f} s); retry later", count=True) \
@@ -194,6 +194,7 @@ class Supervisor:
         """One restart, under the lock."""
         up = lane.upstream
         up.restarting = True
+        up.planned_restart = drain
         t0 = time.monotonic()
         try:
             if drain:
@@ -218,7 +219,7 @@ class Supervisor:
             log.exception("restart of upstream %s failed; the health loop will try again", lane.name)
             return False
         finally:
-            up.restarting = False
+            up.restarting = up.planned_restart = False
             lane.pump()
 
     async def warm_up(self, lane: Lane) -> None:

@@ -356,6 +356,9 @@ class Upstream:
         self._restricted_scrape = True
         #: True while the gateway drains / restarts it on purpose (no new admissions).
         self.restarting = False
+        #: The restart under way is one the gateway chose (KV dtype switch, quality fallback,
+        #: breaker): requests queue for it within their own timeouts instead of failing fast.
+        self.planned_restart = False
         #: True while its process is stopped or a /health probe has gone unanswered past
         #: ``serve.unresponsive_s`` (``Supervisor.check_lanes``): no admissions until it answers.
         self.stalled = False

@@ -33,9 +33,15 @@ class FakeProcess:
     def alive(self) -> bool:
         return not self.exited
 
+    def stopped(self) -> bool:  # SIGSTOPped (ManagedVLLM.stopped): never here
+        return False
+
 
 class FakeUpstream:
     """An upstream whose probe answers what the test says, and whose restart is recorded."""
+
+    stalled = False  # Upstream's flags the supervisor reads and sets
+    planned_restart = False
 
     def __init__(self) -> None:
         self.name = "vllm0"

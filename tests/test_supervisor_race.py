@@ -36,9 +36,15 @@ class Engine:
     def alive(self) -> bool:
         return True
 
+    def stopped(self) -> bool:
+        return False
+
 
 class SlowUpstream:
     """An upstream whose restart waits for ``gate`` and counts itself."""
+
+    stalled = False  # Upstream's flags the supervisor reads and sets
+    planned_restart = False
 
     def __init__(self, name: str) -> None:
         self.name = name
