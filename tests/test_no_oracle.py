@@ -9,6 +9,7 @@ with the per-request memory check on."""
 
 from __future__ import annotations
 
+import asyncio
 import sys
 from pathlib import Path
 
@@ -229,3 +230,31 @@ def test_bad_caps_and_streams_are_refused_naming_the_key() -> None:
         build_workload({**base, "max_tokens": {"caps": []}}, np.random.default_rng(0), 2048)
     with pytest.raises(ValueError, match="exceeds its max_tokens"):
         RequestStream(np.array([0.0]), np.array([8]), np.array([100]), duration_s=1.0, max_tokens=np.array([64]))
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("body,chat,cap", [
+    ({"prompt": "hello", "max_tokens": 40}, False, 40),
+    ({"prompt": "hello"}, False, 16),  # vLLM's /v1/completions default
+    ({"messages": [{"role": "user", "content": "hello"}]}, True, None),  # chat, none sent: the model's limit
+])
+async def test_the_gateway_and_the_simulator_hand_admission_the_same_cap(body: dict, chat: bool, cap: int | None) -> None:
+    """Both paths feed admission one notion: the gateway's request carries the client's
+    ``max_tokens`` as vLLM resolves it, and a workload declaring that cap (null: none sent)
+    gives the simulator's request the same number for the same prompt."""
+    from test_gateway_units import _FakePool, _proxy_setup
+
+    from batchpilot.serving.errors import ClientGone
+    from batchpilot.serving.gateway import _proxy
+
+    pool = _FakePool()  # the upstream never answers: the request stays in flight
+    gw, lane, request, left = _proxy_setup(body, pool)  # every prompt counts 3 tokens, max_model_len 2048
+    handler = asyncio.create_task(_proxy(request, "/v1/chat/completions" if chat else "/v1/completions", chat))
+    await asyncio.wait_for(pool.sent.wait(), 5)
+    (req,) = [entry[3] for entry in lane.admission._in_flight.values()]
+    mt, _, _ = client_max_tokens(MaxTokensConfig(caps=[cap]), np.random.default_rng(0), np.array([3]), np.array([1]), 2048)
+    assert req.max_tokens == int(mt[0]) == (2048 - 3 if cap is None else cap)
+    left.set()
+    with pytest.raises(ClientGone):
+        await asyncio.wait_for(handler, 5)
+    await lane.upstream.client.aclose()
