@@ -86,9 +86,11 @@ class Answer:
 
     t0: float
     t1: float
-    status: int
+    status: int | str
     crossed: bool = False
     retry_after: bool = False
+    #: A crossed answer's text (its start), for the report.
+    detail: str = ""
 
 
 @dataclass(slots=True)
@@ -165,7 +167,11 @@ async def _normal_client(url: str, cfg: SoakConfig, who: int, answers: list[Answ
                 r = await client.post(f"{url}/v1/completions", json=body)
                 a = Answer(t0, time.monotonic(), r.status_code, retry_after="retry-after" in r.headers)
                 if r.status_code == 200:
-                    a.crossed = not _carries(r.text, marker, stream)
+                    got = _answer_text(r.text, stream)
+                    if got is None:  # a stream ended by an error event before any text (engine killed)
+                        a.status = "200+error"
+                    elif not got.startswith(f"{marker} tell"):  # the echoed prompt: this request's own
+                        a.crossed, a.detail = True, f"sent {marker!r}, got {got[:120]!r}"
             except httpx.TimeoutException:
                 a = Answer(t0, time.monotonic(), -1)
             except httpx.HTTPError:
@@ -174,20 +180,21 @@ async def _normal_client(url: str, cfg: SoakConfig, who: int, answers: list[Answ
             await asyncio.sleep(cfg.think_s)
 
 
-def _carries(text: str, marker: str, stream: bool) -> bool:
-    """Whether an answer is this request's: its text (streamed: the chunks' texts joined)
-    starts with the echoed prompt, marker included, and names no other marker."""
+def _answer_text(text: str, stream: bool) -> str | None:
+    """An answer's text (streamed: the chunks' texts joined), which must start with the
+    echoed prompt, its marker included (what the random model generates after it may repeat
+    bits of any prompt). None: a stream that ended with an error event (the gateway's, as vLLM
+    ends a failed stream) before any text."""
     if not stream:
-        got = json.loads(text)["choices"][0]["text"]
-    else:
-        parts = []
-        for line in text.splitlines():
-            if line.startswith("data: {"):
-                ev = json.loads(line[6:])
-                if ev.get("choices"):
-                    parts.append(ev["choices"][0].get("text") or "")
-        got = "".join(parts)
-    return got.startswith(marker) and got.count("soak-") == 1
+        return json.loads(text)["choices"][0]["text"]
+    parts, error = [], False
+    for line in text.splitlines():
+        if line.startswith("data: {"):
+            ev = json.loads(line[6:])
+            error = error or "error" in ev
+            if ev.get("choices"):
+                parts.append(ev["choices"][0].get("text") or "")
+    return None if error and not parts else "".join(parts)
 
 
 async def _huge_bodies(url: str, until: float) -> dict[str, int]:
@@ -313,6 +320,7 @@ def summarize(answers: list[Answer], windows: list[FaultWindow], wall_s: float) 
     calm = [a for a in answers if not any(w.t0 <= a.t0 <= w.t1 for w in windows)]
     return {"wall_s": round(wall_s, 1), "sent": len(answers), "by_status": by_status,
             "crossed": sum(a.crossed for a in answers),
+            "crossed_examples": [a.detail for a in answers if a.crossed][:5],
             "refusals_without_retry_after": sum(a.status in (429, 503) and not a.retry_after for a in answers),
             "p99_calm_s": _p99([a.t1 - a.t0 for a in calm if a.status == 200]), "faults": faults}
 
