@@ -7,8 +7,8 @@ requests are kept waiting or running, FIFO, the engine's own KV dtype, no shield
 
 ``slo_rate`` and ``capacity_bound`` give the evaluation's capacity bound per cell: the most
 SLO-met requests/s the engine finishes of the workload's own requests at a fixed concurrency
-(per prompt bucket), and Σ over the window of min(arrivals, that rate) per interval, the
-engine's time going to the cheapest bucket first (docs/evaluation.md, "Metrics").
+(per prompt-length octave), and Σ over the window of min(arrivals, that rate) per interval, the
+engine's time going to the octave it serves fastest first (docs/evaluation.md, "Metrics").
 """
 
 from __future__ import annotations
