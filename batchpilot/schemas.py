@@ -806,10 +806,11 @@ class ServeConfig:
     #: restarting, unresponsive): past it 503 + Retry-After; what is queued on a lane down this
     #: long is refused, and new requests to it at once. None: wait up to ``request_timeout_s``.
     fail_fast_s: float | None = 1.0
-    #: A /health probe unanswered this long (and no answer from the upstream meanwhile) makes
-    #: the lane stop admitting until it answers again (a restart still needs
-    #: ``health_failures``/``health_grace_s``). None: only a timed-out probe's count matters.
-    unresponsive_s: float | None = 5.0
+    #: /health unanswered this long, across probes (each allowed ``health_timeout_s``), with no
+    #: answer from the upstream meanwhile: the lane stops admitting until it answers again (a
+    #: restart still needs ``health_failures``/``health_grace_s``). Longer than one probe's
+    #: timeout: a busy CPU engine answers slowly, not never. None: off.
+    unresponsive_s: float | None = 10.0
     priority_header: str = "x-priority"
     default_priority: int = 1
     #: Header carrying a trusted key; only requests with one may ask for a priority above the

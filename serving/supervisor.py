@@ -36,6 +36,8 @@ class _Probes:
 
     failures: int = 0
     since: float = 0.0
+    #: When the first of these failed probes was sent (``serve.unresponsive_s`` counts from it).
+    first_sent: float = 0.0
 
 
 class Supervisor:
@@ -98,7 +100,7 @@ class Supervisor:
     async def probe(self, ln: Lane) -> None:
         """One health probe of ``ln``; marks it down, or restarts it, when the evidence says so."""
         up, cfg, st = ln.upstream, self.cfg, self._probes[ln.index]
-        self._probe_sent[ln.index] = time.monotonic()
+        sent = self._probe_sent[ln.index] = time.monotonic()
         try:
             why = await up.probe(cfg.health_timeout_s)
         finally:
@@ -118,10 +120,10 @@ class Supervisor:
             self.metrics.upstream_up.labels(ln.name).set(1)
             return
         if st.failures == 0:
-            st.since = now
+            st.since, st.first_sent = now, sent
         st.failures += 1
-        if cfg.unresponsive_s is not None and "did not answer" in why and cfg.health_timeout_s >= cfg.unresponsive_s:
-            up.stalled = True  # timed out at or past the unresponsive bound (``check_lanes`` may not have seen it)
+        if cfg.unresponsive_s is not None and "did not answer" in why and now - st.first_sent >= cfg.unresponsive_s:
+            up.stalled = True  # unanswered that long, across probes (``check_lanes`` may not have seen it)
         exited = up.managed is not None and not up.managed.alive()
         down = exited or why.startswith("connection refused") or (
             st.failures >= cfg.health_failures and now - st.since >= cfg.health_grace_s)
@@ -148,6 +150,8 @@ class Supervisor:
             up = ln.upstream
             stopped = up.managed is not None and up.managed.stopped()
             sent = self._probe_sent.get(ln.index)
+            if sent is not None and self._probes[ln.index].failures:  # unanswered since the first failed one
+                sent = self._probes[ln.index].first_sent
             hung = (cfg.unresponsive_s is not None and sent is not None and now - sent > cfg.unresponsive_s
                     and not up.answered_within(cfg.unresponsive_s, now))
             if stopped or hung:
