@@ -277,3 +277,84 @@ def test_a_short_soak_crosses_no_answers_and_fails_fast(tmp_path) -> None:
     assert stop["statuses"].get("503", 0) > 0 and stop["p99_s"] < 30, stop
     for f in out["faults"][2:4]:
         assert f["statuses"].get("200", 0) > 0, f  # huge bodies and slow clients stall nobody
+
+
+class _HungUpstream:
+    """An unmanaged upstream whose /health never answers until ``answer`` is set (a hang that
+    /proc cannot show: a deadlocked server, another host)."""
+
+    name, url, managed, info, num_restarts = "vllm0", "http://hung", None, None, 0
+    healthy, restarting, stalled, planned_restart = True, False, False, False
+    last_answer = -float("inf")
+
+    def __init__(self) -> None:
+        self.answer = asyncio.Event()
+        from batchpilot.serving.http1 import Http1Pool
+
+        self.pool = Http1Pool("127.0.0.1", 9)
+
+    async def probe(self, timeout_s: float) -> str | None:
+        try:
+            async with asyncio.timeout(timeout_s):
+                await self.answer.wait()
+        except TimeoutError:
+            return f"/health did not answer within {timeout_s:g} s"
+        return None
+
+    def answered_within(self, seconds: float, now: float | None = None) -> bool:
+        return False
+
+
+def test_an_unresponsive_upstream_stops_admitting_and_its_queue_is_refused() -> None:
+    """An upstream whose /health goes unanswered past serve.unresponsive_s stops admitting
+    (without a restart: it is not managed here), and a request queued on it gets 503
+    ``upstream_down`` with Retry-After once it has been down serve.fail_fast_s, not after the
+    request timeout; when it answers again it admits again."""
+    from batchpilot.core.admission import AdmissionConfig
+    from batchpilot.core.engine import Request as EngineRequest
+    from batchpilot.core.knobs import Knobs
+    from batchpilot.core.telemetry import SLO, Telemetry
+    from batchpilot.serving.errors import Refused
+    from batchpilot.serving.lanes import Lane
+    from batchpilot.serving.prom import GatewayMetrics
+    from batchpilot.serving.settings import ServeConfig
+    from batchpilot.serving.supervisor import Supervisor
+
+    async def scenario() -> None:
+        cfg = ServeConfig.from_cfg({"upstreams": ["http://hung"], "health_timeout_s": 0.3, "unresponsive_s": 0.5,
+                                    "fail_fast_s": 0.3, "request_timeout_s": 60, "health_interval_s": 0.1})
+        up, metrics = _HungUpstream(), GatewayMetrics()
+        lane = Lane.build(0, up, AdmissionConfig(), Knobs(batch_cap=1), Telemetry(SLO()), metrics, 1)  # type: ignore[arg-type]
+        sup = Supervisor(cfg, [lane], metrics)
+        await lane.acquire(EngineRequest("held", time.monotonic(), 8, 8, 1), time.monotonic() + 60)  # the one slot
+        queued = asyncio.ensure_future(lane.acquire(EngineRequest("q", time.monotonic(), 8, 8, 1),
+                                                    time.monotonic() + 60))
+
+        async def health() -> None:
+            while True:
+                await sup.probe(lane)
+                await asyncio.sleep(0.05)
+
+        async def watch() -> None:
+            while True:
+                sup.check_lanes(time.monotonic())
+                await asyncio.sleep(0.05)
+
+        tasks = [asyncio.ensure_future(health()), asyncio.ensure_future(watch())]
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(Refused) as err:
+                await asyncio.wait_for(queued, 30)
+            assert err.value.reason == "upstream_down" and err.value.status == 503 and err.value.retry_after
+            assert up.stalled and not lane.available and time.monotonic() - t0 < 30
+            up.answer.set()  # it answers again
+            deadline = time.monotonic() + 30
+            while not lane.available:
+                assert time.monotonic() < deadline, "the lane never admitted again"
+                await asyncio.sleep(0.05)
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    asyncio.run(scenario())
