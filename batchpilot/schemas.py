@@ -544,7 +544,7 @@ class VllmTunedConfig:
     restart per setting, keep the best that meets the latency objective)."""
 
     #: ``--max-num-seqs`` values (the running batch).
-    max_num_seqs: list[int] = field(default_factory=lambda: [32, 64, 128, 256])
+    max_num_seqs: list[int] = field(default_factory=lambda: [64, 128, 256])
     #: ``--max-num-batched-tokens`` values (the iteration's token budget); each must be >= the
     #: point's max_num_seqs, as vLLM requires (smaller pairs are skipped, said so).
     max_num_batched_tokens: list[int] = field(default_factory=lambda: [2048, 8192])
@@ -553,7 +553,7 @@ class VllmTunedConfig:
     #: ``--max-num-queued-tokens`` as factors of vLLM's docs' rule, the TTFT objective x the
     #: prefill throughput (measured at the point's max_num_seqs and token budget on the tuning
     #: seed's prompts); 1.0 is the docs' suggestion. Added to the values above.
-    queued_tokens_ttft_factors: list[float] = field(default_factory=lambda: [1.0])
+    queued_tokens_ttft_factors: list[float] = field(default_factory=lambda: [0.125, 0.25, 0.5, 1.0])
     #: ``--max-num-queued-reqs`` values (null: no limit).
     max_num_queued_reqs: list[int | None] = field(default_factory=lambda: [None])
     #: ``--max-num-active-seqs`` for every point (null: max_num_seqs); at most each max_num_seqs.

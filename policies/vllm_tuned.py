@@ -164,6 +164,7 @@ def vllm_tuned_grid(
         factors = []
     prompts = tuning_prompts(plan, tune_seed, cfg.prefill_probe_requests) if factors else []
     points: list[EngineGridPoint] = []
+    rates: list[str] = []
     for seqs in sorted(cfg.max_num_seqs):
         for tokens in sorted(cfg.max_num_batched_tokens):
             if tokens < seqs:
@@ -179,13 +180,15 @@ def vllm_tuned_grid(
             rate = prefill_throughput(plan, seqs, tokens, prompts) if factors and prompts else math.nan
             if math.isfinite(rate):
                 limits += [(max(1, round(f * float(ttft_ms) / 1000.0 * rate)), f) for f in factors]
-                notes.append(f"prefill throughput at --max-num-seqs {seqs} --max-num-batched-tokens {tokens}: "
-                             f"{rate:,.0f} prompt tokens/s (tuning seed {tune_seed}, {len(prompts)} prompts)")
+                rates.append(f"{seqs} x {tokens}: {rate:,.0f}")
             for queued_tokens, factor in limits:
                 for queued_reqs in cfg.max_num_queued_reqs:
                     points.append(EngineGridPoint(
                         seqs, tokens, queued_tokens, queued_reqs, active, factor,
                         rate if factor is not None else None))
+    if rates:
+        notes.append(f"prefill throughput, prompt tokens/s at max_num_seqs x max_num_batched_tokens (tuning seed "
+                     f"{tune_seed}'s first {len(prompts)} prompts): {'; '.join(rates)}")
     if not points:
         raise EvaluationError(f"vllm_tuned on {plan.key!r}: no setting of the grid runs here ({'; '.join(notes)})")
     return points, notes

@@ -189,8 +189,8 @@ SMALL = ["workload=poisson", "workload.duration_s=20", "workload.rate=60", "seed
          "+policy_overrides.vllm_tuned.queued_tokens_ttft_factors=[1.0]"]
 
 
-def _run(out: Path, extra: list[str]) -> list[dict]:
-    overrides = [*SMALL, f"out_dir={out}", *extra]
+def _run(out: Path, extra: list[str], base: list[str] = SMALL) -> list[dict]:
+    overrides = [*base, f"out_dir={out}", *extra]
     cfg, _ = compose_eval(overrides)
     return evaluate(cfg, overrides)
 
@@ -213,6 +213,10 @@ def test_vllm_tuned_is_swept_on_the_tuning_seed_and_bounded_by_its_hindsight(tmp
     # vLLM alone: never a shield intervention; the defaults refuse nothing, a queue limit may.
     assert all(r["shield_interventions"] == 0 for r in rows)
     assert by[("vllm_default", 0)]["rejected"] == 0
+    # The cell's capacity bound is the deployment's, whatever flags a server runs with.
+    for seed in (0, 1):
+        if "slo_capacity" in by[("vllm_tuned", seed)]:
+            assert by[("vllm_tuned", seed)]["slo_capacity"] == by[("vllm_default", seed)]["slo_capacity"]
     bound = [r["request_goodput"] for r in rows if r["policy"] == "vllm_tuned_hindsight"]
     tuned = [r["request_goodput"] for r in rows if r["policy"] == "vllm_tuned"]
     assert np.mean(bound) >= np.mean(tuned) - 1e-9
@@ -249,9 +253,10 @@ def test_vllm_tuned_runs_on_a_trace_the_project_never_saw(tmp_path: Path) -> Non
         lines.append(f"2024-05-10 00:{whole // 60:02d}:{whole % 60:02d}.{int((s - whole) * 1e7):07d},{p},{o}")
     trace = tmp_path / "never_seen.csv"
     trace.write_text("\n".join(lines) + "\n")
+    base = [o for o in SMALL if not o.startswith("workload")]
     rows = _run(tmp_path / "out", ["workload=trace", f"workload.path={trace}", "workload.format=azure",
                                    "workload.duration_s=30", "best_static.tune_seeds=[2]",
-                                   "policies=[vllm_tuned,vllm_default,pid]"])
+                                   "policies=[vllm_tuned,vllm_default,pid]"], base)
     assert {r["workload"] for r in rows} == {"trace:never_seen"}
     assert [r["window_start_s"] for r in rows if r["policy"] == "vllm_tuned"] == [0.0, 30.0]
     assert {r["policy"] for r in rows} == {"vllm_tuned", "vllm_tuned_hindsight", "vllm_default", "pid"}
@@ -270,8 +275,10 @@ def test_vllm_tuned_on_ray_gives_the_serial_rows(tmp_path: Path) -> None:
         on_ray = _run(tmp_path / "ray", [*extra, "launcher=ray"])
     finally:
         ray.shutdown()
-    assert [{k: v for k, v in r.items() if k != "wall_s"} for r in on_ray] == [
-        {k: v for k, v in r.items() if k != "wall_s"} for r in serial]
+    assert len(on_ray) == len(serial) == 2  # vllm_tuned and its bound, one seed
+    a, b = (json.loads((tmp_path / d / "results.json").read_text()) for d in ("serial", "ray"))  # NaN as null
+    assert [{k: v for k, v in r.items() if k != "wall_s"} for r in b] == [
+        {k: v for k, v in r.items() if k != "wall_s"} for r in a]
     for name in ("vllm_tuned_search.json", "results.md"):
         assert (tmp_path / "ray" / name).read_bytes() == (tmp_path / "serial" / name).read_bytes()
 
