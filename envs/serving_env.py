@@ -616,7 +616,9 @@ class ServingEnv(gym.Env):
             finished = self._finished
             for fr in res.finished:
                 tel.on_finished(fr.request_id, fr.finish_time, fr.ttft, fr.tpot, fr.e2el)
-                adm.on_finished(fr.request_id)
+                # What it generated, now that it finished (the gateway reads the answer's usage):
+                # the output estimate of admission's memory charge learns from it.
+                adm.on_finished(fr.request_id, fr.output_len)
                 finished.append(fr)
         if res.preempted:
             tel.on_preemptions(len(res.preempted))

@@ -668,22 +668,26 @@ class _Timer:
             return
         self.done = True
         now = time.monotonic()
-        self.lane.release(self.req.request_id)
         if not ok:
+            self.lane.release(self.req.request_id)
             self.lane.telemetry.on_abandoned(self.req.request_id)
             return
         if content is not None:
-            n = _completion_tokens(content) or self.req.output_len
+            used = _completion_tokens(content)  # what it generated, when the answer says (usage)
+            n = used or self.req.output_len
             # Non-streaming: the first token is not visible; attribute one n-th of the upstream
             # time to it (prefill ~ one decode step on short prompts). An estimate, documented.
             up = now - self.t_send
             ttft = (self.t_send - self.t0) + up / max(n, 1)
             tpot = up / max(n, 1)
         else:
-            n = self.usage_tokens or max(self.n_chunks - 2, 1)
+            n = used = self.usage_tokens or max(self.n_chunks - 2, 1)
             first = self.t_first or now
             ttft = first - self.t0
             tpot = (now - first) / max(n - 1, 1) if n > 1 else 0.0
+        # Freed with what it generated: admission's output estimate (charge: estimate) learns
+        # from finished answers only, as the simulator's env feeds it its finished requests.
+        self.lane.release(self.req.request_id, used)
         e2el = now - self.t0
         tel = self.lane.telemetry
         tel.on_output_tokens(n)

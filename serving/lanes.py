@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from batchpilot.core.admission import Admission, AdmissionConfig, Rejection, charged_max_tokens
+from batchpilot.core.admission import Admission, AdmissionConfig, Rejection
 from batchpilot.core.engine import Request
 from batchpilot.core.knobs import Knobs
 from batchpilot.core.telemetry import Telemetry
@@ -217,10 +217,12 @@ class Lane:
         except Refused:
             raise  # a queued request that was shed: the future carries the Refused
 
-    def release(self, request_id: str) -> None:
-        """Free the slot of a request that left the upstream (any way). Idempotent per id."""
+    def release(self, request_id: str, output_tokens: int | None = None) -> None:
+        """Free the slot of a request that left the upstream (any way). Idempotent per id.
+        ``output_tokens``: what a request that finished normally generated (its answer's usage
+        or streamed tokens), for admission's output estimate; None when it was cut short."""
         if self.admission.is_in_flight(request_id):
-            self.admission.on_finished(request_id)
+            self.admission.on_finished(request_id, output_tokens)
             self.pump()
 
     def on_first_token(self, request_id: str, now: float | None = None) -> None:
@@ -292,7 +294,7 @@ class Lane:
             frac = getattr(self.admission.memory, "blocks_fraction", None)
             if frac is not None:
                 m = self.admission
-                out = charged_max_tokens(r)  # what admission charged it
+                out = m.charged_output(r)  # what admission charged it
                 blocks = m.memory.request_blocks(r.prompt_len, out, r.num_seqs)
                 share = frac(blocks, r.num_seqs, m.kv_dtype)
                 ceiling = getattr(getattr(m.memory, "cfg", None), "memory_ceiling", None)

@@ -34,6 +34,7 @@ _CORE = Path(__file__).resolve().parents[1] / "batchpilot" / "core"
 #: Modules on the control side: nothing in them may read a request's output length.
 CONTROL_FILES = frozenset(str(_CORE / f"{m}.py") for m in (
     "admission", "shield", "telemetry", "control", "controller", "pid", "residual", "plant", "knobs", "actions",
+    "output_estimate",
 )) | {str(Path(__file__).resolve().parents[1] / "policies" / "controllers.py")}
 
 
@@ -137,30 +138,43 @@ def test_a_request_too_large_by_its_cap_is_refused_whatever_it_would_generate() 
     assert [r.request_id for r in a.admit(0.0)] == ["nocap"]
 
 
-def test_a_whole_episode_with_memory_admission_never_reads_the_output(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("charge", ["max_tokens", "estimate"])
+def test_a_whole_episode_with_memory_admission_never_reads_the_output(
+        monkeypatch: pytest.MonkeyPatch, charge: str) -> None:
     """A real ServingEnv episode on the simulator, memory admission on (the default), long
     prompts on DeepSeek-V3/H200 so the memory check binds, a controller acting: every request
     the stream hands out hides its output from the control side; the engine still generates
-    each one's true length, and the finished requests report it."""
+    each one's true length, and the finished requests report it. With ``charge: estimate`` the
+    output estimate learns only what finished requests generated, when they finished, and no
+    request is ever charged above its cap."""
     monkeypatch.setattr(workloads, "Request", HiddenOutputRequest)
     env = ServingEnv(cfg=load_config([
         "env.episode_s=20", "workload=poisson", "workload.duration_s=20", "model=deepseek_v3", "hardware=h200",
         "workload.rate_scale=3", "workload.lengths.prompt_mean=6000", "env.initial_batch_cap=256",
-        "env.drain_on_truncate=true",
+        "env.drain_on_truncate=true", f"env.admission.charge={charge}", "env.admission.charge_min_samples=8",
     ]))
     assert env.cfg.env.memory_admission
     env.reset(seed=0)
     adm = env.admission
     assert adm.memory is not None
+    est = adm.output_estimate
+    assert (est is None) == (charge == "max_tokens")
     peak_blocks, rng, sh = 0, np.random.default_rng(0), env.shield
+    estimated = False
     while True:
         _, _, term, trunc, info = env.step(env.action_space.sample() if rng.random() < 0.3 else np.array([2, 1, 0]))
-        # What admission holds in flight is the caps' charge, request by request.
-        booked = sum(sh.request_blocks(r.prompt_len, r.max_tokens, r.num_seqs) for *_, r in adm._in_flight.values())
-        assert adm.kv_blocks_in_flight == booked
-        peak_blocks = max(peak_blocks, booked)
+        caps = sum(sh.request_blocks(r.prompt_len, r.max_tokens, r.num_seqs) for *_, r in adm._in_flight.values())
+        if est is None:  # what admission holds in flight is the caps' charge, request by request
+            assert adm.kv_blocks_in_flight == caps
+        else:  # never above the caps; only finished requests' lengths, one per finished request
+            assert adm.kv_blocks_in_flight <= caps
+            done = [f.output_len for f in env.finished_requests]
+            assert est.num_observed == len(done) and list(est._recent) == done[-est.window:]
+            estimated |= est.value is not None and adm.kv_blocks_in_flight < caps
+        peak_blocks = max(peak_blocks, adm.kv_blocks_in_flight)
         if term or trunc:
             break
+    assert estimated or est is None  # the estimate did charge less than the caps at some point
     stream = env.stream
     assert stream.max_tokens is not None
     m = info["episode_metrics"]
@@ -257,4 +271,108 @@ async def test_the_gateway_and_the_simulator_hand_admission_the_same_cap(body: d
     left.set()
     with pytest.raises(ClientGone):
         await asyncio.wait_for(handler, 5)
+    await lane.upstream.client.aclose()
+
+
+def _gateway_with_admission(admission: dict):
+    """A gateway built from a serve config whose ``admission`` node is ``admission``, one fake
+    upstream (max_model_len 2,048, every prompt 3 tokens), and a Starlette request factory."""
+    import json
+    from types import SimpleNamespace
+
+    from starlette.requests import Request as StarletteRequest
+
+    from batchpilot.schemas import ServeConfig
+    from batchpilot.serving.gateway import AppSettings, Gateway
+    from batchpilot.serving.upstream import EngineInfo
+
+    gw = Gateway(AppSettings(serve=ServeConfig.from_cfg({"upstreams": ["http://127.0.0.1:9"], "admission": admission})))
+    lane = gw.lanes[0]
+    lane.upstream.healthy = True
+    lane.upstream.info = EngineInfo(model="m", max_model_len=2048)
+
+    async def tokenize(body) -> int:
+        return 3
+
+    lane.upstream.tokenize = tokenize
+
+    def request(body: dict) -> StarletteRequest:
+        raw = json.dumps(body).encode()
+        sent, never = [False], asyncio.Event()
+
+        async def receive() -> dict:
+            if not sent[0]:
+                sent[0] = True
+                return {"type": "http.request", "body": raw, "more_body": False}
+            await never.wait()
+            return {"type": "http.disconnect"}
+
+        scope = {"type": "http", "method": "POST", "path": "/v1/completions", "query_string": b"",
+                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())],
+                 "app": SimpleNamespace(state=SimpleNamespace(gateway=gw)), "client": ("127.0.0.1", 1)}
+        return StarletteRequest(scope, receive)
+
+    return gw, lane, request
+
+
+def _answer(n: int, how: str):
+    """The upstream's answer to a request that generated ``n`` tokens: a JSON body with
+    ``usage``, a stream ending with a usage chunk, or a stream of one chunk per token and none."""
+    from test_gateway_units import _FakeStreamAnswer
+
+    if how == "json":
+        return _FakeStreamAnswer([b'{"choices": [{"text": "x"}], "usage": {"prompt_tokens": 3, "completion_tokens": %d}}'
+                                  % n])
+    tokens = [b'data: {"choices": [{"text": "x"}]}\n\n'] * n + [b'data: {"choices": [{"text": "", "finish_reason": "stop"}]}\n\n']
+    usage = [b'data: {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": %d}}\n\n' % n]
+    return _FakeStreamAnswer(tokens + (usage if how == "usage" else []) + [b"data: [DONE]\n\n"])
+
+
+@pytest.mark.anyio
+async def test_the_gateway_and_the_simulator_feed_the_output_estimate_the_same_way() -> None:
+    """The env feeds admission's output estimate each finished request's length; the gateway
+    each finished answer's (``usage.completion_tokens``, or its streamed tokens). Replaying an
+    episode's finished lengths as upstream answers through the gateway (a serve config with the
+    same ``admission.charge_*``) leaves the gateway's estimate where the episode left the env's:
+    the same window, the same quantile, the same charge. A request cut short teaches nothing."""
+    charge = {"charge": "estimate", "charge_quantile": 0.9, "charge_window": 24, "charge_min_samples": 4}
+    env = ServingEnv(cfg=load_config([
+        "env.episode_s=10", "workload=poisson", "workload.duration_s=10", "workload.rate_scale=0.3",
+        "workload.max_tokens.caps=[1024]", "workload.max_tokens.weights=[1]", "env.drain_on_truncate=true",
+        *(f"env.admission.{k}={v}" for k, v in charge.items()),
+    ]))
+    env.reset(seed=1)
+    while not any(env.step(np.array([2, 1, 0]))[2:4]):
+        pass
+    done = [f.output_len for f in env.finished_requests]
+    sim = env.admission.output_estimate
+    assert len(done) > 30 and sim is not None and sim.value is not None
+
+    from test_gateway_units import _FakePool
+
+    from batchpilot.serving.gateway import _proxy
+
+    gw, lane, request = _gateway_with_admission(charge)
+    est = lane.admission.output_estimate
+    assert est is not None and (est.quantile, est.window, est.min_samples) == (sim.quantile, sim.window, sim.min_samples)
+    lane.upstream.pool = pool = _FakePool()
+    pool.answer.set()
+    replay = done[-(sim.window + 6):]
+    for i, n in enumerate(replay):
+        how = ("json", "usage", "chunks")[i % 3]
+        pool.response = _answer(n, how)
+        resp = await _proxy(request({"prompt": "hi", "max_tokens": 1024, "stream": how != "json"}),
+                            "/v1/completions", False)
+        if how != "json":
+            async for _ in resp.body_iterator:
+                pass
+        assert est.num_observed == i + 1 and lane.admission.num_in_flight == 0
+    assert list(est._recent) == list(sim._recent) and est.value == sim.value
+    assert lane.admission.charged_output(Request("a", 0.0, 3, 1, max_tokens=1024)) == \
+        env.admission.charged_output(Request("b", 0.0, 3, 1, max_tokens=1024)) == min(1024, sim.value)
+
+    pool.response = failed = _answer(5, "json")  # an upstream error answer: cut short
+    failed.status = 500
+    await _proxy(request({"prompt": "hi", "max_tokens": 16}), "/v1/completions", False)
+    assert est.num_observed == len(replay) and lane.admission.num_in_flight == 0
     await lane.upstream.client.aclose()

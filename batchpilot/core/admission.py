@@ -37,11 +37,15 @@ order (on time first, newest first, the bucketing mode) until the engine is read
 
 Memory, per request (``memory``, the shield): besides the count, a request is admitted only if
 the predicted memory of everything in flight plus it stays within the shield's ceiling. Each
-request is charged the KV blocks it holds at its end, all its sequences at prompt + its
-``max_tokens`` (the most it may generate: the client's cap, or vLLM's default when the client
-sent none; a request without it is charged its prompt alone), through the shield's one memory
-model (``Shield.fits``). Its true output length is never read: the gateway cannot know it, and
-the simulator's requests carry it only for the engine. One that does not fit now
+request is charged the KV blocks it holds at its end, all its sequences at prompt + its charged
+output (``charged_output``): with ``charge: max_tokens`` its ``max_tokens`` (the most it may
+generate: the client's cap, or vLLM's default when the client sent none; a request without it
+is charged its prompt alone); with ``charge: estimate`` (the default) that cap at most a high
+quantile of what recently finished requests generated (``core/output_estimate.py``, fed through
+``on_finished(request_id, output_tokens)``), since vLLM reserves nothing and preempts when
+blocks run short. All through the shield's one memory model (``Shield.fits``). Its true output
+length is never read: the gateway cannot know it, and the simulator's requests carry it only for
+the engine (and the env reports it once the request has finished). One that does not fit now
 waits for room, as a request over the count cap does (it blocks its bucket's order: no
 smaller request overtakes it); one that cannot fit even alone is rejected with
 "too_large_for_memory" (at submit, or at admission when the model moved since and nothing is in
@@ -63,6 +67,7 @@ from typing import Any, Protocol, Sequence
 
 from batchpilot.config import from_node
 from batchpilot.core.knobs import BUCKETING_MODES, Knobs
+from batchpilot.core.output_estimate import CHARGE_MODES, OutputEstimate
 
 #: Why a request left admission without running. A short slug, machine-readable.
 REJECT_REASONS: tuple[str, ...] = ("queue_full", "timeout", "shed_low_priority", "cancelled", "too_large_for_memory")
@@ -159,6 +164,17 @@ class AdmissionConfig:
     adapt_rate: float = 0.01
     #: Weight of priority against log length in the k-means distance (0 = length only).
     adapt_priority_weight: float = 0.0
+    #: What the memory check charges for a request's output (``core/output_estimate.py``):
+    #: ``max_tokens`` (its cap: the client's, or the model's room when it sent none) or
+    #: ``estimate`` (the cap, at most the ``charge_quantile`` of the output lengths of the last
+    #: ``charge_window`` finished requests; ``charge_prior_tokens`` until ``charge_min_samples``
+    #: have finished, null = the cap). vLLM reserves nothing and preempts on shortage, so an
+    #: under-estimate costs preemptions, not failures.
+    charge: str = "estimate"
+    charge_quantile: float = 0.95
+    charge_window: int = 500
+    charge_min_samples: int = 32
+    charge_prior_tokens: int | None = None
 
     def __post_init__(self) -> None:
         self.boundaries = tuple(int(b) for b in self.boundaries)
@@ -192,6 +208,19 @@ class AdmissionConfig:
             raise ValueError(f"admission.first_token_margin_max must be in [0, 1), got {self.first_token_margin_max}")
         if self.adapt_priority_weight < 0:
             raise ValueError(f"admission.adapt_priority_weight must be >= 0, got {self.adapt_priority_weight}")
+        if self.charge not in CHARGE_MODES:
+            raise ValueError(f"admission.charge must be one of {list(CHARGE_MODES)}, got {self.charge!r}")
+        try:  # checked whatever the mode, so switching to estimate later cannot fail
+            OutputEstimate(self.charge_quantile, self.charge_window, self.charge_min_samples, self.charge_prior_tokens)
+        except ValueError as e:
+            raise ValueError(f"admission.charge_*: {e}") from None
+
+    def new_output_estimate(self) -> OutputEstimate | None:
+        """A fresh estimator for ``charge: estimate`` (None for ``max_tokens``)."""
+        if self.charge != "estimate":
+            return None
+        return OutputEstimate(self.charge_quantile, self.charge_window, self.charge_min_samples,
+                              self.charge_prior_tokens)
 
     @property
     def num_buckets(self) -> int:
@@ -210,7 +239,9 @@ class _Entry:
     """A waiting request; ``alive`` goes False when it leaves the queue by any path, ``late``
     goes True when it can no longer meet its TTFT objective (``on_time_first``). ``seqs`` and
     ``blocks`` are what it will count in flight, as submit found them (``blocks``: 0 without
-    ``memory``; setting ``memory`` counts them again), so admit does not count them twice."""
+    ``memory``; setting ``memory`` counts them again), so admit does not count them twice;
+    ``charged`` is the output tokens ``blocks`` charged (admit counts again when the output
+    estimate moved since)."""
 
     request: Any
     bucket: int
@@ -218,6 +249,7 @@ class _Entry:
     seq: int
     seqs: int
     blocks: int
+    charged: int = 0
     alive: bool = True
     late: bool = False
 
@@ -303,6 +335,9 @@ class Admission:
         # request_id -> (is_long, sequences, KV blocks, the request: to book it again)
         self._in_flight: dict[str, tuple[bool, int, int, Any]] = {}
         self._memory: MemoryCheck | None = None
+        #: The output charge's estimator (``cfg.charge == "estimate"``; None: the cap is charged).
+        #: Fed by ``on_finished`` with what finished requests generated, nothing else.
+        self.output_estimate: OutputEstimate | None = cfg.new_output_estimate()
         self.memory = memory
         #: Sequences in flight: what the batch cap bounds (a request with n=4 runs four).
         self.num_seqs_in_flight = 0
@@ -354,6 +389,7 @@ class Admission:
         The waiting requests' block counts are taken again too."""
         self._memory = memory
         for e in self._waiting.values():
+            e.charged = self.charged_output(e.request)
             e.blocks = self._blocks(e.request, e.seqs) if memory is not None else 0
         total = 0
         for rid, (is_long, seqs, _, req) in self._in_flight.items():
@@ -470,8 +506,9 @@ class Admission:
         if type(seqs) is not int or seqs < 1:
             seqs = _num_seqs(req)
         memory = self._memory
+        charged = self.charged_output(req)
         if memory is not None:
-            blocks = int(memory.request_blocks(req.prompt_len, charged_max_tokens(req), seqs))  # _blocks
+            blocks = int(memory.request_blocks(req.prompt_len, charged, seqs))  # _blocks
             if not memory.fits(blocks, seqs, self.kv_dtype):
                 return self._reject(req, "too_large_for_memory", now)
         else:
@@ -489,7 +526,7 @@ class Admission:
             # A bucket that was idle rejoins at the current virtual time: no banked credit.
             self._pass[bucket] = max(self._pass[bucket], self._vtime)
         seq = self._seq
-        e = _Entry(req, bucket, prompt_len > cfg.long_prompt_threshold, seq, seqs, blocks)
+        e = _Entry(req, bucket, prompt_len > cfg.long_prompt_threshold, seq, seqs, blocks, charged)
         self._seq = seq + 1
         queue.push(e)
         waiting[rid] = e
@@ -529,7 +566,7 @@ class Admission:
             return self.submit(req, now), False
         memory = self._memory
         if memory is not None:
-            blocks = int(memory.request_blocks(prompt_len, charged_max_tokens(req), seqs))  # _blocks
+            blocks = int(memory.request_blocks(prompt_len, self.charged_output(req), seqs))  # _blocks
             # Beside what is in flight within the ceiling, it fits alone too (``fits`` is monotone);
             # otherwise ``submit`` asks about it alone.
             if not memory.fits(self.kv_blocks_in_flight + blocks, self.num_seqs_in_flight + seqs, self.kv_dtype):
@@ -572,6 +609,7 @@ class Admission:
         self._mark_late(now)
         hold = self.prefill_hold_tokens
         in_flight, memory, max_num_long = self._in_flight, self._memory, self.cfg.max_num_long
+        estimate = self.output_estimate
         while self.num_seqs_in_flight < self.batch_cap and waiting:
             if hold is not None and self.prefill_tokens_in_flight >= hold:
                 break  # the engine has an iteration of prefill ahead of it: the rest wait here
@@ -581,6 +619,10 @@ class Admission:
             seqs, blocks = e.seqs, e.blocks
             if in_flight and self.num_seqs_in_flight + seqs > self.batch_cap:
                 break  # it waits for room (alone it may exceed the cap, or it could never run)
+            if memory is not None and estimate is not None and (charged := self.charged_output(e.request)) != e.charged:
+                # The estimate moved while it waited: it is charged what admission charges now.
+                blocks = e.blocks = int(memory.request_blocks(e.request.prompt_len, charged, seqs))
+                e.charged = charged
             if memory is not None and not memory.fits(
                     self.kv_blocks_in_flight + blocks, self.num_seqs_in_flight + seqs, self.kv_dtype):
                 if in_flight:
@@ -606,10 +648,16 @@ class Admission:
             out.append(req)
         return out
 
-    def on_finished(self, request_id: str) -> None:
+    def on_finished(self, request_id: str, output_tokens: int | None = None) -> None:
         """Free the slot of a request that left the engine (finished, failed, cancelled or
-        disconnected). Raises KeyError for an id that is not in flight (a bug)."""
+        disconnected). Raises KeyError for an id that is not in flight (a bug). ``output_tokens``:
+        what it generated, for a request that finished normally and whose answer said so (the
+        gateway: ``usage.completion_tokens`` or the streamed tokens; the env: the finished
+        request); it feeds the output estimate (``charge: estimate``). None for a request cut
+        short (failed, cancelled, aborted): what it generated so far is not its length."""
         is_long, seqs, blocks, _ = self._in_flight.pop(request_id)
+        if output_tokens is not None and self.output_estimate is not None:
+            self.output_estimate.observe(output_tokens)
         entry = self._awaiting_first.pop(request_id, None)  # on_first_token(request_id), inline
         if entry is not None:
             self.prefill_tokens_in_flight -= entry[0]
@@ -708,10 +756,19 @@ class Admission:
         return float(frac(blocks, seqs, self.kv_dtype))
 
     # --- internals -----------------------------------------------------------------------
+    def charged_output(self, req: Any) -> int:
+        """The output tokens the memory check charges ``req`` now: its cap
+        (``charged_max_tokens``) with ``charge: max_tokens``; with ``charge: estimate``, the cap at
+        most the estimate of recent completions (``OutputEstimate.charge``). Never ``output_len``."""
+        est = self.output_estimate
+        if est is None:
+            return charged_max_tokens(req)
+        return est.charge(getattr(req, "max_tokens", None))
+
     def _blocks(self, req: Any, seqs: int) -> int:
         """KV blocks ``req`` holds at its end; ``seqs`` is its ``_num_seqs`` (callers have it)."""
         assert self._memory is not None
-        return int(self._memory.request_blocks(req.prompt_len, charged_max_tokens(req), seqs))
+        return int(self._memory.request_blocks(req.prompt_len, self.charged_output(req), seqs))
 
     def _reject(self, req: Any, reason: str, now: float) -> Rejection:
         self.num_rejected_by_reason[reason] += 1
