@@ -219,6 +219,7 @@ class ServingEnv(gym.Env):
         self.stream = build_workload(workload, self.np_random, self._caps.max_model_len)
         if self._episode_start > 0:  # a live engine's clock does not restart at 0
             self.stream = _shift_stream(self.stream, self._episode_start)
+        self._replaced_arrivals: list[tuple[np.ndarray, np.ndarray]] = []
         snap = self._snapshot()
         obs = self.telemetry.observation(snap)
         return obs, self._info(snap, {}, None)
@@ -291,6 +292,25 @@ class ServingEnv(gym.Env):
 
     # --- what evaluation reads -------------------------------------------------------------
     @property
+    def stream(self) -> RequestStream:
+        """Where the episode's requests come from. A stream set in mid-episode (the lookahead's
+        copies replay a forecast) keeps the requests the old one had already offered, so
+        attainment stays over every request that arrived."""
+        return self._stream
+
+    @stream.setter
+    def stream(self, stream: RequestStream) -> None:
+        old = getattr(self, "_stream", None)
+        if old is not None and old is not stream and hasattr(self, "_replaced_arrivals"):
+            self._replaced_arrivals.append(self._arrived(old))
+        self._stream = stream
+
+    @staticmethod
+    def _arrived(stream: RequestStream) -> tuple[np.ndarray, np.ndarray]:
+        n = len(stream) - stream.num_remaining
+        return np.asarray(stream.prompt_len[:n]), np.asarray(stream.output_len[:n])
+
+    @property
     def snapshot(self) -> Snapshot:
         """The last interval's telemetry (the input of PID/AIMD/static controllers)."""
         return self._last_snapshot
@@ -306,8 +326,8 @@ class ServingEnv(gym.Env):
         duration = max(now - self._episode_start, 1e-9)
         window = max(min(duration, self.max_steps * self.interval_s), 1e-9)
         n_admitted = self.admission.num_admitted
-        arrived = len(self.stream) - self.stream.num_remaining
-        offered = Offered(self.stream.prompt_len[:arrived], self.stream.output_len[:arrived])
+        prompts, outputs = zip(*self._replaced_arrivals, self._arrived(self.stream))
+        offered = Offered(np.concatenate(prompts), np.concatenate(outputs))
         m = summarize(self._finished, duration, self.slo, num_rejected=len(self._rejections), window_s=window,
                       offered=offered, bucket_edges=self.admission_cfg.boundaries)
         m.update(self.capacity_metrics(window, m["request_goodput"]))
