@@ -60,7 +60,7 @@ MIN_ABS_GAIN = 1e-3
 TARGET_SHARE = 0.70
 TWIN_ROW_KEYS: tuple[str, ...] = (
     "scenario", "path", "controller", "requests", "completed", "rejected", "accounted", "request_goodput",
-    "slo_attainment", "request_throughput", "mean_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "p99_tpot_ms", "preemptions", "peak_kv_usage",
+    "request_goodput_run", "slo_attainment", "request_throughput", "mean_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "p99_tpot_ms", "preemptions", "peak_kv_usage",
     "shield_interventions", "duration_s", "mean_batch_cap", "engine_iterations", "mean_iteration_tokens",
     "mean_admission_wait_ms", "mean_engine_ttft_ms", "error", "timeline",
 )
@@ -463,7 +463,9 @@ def live_paired(rows: Sequence[Mapping[str, Any]], path: str, over: str,
 def twin_summary(sim_rows: Sequence[Mapping[str, Any]], live_rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """Per path the simulated and live goodput; per gain (``GAINS``) simulated vs live and the
     share that survives."""
-    sim = {r["path"]: _num(r.get("request_goodput")) for r in sim_rows}
+    # vLLM's benchmark client divides by the whole run, drain included: the twin's figure
+    # measured the same way is request_goodput_run (request_goodput is over the arrival window).
+    sim = {r["path"]: _num(r.get("request_goodput_run", r.get("request_goodput"))) for r in sim_rows}
     live = _live_means(live_rows)
     gains = []
     for path, over in GAINS:
@@ -539,7 +541,7 @@ def twin_markdown(sim_rows: Sequence[Mapping[str, Any]], summary: Mapping[str, A
     lines += ["The same converted requests on the calibrated simulator (`engine=sim model=tiny_llama "
               f"hardware={hardware}`, one deterministic episode per path; vllm_direct ≙ `vllm_default` as shipped).",
               "", match_markdown(match),
-              "", "| path | controller (sim) | sim goodput (req/s) | live goodput (mean ± 95 % CI) | sim SLO attainment "
+              "", "| path | controller (sim) | sim goodput, run (req/s) | live goodput (mean ± 95 % CI) | sim SLO attainment "
               "| sim completed / rejected | sim preemptions | sim peak KV | mean TPOT sim / live (ms) "
               "| mean batch cap sim / live |",
               "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
@@ -547,7 +549,7 @@ def twin_markdown(sim_rows: Sequence[Mapping[str, Any]], summary: Mapping[str, A
         lv = summary["paths"].get(r["path"], {})
         lm, lc = _num(lv.get("live_mean")), _num(lv.get("live_ci"))
         live = "–" if not math.isfinite(lm) else (_fmt(lm) if not math.isfinite(lc) else f"{_fmt(lm)} ± {_fmt(lc)}")
-        lines.append(f"| {r['path']} | {r['controller']} | {_fmt(_num(r['request_goodput']))} | {live} | "
+        lines.append(f"| {r['path']} | {r['controller']} | {_fmt(_num(r.get('request_goodput_run', r['request_goodput'])))} | {live} | "
                      f"{_fmt(_num(r['slo_attainment']))} | {r['completed']} / {r['rejected']} | "
                      f"{_fmt(_num(r['preemptions']))} | {_fmt(_num(r['peak_kv_usage']))} | "
                      f"{_fmt(_num(r['mean_tpot_ms']))} / {_fmt(_num(lv.get('live_mean_tpot_ms')))} | "
