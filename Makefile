@@ -18,7 +18,7 @@ test-fast: setup
 	.venv/bin/python -m pytest -q -n auto -m "not live and not slow" tests
 
 lint: setup
-	.venv/bin/ruff check batchpilot envs policies serving scripts tests
+	.venv/bin/ruff check batchpilot envs policies serving evaluation scripts tests
 
 bench: setup
 	.venv/bin/python scripts/bench.py target=sim

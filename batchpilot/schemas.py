@@ -7,7 +7,7 @@ the one declaration of each group's fields and types; domain checks (ranges, nam
 ``__post_init__`` / ``check`` and run when ``from_node`` builds the object.
 
 Registered (``register()``; ``batchpilot.config.load_config``, ``compose_eval`` in
-policies/evaluation.py and every ``@hydra.main`` app in ``scripts/`` import this module, which
+evaluation/matrix.py and every ``@hydra.main`` app in ``scripts/`` import this module, which
 calls it, before composing):
 
 ==============================  ================================================  ==================================
@@ -39,7 +39,7 @@ store entry                     dataclass                                       
 ``schema/client_bench``         ``ClientBenchConfig`` (here)                      conf/bench.yaml ``client_bench``
 ``launcher/schema``             ``LauncherConfig`` (here)                         conf/launcher/*.yaml
 ``live_scenario/schema``        ``LiveScenarioConfig`` (here; a schema only)      conf/live_scenario/*.yaml
-``workload/schema_<kind>``      ``batchpilot.core.workload_config``: one per      conf/workload/*.yaml (by kind)
+``workload/schema_<kind>``      ``batchpilot.workload_config``: one per      conf/workload/*.yaml (by kind)
                                 kind (``PoissonWorkload``, ``OnOffWorkload``, ...)
 ``schema/evaluate``             ``EvaluateApp`` (``best_static``:                 conf/evaluate.yaml (and
                                 ``BestStaticConfig``, ``load``: ``LoadConfig``)   evaluate_matrix.yaml through it)
@@ -90,7 +90,7 @@ from batchpilot.core.pid import PIDConfig, check_common
 from batchpilot.core.shield import ShieldConfig
 from batchpilot.core.specs import HardwareSpec, ModelSpec
 from batchpilot.core.telemetry import SLO
-from batchpilot.core.workload_config import WORKLOAD_SCHEMAS
+from batchpilot.workload_config import WORKLOAD_SCHEMAS
 
 
 # --- dataclasses of groups read outside the core ---------------------------------------------
@@ -538,7 +538,7 @@ class LookaheadConfig:
 @dataclass(slots=True)
 class VllmTunedConfig:
     """``conf/policy/vllm_tuned.yaml``: vLLM tuned with its own start-up flags, the yardstick an
-    operator would deploy instead of batchpilot (``policies/evaluation.py``). The grid is every
+    operator would deploy instead of batchpilot (``evaluation/matrix.py``). The grid is every
     combination of the lists; each point is a ``vllm serve`` started with those flags, scored on
     ``best_static.tune_seeds`` with best_static's objective (as vLLM's ``benchmarks/auto_tune``:
     restart per setting, keep the best that meets the latency objective)."""
@@ -1004,7 +1004,7 @@ class LauncherConfig:
 @dataclass(frozen=True, slots=True)
 class LiveScenarioConfig:
     """``conf/live_scenario/<name>.yaml``: the trace window a live evaluation replays
-    (``policies/live_evaluation.py scenario_trace``, ``policies/live_twin.py``). A schema only:
+    (``evaluation/live.py scenario_trace``, ``evaluation/live_twin.py``). A schema only:
     those read the composed node, and every field is required (no default), so each scenario
     file names every key and no default can disagree with one."""
 
@@ -1054,7 +1054,7 @@ class LiveScenarioConfig:
 @dataclass(frozen=True, slots=True)
 class BestStaticConfig:
     """``best_static`` of ``conf/evaluate.yaml``: the grid ``best_static`` searches and its
-    objective (``policies/evaluation.py``)."""
+    objective (``evaluation/matrix.py``)."""
 
     #: Batch caps to try (values above the engine's max_num_seqs are clipped to it).
     batch_caps: tuple[int, ...]
@@ -1117,7 +1117,7 @@ class LoadConfig:
 @dataclass(slots=True)
 class EvaluateApp:
     """``conf/evaluate.yaml`` (and ``evaluate_matrix.yaml``, built on it): see the comments
-    there for each key; ``policies/eval_plan.py EvalConfig.from_cfg`` reads them."""
+    there for each key; ``evaluation/plan.py EvalConfig.from_cfg`` reads them."""
 
     # Groups (their own schemas).
     hardware: Any
@@ -1149,7 +1149,7 @@ class EvaluateApp:
 @dataclass(frozen=True, slots=True)
 class Grid:
     """``grid`` of ``conf/calibrate.yaml``: what the calibration measures
-    (``policies/calibration.py``)."""
+    (``evaluation/calibration.py``)."""
 
     #: Decode batch sizes x prompt (context) lengths; points with batch x context above
     #: ``max_decode_tokens`` are skipped (their prefill alone would take too long).
@@ -1181,7 +1181,7 @@ class Grid:
 class StateProbe:
     """``state_probe`` of ``conf/calibrate.yaml``: a fixed reference iteration timed before and
     after every grid point and every live run, so measurements taken while other tenants slow
-    the machine down are re-taken or set aside (``policies/calibration.py``, docs/sim_to_real.md)."""
+    the machine down are re-taken or set aside (``evaluation/calibration.py``, docs/sim_to_real.md)."""
 
     enabled: bool
     #: The reference: pure decode of ``batch`` sequences of ``context`` tokens (spread as the
@@ -1240,7 +1240,7 @@ class ServedCalibrationNode(ServedDecodeSettings):
 
 @dataclass(slots=True)
 class CalibrateApp:
-    """``conf/calibrate.yaml`` (``policies/calibration.py``: the fit, ``policies/sim_to_real.py``:
+    """``conf/calibrate.yaml`` (``evaluation/calibration.py``: the fit, ``evaluation/sim_to_real.py``:
     the report; see the comments there)."""
 
     fit: bool
@@ -1331,7 +1331,7 @@ class LiveTunedFlagsNode:
 class LiveVllmTunedNode:
     """``vllm_tuned`` of ``conf/live_evaluate.yaml``: the second managed ``vllm serve``, started
     with vLLM's own limits, either given (``flags``) or swept (``grid``) on a tuning window
-    (``policies/live_tuned.py``)."""
+    (``evaluation/live_tuned.py``)."""
 
     #: Fixed settings instead of the sweep (all null: sweep).
     flags: LiveTunedFlagsNode
@@ -1348,7 +1348,7 @@ class LiveVllmTunedNode:
 
 @dataclass(slots=True)
 class LiveEvaluateApp:
-    """``conf/live_evaluate.yaml`` (``policies/live_evaluation.py``; see the comments there)."""
+    """``conf/live_evaluate.yaml`` (``evaluation/live.py``; see the comments there)."""
 
     slo: Any
     live_scenario: Any
@@ -1510,7 +1510,7 @@ SCHEMAS: tuple[tuple[str, str, type], ...] = (
     ("schema", "export", ExportApp),
     ("schema", "bench", BenchApp),
     ("schema", "serve_app", ServeApp),
-    # One per workload kind (batchpilot/core/workload_config.py): workload/schema_poisson, ...
+    # One per workload kind (batchpilot/workload_config.py): workload/schema_poisson, ...
     *(("workload", f"schema_{kind}", cls) for kind, cls in WORKLOAD_SCHEMAS.items()),
 )
 

@@ -55,7 +55,7 @@ from batchpilot.core.engine import (
     StepResult,
     merge_into,
 )
-from batchpilot.core.vllm_cpu import cpu_simd_flags, request_amx_permission, small_machine_omp_defaults
+from batchpilot.platform.vllm_cpu import cpu_simd_flags, request_amx_permission, small_machine_omp_defaults
 from batchpilot.schemas import VLLMEngineConfig  # declared there (schema/vllm_engine); re-exported
 
 _GiB = 1 << 30
@@ -88,7 +88,7 @@ class VLLMEngine(Engine):
         self._cfg = cfg or VLLMEngineConfig()
         self._epoch = time.monotonic()
         if self._cfg.model is None:
-            from batchpilot.core.tiny_model import build_tiny_model
+            from batchpilot.platform.tiny_model import build_tiny_model
 
             self._model_path = str(build_tiny_model())
         else:
@@ -125,7 +125,7 @@ class VLLMEngine(Engine):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # must precede vllm's env reads
         if "torch" not in sys.modules:  # only effective before torch loads
             small_machine_omp_defaults(os.environ)
-        request_amx_permission()  # the engine runs in this process (core/vllm_cpu.py says why)
+        request_amx_permission()  # the engine runs in this process (platform/vllm_cpu.py says why)
         from vllm import EngineArgs
         from vllm.platforms import current_platform
         from vllm.v1.engine.llm_engine import LLMEngine

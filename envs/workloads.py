@@ -35,7 +35,14 @@ from typing import Any, Protocol
 import numpy as np
 
 from batchpilot.core.engine import Request
-from batchpilot.core.workload_config import (  # noqa: F401  (re-exported: the workload group's schemas)
+from batchpilot.envs.traces import (
+    MOONCAKE_BLOCK_TOKENS,
+    TRACE_FORMATS,
+    TraceOptions,
+    clip_lengths,
+    read_trace,
+)
+from batchpilot.workload_config import (  # noqa: F401  (re-exported: the workload group's schemas)
     WORKLOAD_KINDS,
     WORKLOAD_SCHEMAS,
     DiurnalWorkload,
@@ -52,13 +59,6 @@ from batchpilot.core.workload_config import (  # noqa: F401  (re-exported: the w
     WorkloadConfigError,
     as_range,
     workload_from_node,
-)
-from batchpilot.envs.traces import (
-    MOONCAKE_BLOCK_TOKENS,
-    TRACE_FORMATS,
-    TraceOptions,
-    clip_lengths,
-    read_trace,
 )
 
 
@@ -526,7 +526,7 @@ def _check_max_tokens(max_tokens: np.ndarray, output: np.ndarray) -> np.ndarray:
 
 
 # --- config -> stream -----------------------------------------------------------------------------
-# Each kind's keys, types and defaults are its dataclass in batchpilot/core/workload_config.py
+# Each kind's keys, types and defaults are its dataclass in batchpilot/workload_config.py
 # (the workload group's schemas); ``workload_from_node`` checks a node against it.
 
 

@@ -27,9 +27,9 @@ from stable_baselines3.common.callbacks import BaseCallback
 from stable_baselines3.common.logger import KVWriter
 
 from batchpilot.config import config_dirs, group_file, group_names, plain
-from batchpilot.core.workload_config import workload_from_node
 from batchpilot.envs.serving_env import ServingEnv
 from batchpilot.policies.controllers import Controller, build_controller
+from batchpilot.workload_config import workload_from_node
 
 if TYPE_CHECKING:  # pragma: no cover
     from sb3_contrib import MaskablePPO

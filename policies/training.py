@@ -236,7 +236,7 @@ def validation_base_cfg(plain: DictConfig, spec: Any) -> DictConfig:
     sim`` on a live run (``engine=vllm``) swaps in the simulator with the live engine's
     scheduler limits (block size, token budget, sequences, KV block cap) on the calibrated
     profile of its model/hardware (``model=tiny_llama hardware=cpu_tiny`` under engine=vllm):
-    the live engine's simulated twin, as ``policies/live_twin.py`` builds it. Validating live
+    the live engine's simulated twin, as ``evaluation/live_twin.py`` builds it. Validating live
     would cost one wall second per simulated interval (16 min per evaluation with the default
     suite) and a second vLLM engine in the process."""
     engine = spec.get("engine") if hasattr(spec, "get") else None

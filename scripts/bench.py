@@ -129,7 +129,7 @@ def bench_served_decode(cfg: DictConfig) -> dict[str, Any]:
     real ``vllm serve`` (tiny model), wall ms per output token, beside the decode step the
     simulator predicts on the profile (``conf/hardware/cpu_tiny.yaml``, fitted on
     ``engine.step()`` in process), and the fit of the difference (docs/sim_to_real.md)."""
-    from batchpilot.policies.calibration import fit_served_profile
+    from batchpilot.evaluation.calibration import fit_served_profile
     from batchpilot.serving.served_decode import measure_served_decode
 
     b = cfg.served_decode
@@ -145,7 +145,7 @@ def bench_served_round_trip(cfg: DictConfig) -> dict[str, Any]:
     """The served round trip against the simulator: one-token requests sent one at a time to an
     idle real ``vllm serve``, client wall ms, beside the one iteration the simulator charges
     (hardware=<profile>); the difference is what ``engine.ingress_latency_s`` stands for."""
-    from batchpilot.policies.calibration import tiny_profile
+    from batchpilot.evaluation.calibration import tiny_profile
     from batchpilot.serving.served_decode import measure_round_trip
 
     b = cfg.served_round_trip

@@ -6,7 +6,7 @@ and writes the fitted hardware profile (``conf/hardware/cpu_tiny.yaml``);
 prints a table of relative errors, ending with ONE JSON line (``fit=false`` skips the fit and
 uses the committed profile); ``served.enabled=true`` measures the served path through
 ``vllm serve`` and writes ``conf/hardware/cpu_tiny_served.yaml``. See conf/calibrate.yaml,
-policies/calibration.py (the fit) and policies/sim_to_real.py (the report).
+evaluation/calibration.py (the fit) and evaluation/sim_to_real.py (the report).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
 import batchpilot.schemas  # noqa: E402,F401  (stores the config schemas before Hydra composes)
-from batchpilot.policies.calibration import main as run  # noqa: E402
+from batchpilot.evaluation.calibration import main as run  # noqa: E402
 
 
 @hydra.main(config_path="../conf", config_name="calibrate", version_base="1.3")
@@ -39,7 +39,7 @@ def main(cfg: DictConfig) -> None:
         # the gateway's process management (serving/) without an import cycle.
         from rich.console import Console
 
-        from batchpilot.policies.calibration import write_served_profile
+        from batchpilot.evaluation.calibration import write_served_profile
         from batchpilot.serving.served_decode import measure_served_decode
 
         write_served_profile(cfg, measure_served_decode(cfg.served), Console(width=160))

@@ -10,7 +10,7 @@ import hydra
 from omegaconf import DictConfig
 
 import batchpilot.schemas  # noqa: F401  (stores the config schemas before Hydra composes)
-from batchpilot.policies.evaluation import EvaluationError, evaluate
+from batchpilot.evaluation.matrix import EvaluationError, evaluate
 
 
 @hydra.main(config_path="../conf", config_name="evaluate", version_base="1.3")

@@ -12,7 +12,7 @@ from types import FrameType
 
 # One passive OpenMP thread per process on a small machine (the client and vLLM share the
 # cores); must be set before torch loads (docs/sim_to_real.md).
-from batchpilot.core.vllm_cpu import small_machine_omp_defaults
+from batchpilot.platform.vllm_cpu import small_machine_omp_defaults
 
 small_machine_omp_defaults(os.environ)
 
@@ -20,7 +20,7 @@ import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
 import batchpilot.schemas  # noqa: E402,F401  (stores the config schemas before Hydra composes)
-from batchpilot.policies.live_evaluation import (  # noqa: E402
+from batchpilot.evaluation.live import (  # noqa: E402
     LiveEvaluationError,
     LiveEvaluationInterrupted,
     live_evaluate,
@@ -46,7 +46,7 @@ def main(cfg: DictConfig) -> None:
     exit_on_sigterm()
     try:
         if cfg.get("twin_of"):
-            from batchpilot.policies.live_twin import twin_of
+            from batchpilot.evaluation.live_twin import twin_of
 
             try:
                 twin_of(str(cfg.twin_of), speed_from=cfg.get("twin_speed_of"),

@@ -95,7 +95,7 @@ def server_timing(header: str, metric: str) -> float:
 def bench_gateway(cfg: Any) -> dict[str, Any]:
     """Start vLLM + gateway, measure, stop both; returns the figures (milliseconds)."""
     from batchpilot.config import REPO_ROOT
-    from batchpilot.core.tiny_model import build_tiny_model
+    from batchpilot.platform.tiny_model import build_tiny_model
     from batchpilot.serving.upstream import ManagedVLLM, free_port
 
     b = GatewayBenchConfig.from_cfg(cfg)

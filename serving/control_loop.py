@@ -32,8 +32,8 @@ from batchpilot.core.knobs import Knobs, Proposal
 from batchpilot.core.plant import BreakerTrip, actuate
 from batchpilot.core.shield import INTERVENTION_KINDS, Decision, Shield, ShieldConfig, ShieldInputs
 from batchpilot.core.telemetry import Snapshot
-from batchpilot.core.vllm_cpu import cpu_kv8_unavailable_reason, engines_run_on_cpu
 from batchpilot.metrics import parse_vllm_metrics
+from batchpilot.platform.vllm_cpu import cpu_kv8_unavailable_reason, engines_run_on_cpu
 from batchpilot.policies.controllers import build_controller
 from batchpilot.serving.actuation import LanePlant
 from batchpilot.serving.lanes import Lane

@@ -133,7 +133,7 @@ def default_engine_log_dir(run_dir: Path | None) -> Path:
 
 
 def default_model_dir() -> str:
-    from batchpilot.core.tiny_model import build_tiny_model
+    from batchpilot.platform.tiny_model import build_tiny_model
 
     return str(build_tiny_model())
 

@@ -5,7 +5,7 @@ one-token request at a time on an idle server, client wall time.
 The in-process calibration times ``engine.step()``; a live evaluation goes through vLLM's API
 server, which does per-sequence work every step (outputs sent from the engine process,
 detokenised, bookkept) on the same cores. This measures that path so the calibration can add it
-(``policies/calibration.py`` ``fit_served_extra``; ``scripts/calibrate.py served=true``,
+(``evaluation/calibration.py`` ``fit_served_extra``; ``scripts/calibrate.py served=true``,
 ``scripts/bench.py target=served_decode``). The round trip, less the one iteration the
 simulator charges for it, is the time a request spends crossing the API server each way, which
 the simulator's ``engine.ingress_latency_s`` stands for (``scripts/bench.py
@@ -22,7 +22,7 @@ from typing import Any
 
 import httpx
 
-from batchpilot.core.tiny_model import build_tiny_model
+from batchpilot.platform.tiny_model import build_tiny_model
 from batchpilot.serving.upstream import ManagedVLLM, free_port
 
 SERVED_NAME = "tiny-llama"

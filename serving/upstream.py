@@ -27,8 +27,8 @@ from typing import Any
 
 import httpx
 
-from batchpilot.core.vllm_cpu import small_machine_omp_defaults
 from batchpilot.metrics import VLLM_SAMPLE_NAMES
+from batchpilot.platform.vllm_cpu import small_machine_omp_defaults
 from batchpilot.serving.http1 import Http1Pool
 from batchpilot.serving.reaper import IPC_DIR_PREFIX
 

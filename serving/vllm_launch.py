@@ -10,7 +10,7 @@ needs it on AMX CPUs).
 
 from __future__ import annotations
 
-from batchpilot.core.vllm_cpu import request_amx_permission
+from batchpilot.platform.vllm_cpu import request_amx_permission
 
 request_amx_permission()
 

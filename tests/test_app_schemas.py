@@ -183,10 +183,10 @@ def test_a_top_level_key_added_with_plus_is_named_when_the_app_reads_its_config(
     schema again when they read it."""
     from rich.console import Console
 
-    from batchpilot.policies.calibration import run_fit
-    from batchpilot.policies.eval_plan import EvalConfig, EvaluationError, compose_eval
-    from batchpilot.policies.live_evaluation import LiveEvaluationError, _check
-    from batchpilot.policies.sim_to_real import run_report
+    from batchpilot.evaluation.calibration import run_fit
+    from batchpilot.evaluation.live import LiveEvaluationError, _check
+    from batchpilot.evaluation.plan import EvalConfig, EvaluationError, compose_eval
+    from batchpilot.evaluation.sim_to_real import run_report
 
     cfg, _ = compose_eval(["+seedz=[1]"])
     with pytest.raises(EvaluationError, match=r"(?s)Key 'seedz' not in 'EvaluateApp'.*full_key: seedz\n"):
@@ -239,7 +239,7 @@ def test_the_app_schemas_hold_no_defaults() -> None:
 
 
 def test_the_shipped_app_configs_build_their_nodes() -> None:
-    from batchpilot.policies.eval_plan import EvalConfig, compose_eval
+    from batchpilot.evaluation.plan import EvalConfig, compose_eval
 
     for name in ("evaluate", "evaluate_matrix"):
         ecfg = EvalConfig.from_cfg(compose_eval([], name)[0])

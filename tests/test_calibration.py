@@ -15,7 +15,7 @@ from batchpilot.config import load_config
 from batchpilot.core.engine import IterationShape, Request
 from batchpilot.envs.sim_engine import SimEngine, SimEngineConfig
 from batchpilot.envs.specs import HardwareSpec, ModelSpec
-from batchpilot.policies.calibration import (
+from batchpilot.evaluation.calibration import (
     CalibrationError,
     Fit,
     IterationSample,
@@ -23,7 +23,7 @@ from batchpilot.policies.calibration import (
     fit_to_hardware,
     residuals,
 )
-from batchpilot.policies.sim_to_real import MetricComparison, summary_json
+from batchpilot.evaluation.sim_to_real import MetricComparison, summary_json
 
 TINY = ModelSpec.from_cfg(load_config(["model=tiny_llama"]).model)
 BASE = HardwareSpec(name="test_cpu", peak_tflops=0.5, hbm_tb_s=0.05, memory_gb=2.0)
@@ -99,7 +99,7 @@ def test_tiny_grid_calibration_writes_a_profile_the_simulator_loads(tmp_path: Pa
     pytest.importorskip("vllm")
     from rich.console import Console
 
-    from batchpilot.policies.calibration import run_fit
+    from batchpilot.evaluation.calibration import run_fit
 
     out = tmp_path / "cpu_test.yaml"
     cfg = load_config(
@@ -156,7 +156,7 @@ def test_a_short_report_probes_the_live_engine_and_accounts_for_every_run(tiny_m
     pytest.importorskip("vllm")
     from rich.console import Console
 
-    from batchpilot.policies.sim_to_real import run_report
+    from batchpilot.evaluation.sim_to_real import run_report
 
     cfg = load_config(
         [
@@ -192,7 +192,7 @@ def test_the_served_fit_recovers_what_the_served_path_adds():
     from batchpilot.config import load_config
     from batchpilot.envs.specs import HardwareSpec, ModelSpec
     from batchpilot.envs.step_time import StepTimeModel
-    from batchpilot.policies.calibration import CalibrationError, fit_served_extra, with_served_extra
+    from batchpilot.evaluation.calibration import CalibrationError, fit_served_extra, with_served_extra
 
     cfg = load_config(["model=tiny_llama", "hardware=cpu_tiny"])
     hw, model = HardwareSpec.from_cfg(cfg.hardware), ModelSpec.from_cfg(cfg.model)
@@ -249,7 +249,7 @@ def test_mixed_points_that_do_not_fit_the_token_budget_are_skipped_not_an_error(
     iteration: the grid leaves that pair out (as it does prefill points), and measures the rest."""
     import dataclasses
 
-    from batchpilot.policies.calibration import measure_grid
+    from batchpilot.evaluation.calibration import measure_grid
 
     grid = dataclasses.replace(_probe_grid(), batch_sizes=(8, 64), contexts=(16,), mixed_batches=(8, 64),
                                mixed_chunks=(256, 2000), chunks=(64,), prefill_reqs=(1,))
@@ -263,7 +263,7 @@ def test_the_state_probe_retakes_or_sets_aside_points_measured_on_a_busy_host(st
     probe the points it hit are measured again once it has passed and then equal the quiet
     host's measurements; if it never passes they carry their slow state and the fit leaves them
     out."""
-    from batchpilot.policies.calibration import StateMeter, fit_set, measure_grid
+    from batchpilot.evaluation.calibration import StateMeter, fit_set, measure_grid
     from batchpilot.schemas import StateProbe
 
     grid = _probe_grid()
@@ -298,7 +298,7 @@ def test_the_state_probe_retakes_or_sets_aside_points_measured_on_a_busy_host(st
 
 
 def test_compared_runs_keep_the_fast_state_unless_too_few() -> None:
-    from batchpilot.policies.sim_to_real import compared_runs
+    from batchpilot.evaluation.sim_to_real import compared_runs
 
     assert compared_runs([1.0, 1.9, 1.05, 1.1], 0.2, runs=3) == [0, 2, 3]
     assert compared_runs([1.0, 1.9, 1.05, 1.1], 0.2, runs=2) == [0, 2]
@@ -310,7 +310,7 @@ def test_the_fast_state_is_anchored_on_a_quantile_of_the_probes() -> None:
     """One lucky probe must not make an idle host read as busy: with ``anchor_quantile`` the
     fast state is that quantile of the probes; 0 keeps the fastest; the report's floor (the
     profile's own prediction of the probe) still wins when it is faster."""
-    from batchpilot.policies.calibration import StateMeter
+    from batchpilot.evaluation.calibration import StateMeter
     from batchpilot.schemas import StateProbe
 
     kw = dict(enabled=True, batch=8, context=64, steps=4, tolerance=0.2, retries=2, max_runs=6)
@@ -330,7 +330,7 @@ def test_the_fast_state_is_anchored_on_a_quantile_of_the_probes() -> None:
 
 def test_a_missed_target_says_why_and_what_to_change() -> None:
     """Issue 16: a fit that misses a target says exactly why not and what to change."""
-    from batchpilot.policies.sim_to_real import diagnose
+    from batchpilot.evaluation.sim_to_real import diagnose
 
     rows = [
         MetricComparison("azure_conv", "p99_ttft_ms", 15333.0, (14986.0, 11574.0, 21.5)),  # a coin toss
@@ -364,7 +364,7 @@ def test_a_miss_is_split_into_the_engines_speed_and_the_simulators_scheduling() 
     """The live runs' own iterations priced by the profile (``EngineSpeed``) say whether the
     engine ran slower than the profile, and the simulator at that speed whether speed is the
     whole gap: three different reasons, three different changes."""
-    from batchpilot.policies.sim_to_real import EngineSpeed, diagnose
+    from batchpilot.evaluation.sim_to_real import EngineSpeed, diagnose
 
     live = (2000.0, 2050.0, 1990.0)
     slow_engine = EngineSpeed(1.24, 1.26, 1.20, 5741)
@@ -400,7 +400,7 @@ def test_a_miss_is_split_into_the_engines_speed_and_the_simulators_scheduling() 
 
 def test_engine_speed_prices_each_iteration_with_the_profile() -> None:
     from batchpilot.envs.step_time import StepTimeModel
-    from batchpilot.policies.sim_to_real import EngineSpeed
+    from batchpilot.evaluation.sim_to_real import EngineSpeed
 
     hw = HardwareSpec.from_cfg(load_config(["hardware=cpu_tiny"]).hardware)
     st = StepTimeModel.build(hw, ModelSpec.from_cfg(load_config(["model=tiny_llama"]).model), "auto", 2048, 256)
@@ -422,8 +422,8 @@ def test_engine_speed_prices_each_iteration_with_the_profile() -> None:
 def test_a_load_sized_to_capacity_offers_that_share_of_what_the_profile_serves() -> None:
     """``load_vs_capacity``: the rate factor puts the workload's mean load at the asked share of
     the simulated engine's saturated rate at the controller's cap, whatever its own rate was."""
-    from batchpilot.policies.calibration import CalibrationError
-    from batchpilot.policies.sim_to_real import capacity_scale
+    from batchpilot.evaluation.calibration import CalibrationError
+    from batchpilot.evaluation.sim_to_real import capacity_scale
 
     cal = load_config([], config_name="calibrate")
     sim = load_config([*cal.sim_overrides, *cal.common_overrides, *cal.workloads["azure_conv"]])
@@ -443,8 +443,8 @@ def test_a_load_sized_to_capacity_offers_that_share_of_what_the_profile_serves()
 def test_a_load_share_for_a_workload_the_report_does_not_run_is_an_error() -> None:
     from rich.console import Console
 
-    from batchpilot.policies.calibration import CalibrationError
-    from batchpilot.policies.sim_to_real import run_report
+    from batchpilot.evaluation.calibration import CalibrationError
+    from batchpilot.evaluation.sim_to_real import run_report
 
     cfg = load_config(["+load_vs_capacity.azure_cnv=0.6"], config_name="calibrate")
     with pytest.raises(CalibrationError, match=r"\['azure_cnv'\], not among the workloads"):

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from batchpilot.config import REPO_ROOT, load_config
-from batchpilot.policies.calibration import CalibrationError, check_workloads
+from batchpilot.evaluation.calibration import CalibrationError, check_workloads
 
 SCRIPT = REPO_ROOT / "scripts" / "calibrate.py"
 

@@ -244,7 +244,7 @@ def test_every_shipped_workload_composes_and_builds() -> None:
     ("config", ["workload=azure_conv", "workload.time_scale=3.0", "workload.duration_s=120",
                    "workload.overflow=clip"]),
     ("evaluate", ["workload=mooncake", "model=deepseek_v3", "hardware=h200", "workload.duration_s=200"]),
-    # scripts/bench.py, policies/live_twin.py, the generic trace group
+    # scripts/bench.py, evaluation/live_twin.py, the generic trace group
     ("config", ["workload=poisson", "workload.rate=15.0"]),
     ("config", ["workload=trace", "workload.path=data/traces/azure_llm_2023_conv.csv", "workload.format=azure",
                 "workload.start_s=30.0", "workload.time_scale=2.0", "workload.duration_s=null"]),
@@ -253,7 +253,7 @@ def test_every_shipped_workload_composes_and_builds() -> None:
 def test_the_workload_overrides_used_in_the_code_base_compose_and_build(config, overrides) -> None:
     node = load_config(overrides, config_name=config).workload
     if node.kind == "trace":
-        node.start_s = 10.0  # policies/eval_plan.py sets a trace window's start
+        node.start_s = 10.0  # evaluation/plan.py sets a trace window's start
     node.rate_scale = float(node.rate_scale) * 2  # and scales the load (load.mode, per-deployment)
     assert len(build_workload(node, np.random.default_rng(0), 2048)) > 0
 

@@ -16,9 +16,9 @@ import pytest
 from hydra.errors import ConfigCompositionException
 
 from batchpilot.config import REPO_ROOT
-from batchpilot.policies import eval_report as rep
-from batchpilot.policies.eval_plan import EvaluationError, compose_eval, workload_overrides
-from batchpilot.policies.evaluation import GridPoint, evaluate, pick_best
+from batchpilot.evaluation import report as rep
+from batchpilot.evaluation.matrix import GridPoint, evaluate, pick_best
+from batchpilot.evaluation.plan import EvaluationError, compose_eval, workload_overrides
 
 #: A short, loaded Poisson window: 2 controllers × 3 seeds finish in seconds.
 SMALL = [
@@ -127,7 +127,7 @@ def test_timeline_seeds_keep_each_seeds_own_episode(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("seeds,why", [("[3]", r"\[3\] not scored"), ("[]", r"got \[\]"), ("[1,1]", r"got \[1, 1\]")])
 def test_timeline_seeds_must_be_scored_seeds(seeds: str, why: str) -> None:
-    from batchpilot.policies.eval_plan import EvalConfig
+    from batchpilot.evaluation.plan import EvalConfig
 
     cfg, _ = compose_eval([*SMALL, f"timeline_seeds={seeds}"])
     with pytest.raises(EvaluationError, match=r"timeline_seeds must be distinct seeds of seeds=\[0, 1, 2\].*" + why):
@@ -356,7 +356,7 @@ def test_a_malformed_policy_file_is_one_error_naming_it(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_workloads_carry_their_model_and_hardware() -> None:
-    from batchpilot.policies.eval_plan import EvalConfig, plan_workload
+    from batchpilot.evaluation.plan import EvalConfig, plan_workload
 
     user = ["workloads=[poisson,mooncake]", "seeds=[0]", "logger=none", "best_static.tune_seeds=[3]"]
     ecfg = EvalConfig.from_cfg(compose_eval(user)[0])
@@ -374,7 +374,7 @@ def test_workloads_carry_their_model_and_hardware() -> None:
 
 def test_edited_model_or_hardware_fields_show_in_the_label() -> None:
     """A result on an H100 with 40 GB is not labelled as the 80 GB file it no longer matches."""
-    from batchpilot.policies.eval_plan import EvalConfig, plan_workload
+    from batchpilot.evaluation.plan import EvalConfig, plan_workload
 
     user = ["workload=poisson", "seeds=[0]", "logger=none", "hardware.memory_gb=40", "model.max_model_len=4096"]
     plan = plan_workload(user, None, EvalConfig.from_cfg(compose_eval(user)[0]))
@@ -385,7 +385,7 @@ def test_edited_model_or_hardware_fields_show_in_the_label() -> None:
 
 
 def test_live_engine_runs_its_own_model_not_the_workloads() -> None:
-    from batchpilot.policies.eval_plan import EvalConfig, extra_overrides
+    from batchpilot.evaluation.plan import EvalConfig, extra_overrides
 
     user = ["engine=vllm", "workload=mooncake"]
     cfg, _ = compose_eval(user)
@@ -412,7 +412,7 @@ def test_trace_seeds_replay_distinct_windows(tmp_path: Path) -> None:
 
 
 def test_tune_seeds_must_not_overlap_scored_seeds(tmp_path: Path) -> None:
-    from batchpilot.policies.eval_plan import EvalConfig
+    from batchpilot.evaluation.plan import EvalConfig
 
     cfg, _ = compose_eval([*SMALL, "policies=[best_static]", "best_static.tune_seeds=[2,5]"])
     with pytest.raises(EvaluationError, match=r"tune_seeds \[2, 5\] overlap seeds \[0, 1, 2\] at \[2\]"):
@@ -555,8 +555,8 @@ def test_a_residual_policy_starts_where_the_pid_it_corrects_starts() -> None:
     """Factor 1 is PID, so the evaluation starts a residual policy at its PID's start cap, as it
     starts PID: started at the environment's default instead, it tracked PID's trajectory at
     half the cap (Mooncake @ Llama-3-70B/TP8: 2.10 vs 2.39 req/s, the same 2.39 from one start)."""
-    from batchpilot.policies.eval_plan import EvalConfig, plan_workload
-    from batchpilot.policies.evaluation import make_controller, policy_config, start_knobs
+    from batchpilot.evaluation.matrix import make_controller, policy_config, start_knobs
+    from batchpilot.evaluation.plan import EvalConfig, plan_workload
 
     user = ["seeds=[0]", "logger=none"]
     ecfg = EvalConfig.from_cfg(compose_eval(user)[0])
@@ -578,8 +578,8 @@ def test_kv_start_starts_8bit_only_where_memory_binds(deployment: str, memory_bi
     ceiling holds fewer requests at 16 bits than the cap may reach: DeepSeek-V3 on an H200 (its
     weights take two thirds of the budget), not Llama-3-8B on an H100. PID starts as configured,
     and so does the policy with ``kv_start: false``."""
-    from batchpilot.policies.eval_plan import EvalConfig, plan_workload
-    from batchpilot.policies.evaluation import make_controller, policy_config, start_knobs
+    from batchpilot.evaluation.matrix import make_controller, policy_config, start_knobs
+    from batchpilot.evaluation.plan import EvalConfig, plan_workload
 
     user = ["seeds=[0]", "logger=none", f"deployments=[{deployment}]"]
     ecfg = EvalConfig.from_cfg(compose_eval(user)[0])

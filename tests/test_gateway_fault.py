@@ -137,7 +137,7 @@ def test_kv_dtype_switch_restarts_managed_upstream_drained(gw: RunningGateway) -
     """An operator KV dtype switch (the path a policy's switch takes too): the managed upstream
     restarts with the new dtype while requests queue (or time out with 503 + Retry-After);
     afterwards it serves with 8-bit KV."""
-    from batchpilot.core.vllm_cpu import cpu_kv8_unavailable_reason
+    from batchpilot.platform.vllm_cpu import cpu_kv8_unavailable_reason
 
     wait_ready(gw.url, 420)
     why = cpu_kv8_unavailable_reason()

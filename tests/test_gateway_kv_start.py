@@ -16,7 +16,7 @@ pytestmark = [pytest.mark.live, pytest.mark.slow, pytest.mark.timeout(900)]
 
 
 def test_a_policy_gateway_starts_its_engine_at_8bit_where_memory_binds() -> None:
-    from batchpilot.core.vllm_cpu import cpu_kv8_unavailable_reason
+    from batchpilot.platform.vllm_cpu import cpu_kv8_unavailable_reason
 
     why = cpu_kv8_unavailable_reason()
     with running_gateway("serve.control.mode=policy", "shield.memory_ceiling=0.1") as gw:

@@ -22,7 +22,7 @@ pytestmark = [pytest.mark.live, pytest.mark.slow, pytest.mark.timeout(900)]
 @contextlib.contextmanager
 def reference_server() -> Iterator[str]:
     """A 16-bit ``vllm serve`` of the gateway's own tiny Llama (served as ``tiny-llama`` too)."""
-    from batchpilot.core.tiny_model import build_tiny_model
+    from batchpilot.platform.tiny_model import build_tiny_model
     from batchpilot.serving.upstream import ManagedVLLM, free_port
 
     model = build_tiny_model()
@@ -48,7 +48,7 @@ def _lane(gw: RunningGateway) -> dict:
 
 
 def test_output_diffs_above_threshold_fall_back_to_16bit() -> None:
-    from batchpilot.core.vllm_cpu import cpu_kv8_unavailable_reason as kv8_unavailable_reason
+    from batchpilot.platform.vllm_cpu import cpu_kv8_unavailable_reason as kv8_unavailable_reason
 
     if kv8_unavailable_reason() is not None:
         pytest.skip(kv8_unavailable_reason())

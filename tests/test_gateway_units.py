@@ -240,7 +240,7 @@ def test_capabilities_come_from_the_upstream_not_the_gateways_host() -> None:
     from batchpilot.core.admission import AdmissionConfig
     from batchpilot.core.knobs import Knobs
     from batchpilot.core.telemetry import SLO, Telemetry
-    from batchpilot.core.vllm_cpu import cpu_kv8_unavailable_reason
+    from batchpilot.platform.vllm_cpu import cpu_kv8_unavailable_reason
     from batchpilot.serving.control_loop import upstream_engine_model
     from batchpilot.serving.lanes import Lane
     from batchpilot.serving.upstream import EngineInfo, Upstream
@@ -371,7 +371,7 @@ def test_every_managed_vllm_process_asks_for_amx_first() -> None:
     import subprocess
     import sys
 
-    from batchpilot.core.vllm_cpu import cpu_simd_flags
+    from batchpilot.platform.vllm_cpu import cpu_simd_flags
     from batchpilot.serving.upstream import ManagedVLLM
 
     cmd = ManagedVLLM(model="m", served_model_name="m", max_model_len=64, max_num_seqs=4, port=1).command()
@@ -380,7 +380,7 @@ def test_every_managed_vllm_process_asks_for_amx_first() -> None:
 
     def permitted(*imports: str) -> str:
         code = "".join(f"import {m}; " for m in imports)
-        code += "from batchpilot.core.vllm_cpu import amx_permitted; print(amx_permitted())"
+        code += "from batchpilot.platform.vllm_cpu import amx_permitted; print(amx_permitted())"
         return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
 
     assert permitted() == "False"  # a new process starts without it (nor is it kept over exec)

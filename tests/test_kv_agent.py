@@ -231,8 +231,8 @@ def test_the_docs_list_the_kv_features_in_order():
 
 
 def _eval_rows(tmp: Path, extra: list[str]) -> dict[tuple[str, int], dict]:
-    from batchpilot.policies.eval_plan import compose_eval
-    from batchpilot.policies.evaluation import evaluate
+    from batchpilot.evaluation.matrix import evaluate
+    from batchpilot.evaluation.plan import compose_eval
 
     # The agent's own switches: the policy starts at the engine's 16-bit dtype, as ppo_no_kv does
     # (kv_start would start it at 8 bits where memory binds, leaving the agent nothing to decide).

@@ -20,7 +20,7 @@ from batchpilot.envs.timed_trace import (
     write_timed_trace,
 )
 from batchpilot.envs.traces import TraceFormatError, TraceOptions
-from batchpilot.policies.live_evaluation import (
+from batchpilot.evaluation.live import (
     ENGINE_COUNTERS,
     GATEWAY_COUNTERS,
     LIVE_ROW_KEYS,
@@ -203,7 +203,7 @@ def test_config_checks() -> None:
 
 
 def test_a_bad_scenario_window_fails_before_anything_is_written_or_started(tmp_path: Path) -> None:
-    from batchpilot.policies.live_evaluation import live_evaluate
+    from batchpilot.evaluation.live import live_evaluate
 
     out = tmp_path / "never"
     for bad, needle in ((["live_scenario.duration_s=-5"], r"live_scenario 'steady': duration_s must be > 0"),
@@ -218,7 +218,7 @@ def test_a_given_capacity_replays_another_runs_load_without_a_probe() -> None:
     """Two runs of a sized scenario compare one setting only if they replay the same load: a
     run's ``load.capacity_req_s`` given back sizes the window exactly as its probe did, and no
     probe runs; the probed path sizes on what the probe measured."""
-    from batchpilot.policies.live_evaluation import machine_load, scenario_trace
+    from batchpilot.evaluation.live import machine_load, scenario_trace
 
     cfg = load_config(["live_scenario=code", "out_dir=/tmp/x"], config_name="live_evaluate")
     sc = cfg.live_scenario
@@ -313,7 +313,7 @@ def test_rows_account_for_every_request_and_files_are_written(tmp_path: Path) ->
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_short_live_evaluation(tmp_path: Path, tiny_model_path: Path) -> None:
-    from batchpilot.policies.live_evaluation import live_evaluate
+    from batchpilot.evaluation.live import live_evaluate
 
     # Sized to this machine (load_multiple) and short: `steady`'s first 15 trace seconds (24
     # requests) at 5x, a 3 s window, replayed for as long as written at 2x what vLLM serves here

@@ -21,7 +21,7 @@ import pytest
 from batchpilot.config import REPO_ROOT, load_config
 from batchpilot.envs.timed_trace import TimedTraceOptions, convert_trace
 from batchpilot.envs.traces import TraceOptions, read_trace
-from batchpilot.policies.live_evaluation import (
+from batchpilot.evaluation.live import (
     LiveEvaluationError,
     _check,
     check_out_dir,
@@ -229,7 +229,7 @@ def test_partial_results_say_they_are_partial(tmp_path: Path) -> None:
 
 _INTERRUPTED_RUN = """
 import contextlib, runpy, sys
-import batchpilot.policies.live_evaluation as le
+import batchpilot.evaluation.live as le
 
 @contextlib.contextmanager
 def fake_gateway(*args, **kwargs):  # no vLLM: Ctrl-C comes while the first run waits on it

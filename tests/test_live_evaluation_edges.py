@@ -18,7 +18,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from batchpilot.config import REPO_ROOT, load_config
-from batchpilot.policies.live_evaluation import (
+from batchpilot.evaluation.live import (
     LiveEvaluationError,
     _check,
     check_out_dir,
@@ -196,7 +196,7 @@ def test_max_requests_on_a_sized_scenario_is_refused_with_what_to_do() -> None:
 
 # --- the rows name the trace window --------------------------------------------------------------
 def test_rows_are_labelled_with_the_trace_and_window(tmp_path: Path) -> None:
-    from batchpilot.policies.live_evaluation import scenario_label
+    from batchpilot.evaluation.live import scenario_label
 
     def label(*ov: str) -> str:
         sc = load_config([*ov, "out_dir=/tmp/x"], config_name="live_evaluate").live_scenario
@@ -225,7 +225,7 @@ def test_twin_of_finds_a_cwd_relative_trace_and_says_when_there_is_no_gain(tmp_p
     """A finished run's folder whose trace was found in the current folder (``my.csv``): its twin
     is computed from the same folder (the simulator read relative traces from the repository only),
     and a run without ppo has one line where the gains table would be empty. The real simulator."""
-    from batchpilot.policies.live_twin import twin_of
+    from batchpilot.evaluation.live_twin import twin_of
 
     monkeypatch.chdir(tmp_path)
     shutil.copy(AZURE, tmp_path / "my.csv")

@@ -14,7 +14,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from batchpilot.config import load_config
-from batchpilot.policies.live_evaluation import (
+from batchpilot.evaluation.live import (
     LIVE_ROW_KEYS,
     LiveEvaluationError,
     _check,
@@ -25,7 +25,7 @@ from batchpilot.policies.live_evaluation import (
     tune_flags,
     write_results,
 )
-from batchpilot.policies.live_tuned import (
+from batchpilot.evaluation.live_tuned import (
     TUNED,
     TunedConfigError,
     base_engine_settings,
@@ -90,7 +90,7 @@ def test_given_flags_skip_the_sweep() -> None:
 
 
 def test_overlapping_windows_are_refused_with_both_named(tmp_path: Path) -> None:
-    from batchpilot.policies.live_evaluation import live_evaluate
+    from batchpilot.evaluation.live import live_evaluate
 
     out = tmp_path / "never"
     for bad, needle in (
@@ -229,7 +229,7 @@ def test_vllm_tuned_live_with_fixed_flags_counts_refusals(tmp_path: Path, tiny_m
     (steady's first 24 requests at 20x, under half a second): vLLM's API server refuses part of
     it with 503, each refusal a failed request (a miss) in the row, and the client's count of
     them is vLLM's own counter's."""
-    from batchpilot.policies.live_evaluation import live_evaluate
+    from batchpilot.evaluation.live import live_evaluate
 
     cfg = load_config(["rounds=1", "paths=[vllm_direct,vllm_tuned]", "live_scenario.max_requests=24",
                        "live_scenario.time_scale=20", "warmup.requests=4", "sim_twin=false", "plots=false",

@@ -12,7 +12,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from batchpilot.config import REPO_ROOT, load_config
-from batchpilot.policies.live_evaluation import (
+from batchpilot.evaluation.live import (
     LiveEvaluationError,
     _check,
     policy_dirs,
@@ -20,7 +20,7 @@ from batchpilot.policies.live_evaluation import (
     scenario_trace,
     write_results,
 )
-from batchpilot.policies.live_twin import run_twin
+from batchpilot.evaluation.live_twin import run_twin
 from batchpilot.policies.ppo_controller import PRETRAINED_DIR
 
 FT = ["+policies.ppo_finetuned=policies/pretrained", "out_dir=/tmp/x"]

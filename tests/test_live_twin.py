@@ -13,8 +13,8 @@ import pytest
 from omegaconf import OmegaConf
 
 from batchpilot.config import REPO_ROOT
-from batchpilot.policies.live_evaluation import scenario_trace, sized_window
-from batchpilot.policies.live_twin import (
+from batchpilot.evaluation.live import scenario_trace, sized_window
+from batchpilot.evaluation.live_twin import (
     SECTION,
     header_priority,
     match_slowdown,
@@ -234,7 +234,7 @@ def test_a_run_without_reference_paths_takes_another_runs_twin_speed(tmp_path: P
     """A run of PID and PPO only (an A/B at another run's load) has no vllm_direct runs to match
     its twin's speed on: it takes the other run's match (``twin_speed_of``), says so, and runs
     its paths at exactly that speed; a folder without a matched speed is refused by name."""
-    from batchpilot.policies.live_twin import speed_of
+    from batchpilot.evaluation.live_twin import speed_of
 
     sc = _scenario("steady", n=8)
     tf = scenario_trace(OmegaConf.create(sc))

@@ -14,8 +14,8 @@ from batchpilot.config import load_config
 from batchpilot.core.knobs import Proposal
 from batchpilot.core.telemetry import SLO
 from batchpilot.envs.serving_env import ServingEnv
-from batchpilot.policies.eval_plan import EvaluationError, compose_eval
-from batchpilot.policies.evaluation import evaluate, run_episode
+from batchpilot.evaluation.matrix import evaluate, run_episode
+from batchpilot.evaluation.plan import EvaluationError, compose_eval
 from batchpilot.policies.lookahead import ARRIVALS, LookaheadController, LookaheadError, Option, recent_arrivals
 from batchpilot.schemas import LookaheadConfig
 

@@ -203,14 +203,14 @@ def test_training_episodes_skip_the_probe():
 
 
 def _row(pol: str, wl: str, seed: int, goodput: float) -> dict:
-    from batchpilot.policies import eval_report as rep
+    from batchpilot.evaluation import report as rep
 
     return {**dict.fromkeys(rep.METRIC_KEYS, 0.5), "policy": pol, "workload": wl, "model": "m", "hardware": "h",
             "seed": seed, "request_goodput": goodput}
 
 
 def test_results_md_divides_by_vllm_tuned_and_falls_back_to_vllm_default_saying_so():
-    from batchpilot.policies import eval_report as rep
+    from batchpilot.evaluation import report as rep
 
     rows = [_row(p, wl, s, g * k) for wl, k in (("a", 1.0), ("b", 2.0)) for s in (0, 1)
             for p, g in (("ppo", 4.0), ("vllm_tuned", 2.0), ("vllm_default", 1.0))]

@@ -22,8 +22,8 @@ import pytest
 from test_training import TINY as TRAIN_TINY
 
 from batchpilot.config import REPO_ROOT
-from batchpilot.policies.eval_plan import EvaluationError, compose_eval
-from batchpilot.policies.evaluation import evaluate
+from batchpilot.evaluation.matrix import evaluate
+from batchpilot.evaluation.plan import EvaluationError, compose_eval
 
 #: Ray's own processes (a local cluster: GCS, raylet, workers and helpers).
 RAY_PROCESS_MARKS = ("raylet", "gcs_server", "ray::", "default_worker.py", "ray/dashboard", "ray/_private")

@@ -19,8 +19,8 @@ from batchpilot.core.engine import (  # noqa: E402
     Request,
     RequestRejected,
 )
-from batchpilot.core.vllm_cpu import cpu_simd_flags  # noqa: E402
 from batchpilot.envs.vllm_engine import VLLMEngine, warm_up  # noqa: E402
+from batchpilot.platform.vllm_cpu import cpu_simd_flags  # noqa: E402
 
 pytestmark = [pytest.mark.live, pytest.mark.slow]
 

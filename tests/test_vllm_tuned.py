@@ -28,8 +28,8 @@ from batchpilot.core.engine import Request, RequestRejected
 from batchpilot.envs.api_server import API_SERVER_503, QueueLimits
 from batchpilot.envs.sim_engine import SimEngine, SimEngineConfig
 from batchpilot.envs.specs import HardwareSpec, ModelSpec
-from batchpilot.policies.eval_plan import EvalConfig, EvaluationError, compose_eval
-from batchpilot.policies.evaluation import evaluate
+from batchpilot.evaluation.matrix import evaluate
+from batchpilot.evaluation.plan import EvalConfig, EvaluationError, compose_eval
 
 
 def _engine(hw: str = "h100", model: str = "llama3_8b", **cfg: object) -> SimEngine:

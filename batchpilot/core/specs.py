@@ -69,7 +69,7 @@ class HardwareSpec:
     kv8_unavailable_reason: str = "not supported on this hardware"
     #: Every iteration takes this many times the modelled time: the same machine under other
     #: conditions than the fit's (e.g. the live twin matched to its reference run,
-    #: policies/live_twin.py). 1 = the profile as fitted.
+    #: evaluation/live_twin.py). 1 = the profile as fitted.
     slowdown: float = 1.0
 
     def __post_init__(self) -> None:

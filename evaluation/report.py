@@ -1,6 +1,6 @@
 """Evaluation results out: rows to JSON/CSV, the mean ± 95 % CI table, plots, and W&B.
 
-Input is what ``batchpilot.policies.evaluation`` produces: one row per (controller, workload,
+Input is what ``batchpilot.evaluation.matrix`` produces: one row per (controller, workload,
 deployment, seed) with the ``ROW_KEYS`` below, and per (controller, workload [@ deployment]) a
 ``Timeline`` of the first seed's episode (one point per control interval). Nothing here runs an engine.
 """

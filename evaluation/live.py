@@ -11,7 +11,7 @@ that no path always runs first or last:
   is idle in ``static`` mode, its control loop still reads vLLM's /metrics once a second);
 - ``vllm_tuned``: the client at a second managed ``vllm serve`` with vLLM's own limits
   (``--max-num-seqs``, ``--max-num-queued-tokens``, ...), swept on a tuning window of the
-  trace disjoint from the scored one, or given (``policies/live_tuned.py``);
+  trace disjoint from the scored one, or given (``evaluation/live_tuned.py``);
 - ``static`` / ``pid`` / ``ppo``: the client at the gateway, whose controller is switched
   through its admin API (``/admin/mode``: static, pid, policy). Before each gateway path the
   knobs are reset at once to the start-up ones (``/admin/freeze`` with ``force``) and the KV
@@ -69,9 +69,7 @@ from batchpilot.envs.timed_trace import (
     write_timed_trace,
 )
 from batchpilot.envs.traces import TraceOptions
-from batchpilot.policies.eval_plan import override_key
-from batchpilot.policies.eval_report import _fmt, mean_ci
-from batchpilot.policies.live_tuned import (
+from batchpilot.evaluation.live_tuned import (
     TUNED,
     TunedConfigError,
     base_engine_settings,
@@ -84,6 +82,8 @@ from batchpilot.policies.live_tuned import (
     tuned_engine,
     tuning_scenario,
 )
+from batchpilot.evaluation.plan import override_key
+from batchpilot.evaluation.report import _fmt, mean_ci
 from batchpilot.schemas import LiveEvaluateApp, LiveScenarioConfig, check_app, from_node
 
 log = logging.getLogger(__name__)
@@ -93,7 +93,7 @@ PATHS: tuple[str, ...] = ("vllm_direct", TUNED, "static", "pid", "ppo")
 GATEWAY_MODE = {"static": "static", "pid": "pid", "ppo": "policy"}
 BASELINE = "vllm_direct"
 #: Paths whose client talks to a vLLM itself (the gateway idle in ``static`` mode meanwhile):
-#: vLLM as shipped, and vLLM with its own limits (``policies/live_tuned.py``, its own engine).
+#: vLLM as shipped, and vLLM with its own limits (``evaluation/live_tuned.py``, its own engine).
 DIRECT_PATHS: tuple[str, ...] = (BASELINE, TUNED)
 #: The start of a failed request's error for an HTTP refusal: vLLM's queue limits answer 503,
 #: the gateway's breaker 429. Counted per row (``refused``), and misses like any failure.
@@ -817,7 +817,7 @@ def live_evaluate(cfg: DictConfig, model_dir: Path | None = None) -> dict[str, A
     check_out_dir(Path(str(cfg.out_dir)))
     speed = None
     if cfg.sim_twin and cfg.twin_speed_of:  # read before the runs: a bad folder fails now, not after them
-        from batchpilot.policies.live_twin import speed_of
+        from batchpilot.evaluation.live_twin import speed_of
 
         try:
             speed = speed_of(cfg.twin_speed_of)
@@ -883,7 +883,7 @@ def _live_evaluate(cfg: DictConfig, out_dir: Path, order: list[list[str]], pdirs
         if cfg.gateway.model:
             model_dir = Path(str(cfg.gateway.model))
         else:
-            from batchpilot.core.tiny_model import build_tiny_model
+            from batchpilot.platform.tiny_model import build_tiny_model
 
             model_dir = build_tiny_model()
     served = str(cfg.gateway.served_model_name)
@@ -1017,8 +1017,8 @@ def _live_evaluate(cfg: DictConfig, out_dir: Path, order: list[list[str]], pdirs
                       f"preemptions {row['preemptions']:.0f}, wall {row['wall_s']:.0f} s", flush=True)
                 write_results(rows, out_dir, meta=meta(), plots=False)
     files = write_results(rows, out_dir, meta=meta(), plots=bool(cfg.plots))
-    if cfg.sim_twin:  # the same requests on the calibrated simulator (policies/live_twin.py)
-        from batchpilot.policies.live_twin import header_priority, twin_of_rows, write_twin
+    if cfg.sim_twin:  # the same requests on the calibrated simulator (evaluation/live_twin.py)
+        from batchpilot.evaluation.live_twin import header_priority, twin_of_rows, write_twin
 
         sc = sized or OmegaConf.to_container(scenario, resolve=True)  # the window the runs replayed
         assert isinstance(sc, dict)

@@ -12,7 +12,7 @@ Controllers are named by ``conf/policy/<name>.yaml`` (``ppo``, ``pid``, ``aimd``
 ``vllm_tuned`` (``conf/policy/vllm_tuned.yaml``, kind ``vllm_tuned``) is vLLM tuned with its own
 start-up flags, what an operator would deploy instead of batchpilot: a sweep over
 ``max_num_seqs`` × ``max_num_batched_tokens`` × vLLM's API-server queue limits
-(``batchpilot.policies.vllm_tuned``), tuned on the same ``best_static.tune_seeds`` with the same
+(``batchpilot.evaluation.vllm_tuned``), tuned on the same ``best_static.tune_seeds`` with the same
 objective as best_static, and run with no batchpilot admission, shield or breaker
 (``envs/server_env.py``); ``vllm_tuned_hindsight`` is its grid's best on the scored seeds.
 
@@ -29,7 +29,7 @@ Each workload is composed afresh from ``conf/evaluate.yaml`` plus the run's over
 ``workload_overrides[<name>]`` (e.g. Mooncake on ``model=deepseek_v3 hardware=h200``); a group
 the user set explicitly on the command line wins over the workload's default.
 That planning (``EvalConfig``, ``WorkloadPlan``, trace windows, load per deployment) is
-``batchpilot.policies.eval_plan``; this module runs the episodes.
+``batchpilot.evaluation.plan``; this module runs the episodes.
 
 The matrix is cut into cells (``Cell``: one controller's episodes on one workload; on the
 simulator one seed each, since an episode depends only on its seed). A launcher runs them:
@@ -57,8 +57,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from batchpilot.config import ConfigError, group_file, group_names, load_group_file
 from batchpilot.core.knobs import Knobs
-from batchpilot.policies.controllers import CONTROLLER_BUILDERS, Controller, build_controller
-from batchpilot.policies.eval_plan import (
+from batchpilot.evaluation.plan import (
     BEST_STATIC,
     VLLM_TUNED_KIND,
     EvalConfig,
@@ -67,7 +66,8 @@ from batchpilot.policies.eval_plan import (
     override_key,
     plan_matrix,
 )
-from batchpilot.policies.eval_report import ROW_KEYS, Timeline
+from batchpilot.evaluation.report import ROW_KEYS, Timeline
+from batchpilot.policies.controllers import CONTROLLER_BUILDERS, Controller, build_controller
 from batchpilot.schemas import BestStaticConfig, LauncherConfig
 
 #: The grid's best point on the scored seeds themselves: an upper bound, not a baseline.
@@ -568,7 +568,7 @@ class _Matrix:
         """A tuned controller's grid points on this workload, and notes on what was skipped."""
         if name == BEST_STATIC:
             return best_static_grid(self.ecfg.best_static, plan)
-        from batchpilot.policies.vllm_tuned import tuned_config, vllm_tuned_grid
+        from batchpilot.evaluation.vllm_tuned import tuned_config, vllm_tuned_grid
 
         cfg = tuned_config(policy_config(name, self.ecfg, plan), name)
         return vllm_tuned_grid(cfg, plan, self.ecfg.best_static.tune_seeds[0])
@@ -717,7 +717,7 @@ def _config_name(config_name: str | None) -> str:
 def check_policies(plans: Sequence[WorkloadPlan], ecfg: EvalConfig) -> None:
     """Fail before any episode runs: every controller must build on every workload and find
     room (a vllm_tuned sweep must read, and needs the simulator)."""
-    from batchpilot.policies.vllm_tuned import tuned_config
+    from batchpilot.evaluation.vllm_tuned import tuned_config
 
     for plan in plans:
         for name in ecfg.policies:
@@ -754,7 +754,7 @@ def evaluate(
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from batchpilot.policies import eval_report as rep
+    from batchpilot.evaluation import report as rep
 
     ecfg = dataclasses.replace(EvalConfig.from_cfg(cfg), config_name=_config_name(config_name))
     require_launcher(ecfg.launcher)

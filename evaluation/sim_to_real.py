@@ -9,7 +9,7 @@ is compared with the runs taken in the fast state, the state the profile describ
 (``EngineSpeed``: how fast the engine really ran against it) and the simulator is run again at
 that speed, so every target the report does not call met gets a reason — the engine's speed, the
 simulator's scheduling, a load at capacity, a noisy host — and a change to try (``diagnose``). ``run_report`` is ``scripts/calibrate.py report=true``; the profile itself is
-fitted by ``policies/calibration.py``.
+fitted by ``evaluation/calibration.py``.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import numpy as np
 from batchpilot.core.engine import IterationShape
 from batchpilot.envs.specs import HardwareSpec, ModelSpec
 from batchpilot.envs.step_time import StepTimeModel
-from batchpilot.policies.calibration import CalibrationError, EngineSpeed, StateMeter, fmt_number, run_until_idle
+from batchpilot.evaluation.calibration import CalibrationError, EngineSpeed, StateMeter, fmt_number, run_until_idle
 from batchpilot.schemas import CalibrateApp, StateProbe, check_app
 
 #: Metrics compared, in table order; the first three carry the issue's targets.
@@ -312,7 +312,7 @@ def median_speed(speeds: Sequence[EngineSpeed]) -> EngineSpeed:
 
 
 def _episode(env: Any, controller: Any, seed: int) -> dict[str, float]:
-    from batchpilot.policies.evaluation import run_episode
+    from batchpilot.evaluation.matrix import run_episode
 
     ep = run_episode(env, controller, seed)
     if ep.error:

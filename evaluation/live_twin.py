@@ -46,7 +46,7 @@ from omegaconf import DictConfig, OmegaConf
 from batchpilot.config import REPO_ROOT
 from batchpilot.envs.timed_trace import TimedTraceFile
 from batchpilot.envs.workloads import RequestStream
-from batchpilot.policies.eval_report import _fmt, mean_ci
+from batchpilot.evaluation.report import _fmt, mean_ci
 
 #: Live path -> the simulator's controller (``conf/policy/<name>.yaml``).
 TWIN_POLICY = {"vllm_direct": "vllm_default", "static": "static", "pid": "pid", "ppo": "ppo"}
@@ -174,7 +174,7 @@ def twin_gateway_overrides(gateway_overrides: Sequence[str]) -> list[str]:
 def _merge_overrides(base: Sequence[str], extra: Sequence[str]) -> list[str]:
     """``base`` then ``extra``; an ``extra`` key=value replaces ``base``'s of the same key
     (Hydra refuses the same key twice)."""
-    from batchpilot.policies.eval_plan import override_key
+    from batchpilot.evaluation.plan import override_key
 
     keys = {override_key(e) for e in extra}
     return [*(b for b in base if override_key(b) not in keys), *extra]
@@ -221,8 +221,7 @@ def _twin_runner(tf: TimedTraceFile, scenario: Mapping[str, Any], slo: Mapping[s
                  ingress_latency_s: float = 0.0, hardware: str = TWIN_HARDWARE) -> Callable[[str, float, Any], dict[str, Any]]:
     """Compose the twin's config once (Hydra's compose is most of a short twin's time); the
     returned ``run(path, slowdown, log)`` plays one path's episode and gives its row."""
-    from batchpilot.policies.eval_plan import EvalConfig, compose_eval, engine_capabilities, plan_from_caps
-    from batchpilot.policies.evaluation import (
+    from batchpilot.evaluation.matrix import (
         AS_SHIPPED_KEY,
         episode_config,
         make_controller,
@@ -230,6 +229,7 @@ def _twin_runner(tf: TimedTraceFile, scenario: Mapping[str, Any], slo: Mapping[s
         run_episode,
         start_knobs,
     )
+    from batchpilot.evaluation.plan import EvalConfig, compose_eval, engine_capabilities, plan_from_caps
 
     extra = dict(policy_dirs or {})
     bad = [p for p in paths if p not in TWIN_POLICY and p not in extra]
@@ -656,7 +656,7 @@ def twin_of(out_dir: str | Path, log: Any = print, speed_from: str | Path | None
     meta), its window re-converted the same way, its rows from results.json; its speed matched on
     its own runs, or ``speed_from`` another run's (``speed_of``); the served round trip given
     (the caller's ``twin_ingress_latency_s``, so an older run is re-twinned as a new one would be)."""
-    from batchpilot.policies.live_evaluation import scenario_trace, sized_window
+    from batchpilot.evaluation.live import scenario_trace, sized_window
 
     d = Path(out_dir)
     res = json.loads((d / "results.json").read_text())

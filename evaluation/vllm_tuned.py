@@ -5,7 +5,7 @@ The sweep is what vLLM's ``benchmarks/auto_tune`` and ``vllm bench sweep serve_s
 server per setting of ``--max-num-seqs`` × ``--max-num-batched-tokens`` × the API server's
 ``--max-num-queued-tokens`` / ``--max-num-queued-reqs`` (``conf/policy/vllm_tuned.yaml``), each
 scored on traffic other than the traffic it is then judged on, keeping the best that meets the
-latency objective. The evaluation (``policies/evaluation.py``) runs the grid through the same
+latency objective. The evaluation (``evaluation/matrix.py``) runs the grid through the same
 cells, tuning seeds and objective as best_static; this module builds the grid.
 
 A queued-tokens limit may be given as vLLM's docs put it, the TTFT objective × the prefill
@@ -27,7 +27,7 @@ from omegaconf import open_dict
 
 from batchpilot.config import from_node
 from batchpilot.core.engine import RequestRejected
-from batchpilot.policies.eval_plan import EvaluationError, WorkloadPlan
+from batchpilot.evaluation.plan import EvaluationError, WorkloadPlan
 from batchpilot.schemas import VllmTunedConfig
 
 #: The policy keys ``from_node`` must not pass to ``VllmTunedConfig`` (they select the class),

@@ -22,7 +22,7 @@ prefills anything. The efficiencies are factors
 of that form against nominal peaks, not measured hardware efficiencies.
 
 How far the simulator with the fitted profile is from the live engine on whole workloads is
-``policies/sim_to_real.py``'s job (``scripts/calibrate.py report=true``).
+``evaluation/sim_to_real.py``'s job (``scripts/calibrate.py report=true``).
 
 On a shared host the same iteration takes 1x or 1.5-3x its fast time for minutes at a time, so
 both time a fixed reference iteration (``StateMeter``) around every grid point and live run:
@@ -893,7 +893,7 @@ def main(cfg: Any) -> dict[str, float] | None:
         run_fit(cfg, console)
     if not cfg.report:
         return None
-    from batchpilot.policies.sim_to_real import run_report
+    from batchpilot.evaluation.sim_to_real import run_report
 
     summary = run_report(cfg, console)
     print(json.dumps(summary), flush=True)

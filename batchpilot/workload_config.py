@@ -9,8 +9,8 @@ mistyped key or a value of the wrong type fails at compose time naming ``workloa
 a mixture's components, a validation workload get the same key and type checks) and the domain
 checks (ranges) run, each naming the full key (``workload.rate: must be >= 0, got -2``).
 
-Declared here, in the core, because ``batchpilot/schemas.py`` may not import ``envs/``
-(tests/test_imports.py).
+Declared here, at the top of ``batchpilot/`` beside ``schemas.py``, because ``schemas.py`` may
+not import ``envs/`` (tests/test_imports.py).
 
 Ranges (``randomized``) are lists ``[low, high]``: OmegaConf's typed nodes cannot hold a
 number-or-list union, so a fixed value is ``[x, x]``. The lengths node is one dataclass for the

@@ -4,7 +4,7 @@
 per workload (x deployment): its composed config, the engine's limits, the episode length, each
 seed's trace window and, with ``load.mode=probe``, the load scaled to the deployment's capacity.
 Everything here runs before any episode, so a bad name, path or window fails in seconds;
-``batchpilot.policies.evaluation`` runs the episodes.
+``batchpilot.evaluation.matrix`` runs the episodes.
 """
 
 from __future__ import annotations
