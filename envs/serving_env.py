@@ -327,7 +327,11 @@ class ServingEnv(gym.Env):
         window = max(min(duration, self.max_steps * self.interval_s), 1e-9)
         n_admitted = self.admission.num_admitted
         prompts, outputs = zip(*self._replaced_arrivals, self._arrived(self.stream))
-        offered = Offered(np.concatenate(prompts), np.concatenate(outputs))
+        offered: Offered | None = Offered(np.concatenate(prompts), np.concatenate(outputs))
+        if offered is not None and len(offered) < len(self._finished) + len(self._rejections):
+            # Requests queued into admission directly, not from the workload (a caller driving
+            # the plant by hand): the stream does not know them, so offered = completed + rejected.
+            offered = None
         m = summarize(self._finished, duration, self.slo, num_rejected=len(self._rejections), window_s=window,
                       offered=offered, bucket_edges=self.admission_cfg.boundaries)
         m.update(self.capacity_metrics(window, m["request_goodput"]))
