@@ -46,7 +46,6 @@ import os
 import random
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -85,6 +84,7 @@ from batchpilot.evaluation.live_tuned import (
 from batchpilot.evaluation.plan import override_key
 from batchpilot.evaluation.report import _fmt, mean_ci
 from batchpilot.schemas import LiveEvaluateApp, LiveScenarioConfig, check_app, from_node
+from batchpilot.serving.upstream import free_port
 
 log = logging.getLogger(__name__)
 
@@ -130,12 +130,6 @@ class LiveEvaluationInterrupted(KeyboardInterrupt):
 
 
 # --- small helpers --------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def log_tail(path: Path | None, n: int = 4, width: int = 200) -> str:
     """The last ``n`` non-blank lines of a log, on one line (each cut to ``width``), for an
     error that must say why without a traceback; '' when there is no such file."""
