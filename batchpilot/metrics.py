@@ -14,8 +14,9 @@ refusal rate, attainment per prompt-length bucket (admission's bucket edges) and
 each request's prompt + output tokens. ``slo_attainment_completed`` is the old view, over the
 completed requests only: shedding raises it, so it is shown for diagnosis, never ranked on.
 
-Also the Prometheus names vLLM exposes on ``/metrics`` (new and old spellings) and a parser
-that maps them onto canonical keys, so a scraper never hard-codes a vLLM version's names.
+Also the Prometheus names vLLM exposes on ``/metrics`` (new and old spellings) and
+``parse_vllm_metrics``, which maps them onto canonical keys (parsing and aggregation over
+engines: ``batchpilot.prom``), so a scraper never hard-codes a vLLM version's names.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import numpy as np
 
 from batchpilot.core.engine import FinishedRequest
 from batchpilot.core.telemetry import SLO
+from batchpilot.prom import metric_values
 
 LATENCY_METRICS: tuple[str, ...] = ("ttft", "tpot", "itl", "e2el")
 LATENCY_STATS: tuple[str, ...] = ("mean", "median", "p99")
@@ -254,42 +256,6 @@ VLLM_HISTOGRAMS: dict[str, tuple[str, ...]] = {
     "e2el_seconds": ("vllm:e2e_request_latency_seconds",),
     "queue_seconds": ("vllm:request_queue_time_seconds",),
 }
-#: Keys averaged over label sets (one per engine / data-parallel rank); the rest are summed.
-_MEAN_KEYS = frozenset({"kv_cache_usage"})
-
-
-def parse_vllm_metrics(text: str) -> dict[str, float]:
-    """Read vLLM's ``/metrics`` text into canonical keys (``VLLM_GAUGES``, ``VLLM_COUNTERS``,
-    ``<histogram>_sum`` / ``_count``). Old and new names are both accepted, the new one winning
-    when both appear; samples of several engines are summed (``kv_cache_usage`` averaged).
-    A metric the server does not expose is absent from the result, not 0.
-    Raises ``ValueError`` on text that is not Prometheus exposition format."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    samples: dict[str, list[float]] = {}
-    try:
-        for family in text_string_to_metric_families(text):
-            for s in family.samples:
-                if "le" in s.labels or "quantile" in s.labels:
-                    continue  # histogram buckets and summary quantiles: not used
-                samples.setdefault(s.name, []).append(float(s.value))
-    except ValueError as e:
-        raise ValueError(f"not Prometheus text exposition format: {e}") from e
-
-    out: dict[str, float] = {}
-    for key, names in (VLLM_GAUGES | VLLM_COUNTERS).items():
-        for name in names:
-            if name in samples:
-                vals = samples[name]
-                out[key] = float(np.mean(vals)) if key in _MEAN_KEYS else float(np.sum(vals))
-                break
-    for key, names in VLLM_HISTOGRAMS.items():
-        for name in names:
-            if f"{name}_count" in samples:
-                out[f"{key}_sum"] = float(np.sum(samples.get(f"{name}_sum", [0.0])))
-                out[f"{key}_count"] = float(np.sum(samples[f"{name}_count"]))
-                break
-    return out
 #: All of the above in one mapping, canonical key -> accepted names (newest first).
 VLLM_METRIC_NAMES: dict[str, tuple[str, ...]] = VLLM_GAUGES | VLLM_COUNTERS | VLLM_HISTOGRAMS
 #: The samples behind them as vLLM exposes them (histograms: ``_sum`` and ``_count``, no
@@ -299,3 +265,27 @@ VLLM_SAMPLE_NAMES: tuple[str, ...] = (
     *(n for names in (VLLM_GAUGES | VLLM_COUNTERS).values() for n in names),
     *(f"{n}_{part}" for names in VLLM_HISTOGRAMS.values() for n in names for part in ("sum", "count")),
 )
+
+
+def parse_vllm_metrics(text: str) -> dict[str, float]:
+    """Read vLLM's ``/metrics`` text into canonical keys (``VLLM_GAUGES``, ``VLLM_COUNTERS``,
+    ``<histogram>_sum`` / ``_count``). Old and new names are both accepted, the new one winning
+    when both appear. Several engines' samples are aggregated as ``batchpilot.prom`` does for
+    every scrape: counters, histogram sums/counts and the request counts summed, the KV-cache
+    usage (a fraction) averaged. A metric the server does not expose is absent from the result,
+    not 0, and so is every metric of a page that has none of ours (e.g. an error page).
+    Raises ``ValueError`` on a malformed line of one of our metrics."""
+    values = metric_values(text, VLLM_SAMPLE_NAMES)
+    out: dict[str, float] = {}
+    for key, names in (VLLM_GAUGES | VLLM_COUNTERS).items():
+        for name in names:
+            if name in values:
+                out[key] = values[name]
+                break
+    for key, names in VLLM_HISTOGRAMS.items():
+        for name in names:
+            if f"{name}_count" in values:
+                out[f"{key}_sum"] = values.get(f"{name}_sum", 0.0)
+                out[f"{key}_count"] = values[f"{name}_count"]
+                break
+    return out

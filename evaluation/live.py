@@ -83,6 +83,7 @@ from batchpilot.evaluation.live_tuned import (
 )
 from batchpilot.evaluation.plan import override_key
 from batchpilot.evaluation.report import _fmt, mean_ci
+from batchpilot.prom import metric_values
 from batchpilot.schemas import LiveEvaluateApp, LiveScenarioConfig, check_app, from_node
 from batchpilot.serving.upstream import free_port
 
@@ -203,16 +204,10 @@ def schedule(paths: Sequence[str], rounds: int, order: str = "rotate", seed: int
 
 
 def prom_values(text: str, names: Sequence[str]) -> dict[str, float]:
-    """Sum of the samples of each metric name in a Prometheus text page (labels ignored)."""
-    out = {n: 0.0 for n in names}
-    for line in text.splitlines():
-        if not line or line[0] == "#":
-            continue
-        name = line.split("{", 1)[0].split(" ", 1)[0]
-        if name in out:
-            with contextlib.suppress(ValueError, IndexError):
-                out[name] += float(line.rsplit(" ", 1)[1])
-    return out
+    """Each named sample of a Prometheus text page aggregated over its label sets as every
+    scrape is (``batchpilot.prom``: summed, a fraction such as KV-cache usage averaged over
+    engines); 0.0 for a name the page does not expose (a counter this vLLM lacks, an error page)."""
+    return {n: 0.0 for n in names} | metric_values(text, names)
 
 
 VLLM_METRICS = ("vllm:num_preemptions_total", "vllm:kv_cache_usage_perc", "vllm:num_requests_running",

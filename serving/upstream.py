@@ -29,6 +29,7 @@ import httpx
 
 from batchpilot.metrics import VLLM_SAMPLE_NAMES
 from batchpilot.platform.vllm_cpu import small_machine_omp_defaults
+from batchpilot.prom import info_labels
 from batchpilot.serving.http1 import Http1Pool
 from batchpilot.serving.reaper import IPC_DIR_PREFIX
 
@@ -521,32 +522,18 @@ class Upstream:
 
 def _cache_config(metrics_text: str) -> tuple[int | None, int | None, str | None, int | None]:
     """num_gpu_blocks, block_size, cache_dtype, num_gpu_blocks_override from the
-    ``vllm:cache_config_info`` labels."""
-    for line in metrics_text.splitlines():
-        if line.startswith("vllm:cache_config_info{"):
-            labels = dict(
-                kv.split("=", 1) for kv in _split_labels(line[line.index("{") + 1 : line.rindex("}")])
-            )
-            labels = {k: v.strip('"') for k, v in labels.items()}
+    ``vllm:cache_config_info`` labels (``batchpilot.prom.info_labels``: the first engine's); all
+    None when the page lacks it. Raises ``ValueError`` on a malformed line of it, or a label
+    that should be a number and is not."""
+    labels = info_labels(metrics_text, "vllm:cache_config_info") or {}
 
-            def num(key: str, labels: dict[str, str] = labels) -> int | None:
-                v = labels.get(key)
-                return int(float(v)) if v not in (None, "", "None") else None
+    def num(key: str) -> int | None:
+        v = labels.get(key)
+        if v in (None, "", "None"):
+            return None
+        try:
+            return int(float(v))
+        except ValueError:
+            raise ValueError(f"vllm:cache_config_info: label {key}={v!r} is not a number") from None
 
-            return num("num_gpu_blocks"), num("block_size"), labels.get("cache_dtype"), num("num_gpu_blocks_override")
-    return None, None, None, None
-
-
-def _split_labels(s: str) -> list[str]:
-    out, cur, quoted = [], [], False
-    for ch in s:
-        if ch == '"':
-            quoted = not quoted
-        if ch == "," and not quoted:
-            out.append("".join(cur))
-            cur = []
-        else:
-            cur.append(ch)
-    if cur:
-        out.append("".join(cur))
-    return [x for x in out if "=" in x]
+    return num("num_gpu_blocks"), num("block_size"), labels.get("cache_dtype"), num("num_gpu_blocks_override")
