@@ -28,8 +28,8 @@ log = logging.getLogger(__name__)
 
 
 #: HTTP status per admission rejection reason.
-REJECT_STATUS = {"queue_full": 429, "shed_low_priority": 429, "deadline": 429, "timeout": 503, "cancelled": 499,
-                 "too_large_for_memory": 400}
+REJECT_STATUS = {"queue_full": 429, "shed_low_priority": 429, "deadline": 429, "no_slack": 429, "timeout": 503,
+                 "cancelled": 499, "too_large_for_memory": 400}
 REJECT_MESSAGE = {
     "queue_full": "the gateway's queue for this prompt-length bucket is full; retry later",
     "too_large_for_memory": ("the request alone (prompt + max_tokens, times its sequences) would put the engine above "
@@ -38,6 +38,8 @@ REJECT_MESSAGE = {
     "timeout": "the request did not reach the model within the request timeout; retry later",
     "deadline": "overload: the request waited past its time-to-first-token objective and can no longer meet it; "
                 "retry later",
+    "no_slack": "overload: the queue ahead of the request is predicted to take longer than its time-to-first-token "
+                "objective; retry later or elsewhere",
 }
 
 

@@ -10,11 +10,12 @@ Life of a request (nothing is ever lost)::
 
     submit ──► WAITING ──admit──► IN_FLIGHT ──on_finished──► FINISHED
        │          │
-       │          ├─expire──► rejected "timeout"
+       │          ├─expire──► rejected "timeout" / "deadline"
        │          ├─shed────► rejected "shed_low_priority"
        │          ├─cancel──► rejected "cancelled"
        │          └─admit───► rejected "too_large_for_memory" (no longer fits alone; ``take_rejections``)
-       └─► rejected "queue_full" / "shed_low_priority" / "too_large_for_memory" (never enters a queue)
+       └─► rejected "queue_full" / "shed_low_priority" / "too_large_for_memory" / "no_slack"
+           (never enters a queue)
 
 ``num_submitted == num_admitted + num_rejected + num_waiting`` and
 ``num_admitted == num_finished + num_in_flight`` hold after every call (``check_counts``).
@@ -34,6 +35,15 @@ produced a first token (``on_first_token``) add up to that many iterations of th
 prefill. An engine takes its own queue first come, first served, and every queued prompt shares
 the coming iterations with the running decodes; held here instead, they keep this module's
 order (on time first, newest first, the bucketing mode) until the engine is ready for them.
+
+Early refusal (``early_refusal``, off by default): a request above
+``deadline_max_priority_kept`` is refused at ``submit`` ("no_slack"; 429 + Retry-After at the
+gateway, so its client learns at once and can go elsewhere) when its predicted time to first
+token is over ``early_refusal_slack`` times the TTFT objective, instead of waiting its objective
+out first (``ttft_deadline``). The prediction uses what this module sees and nothing else
+(``predicted_first_token_s``): the prompt tokens queued on time ahead of it, in flight without a
+first token and its own, over the prefill drain rate measured from ``on_first_token`` while a
+prefill backlog existed (``drain_rate``), plus what it already waited. O(1): running sums.
 
 Memory, per request (``memory``, the shield): besides the count, a request is admitted only if
 the predicted memory of everything in flight plus it stays within the shield's ceiling. Each
@@ -60,7 +70,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass
 from heapq import heappop, heappush
 from typing import Any, Protocol, Sequence
@@ -70,7 +80,8 @@ from batchpilot.core.knobs import BUCKETING_MODES, Knobs
 from batchpilot.core.output_estimate import CHARGE_MODES, OutputEstimate
 
 #: Why a request left admission without running. A short slug, machine-readable.
-REJECT_REASONS: tuple[str, ...] = ("queue_full", "timeout", "shed_low_priority", "cancelled", "too_large_for_memory")
+REJECT_REASONS: tuple[str, ...] = ("queue_full", "timeout", "shed_low_priority", "cancelled", "too_large_for_memory",
+                                   "deadline", "no_slack")
 
 
 class AdmissibleRequest(Protocol):
@@ -127,7 +138,24 @@ class AdmissionConfig:
     #: ``expire`` refuses it ("deadline": 429 + Retry-After at the gateway) rather than serve it
     #: late with capacity that requests still on time need. Core requests are never refused.
     ttft_deadline: bool = False
+    #: The highest priority ``ttft_deadline`` and ``early_refusal`` never refuse (0: core
+    #: requests are kept; -1: every priority may be refused).
     deadline_max_priority_kept: int = 0
+    #: Early refusal: at ``submit``, refuse a request above ``deadline_max_priority_kept``
+    #: ("no_slack": 429 + Retry-After at the gateway) when its predicted time to first token,
+    #: from arrival, exceeds ``early_refusal_slack`` x the TTFT objective (``use_slo``). The
+    #: prediction (``Admission.predicted_first_token_s``): what it waited so far + (prompt tokens
+    #: queued on time + prompt tokens in flight without a first token + its own prompt) / the
+    #: prefill drain rate, the last term at least the measured admission-to-first-token time
+    #: when ``first_token_margin`` measures it. The drain rate is prompt tokens reaching their
+    #: first token per second of time with a prefill backlog (idle time does not count), over the
+    #: last ``early_refusal_window`` first tokens; nothing is refused early until
+    #: ``early_refusal_min_samples`` first tokens were measured. Its client learns at once, not
+    #: after waiting its objective out (``ttft_deadline``), and can retry elsewhere.
+    early_refusal: bool = False
+    early_refusal_slack: float = 1.0
+    early_refusal_min_samples: int = 8
+    early_refusal_window: int = 64
     #: A waiting request that has waited its TTFT objective (``use_slo``) can no longer meet
     #: it: it yields to requests that still can, whatever the bucketing order, and runs when
     #: none of those waits. Under sustained overload a plain queue makes every request wait its
@@ -202,6 +230,13 @@ class AdmissionConfig:
         if self.prefill_backlog_budgets is not None and not (
                 self.prefill_backlog_budgets > 0 and math.isfinite(self.prefill_backlog_budgets)):
             raise ValueError(f"admission.prefill_backlog_budgets must be > 0 or null, got {self.prefill_backlog_budgets}")
+        if not (self.early_refusal_slack > 0 and math.isfinite(self.early_refusal_slack)):
+            raise ValueError(f"admission.early_refusal_slack must be > 0, got {self.early_refusal_slack}")
+        if self.early_refusal_min_samples < 1:
+            raise ValueError(f"admission.early_refusal_min_samples must be >= 1, got {self.early_refusal_min_samples}")
+        if self.early_refusal_window < self.early_refusal_min_samples:
+            raise ValueError(f"admission.early_refusal_window must be >= early_refusal_min_samples "
+                             f"({self.early_refusal_min_samples}), got {self.early_refusal_window}")
         if not 0 < self.first_token_margin_rate <= 1:
             raise ValueError(f"admission.first_token_margin_rate must be in (0, 1], got {self.first_token_margin_rate}")
         if not 0 <= self.first_token_margin_max < 1:
@@ -348,6 +383,18 @@ class Admission:
         #: Mean seconds from admission to first token over recent requests (``first_token_margin``;
         #: None until one has been measured).
         self.first_token_s: float | None = None
+        #: The TTFT objective in seconds (``use_slo``; None: none): what early refusal counts in.
+        self.ttft_s: float | None = None
+        #: Prompt tokens of the waiting requests not (yet) late: the queue a new request waits
+        #: behind (``early_refusal``; all waiting requests without ``on_time_first``).
+        self.waiting_on_time_tokens = 0
+        # The prefill drain rate (``drain_rate``): (prompt tokens, seconds of backlog since the
+        # previous first token) of the last first tokens, their running sums, and since when
+        # the current backlog's clock runs (None: no prefill in flight).
+        self._drain: deque[tuple[int, float]] = deque()
+        self._drain_tokens = 0
+        self._drain_time = 0.0
+        self._busy_since: float | None = None
         #: Hold admissions at this many prefill tokens in flight (``use_token_budget``; None: no hold).
         self.prefill_hold_tokens: int | None = None
         self._expiry: list[tuple[float, int, _Entry]] = []  # (arrival, seq, entry), lazy
@@ -439,8 +486,9 @@ class Admission:
         return self.cfg.max_wait_s is not None or self.deadline_s is not None
 
     def use_slo(self, ttft_ms: float | None) -> None:
-        """The TTFT objective the deadline counts (with ``ttft_deadline``; None: no deadline)."""
+        """The TTFT objective the deadline, lateness and early refusal count (None: none)."""
         ttft_s = float(ttft_ms) / 1000.0 if ttft_ms is not None and ttft_ms > 0 else None
+        self.ttft_s = ttft_s
         self.deadline_s = ttft_s if self.cfg.ttft_deadline else None
         self.late_after_s = ttft_s if self.cfg.on_time_first else None
 
@@ -478,6 +526,9 @@ class Admission:
         if sum(self.queue_depths) != self.num_waiting:
             raise AssertionError(f"queue depths {self.queue_depths} do not sum to {self.num_waiting}")
         late = sum(e.late for e in self._waiting.values())
+        on_time = sum(e.request.prompt_len for e in self._waiting.values() if not e.late)
+        if self.waiting_on_time_tokens != on_time:
+            raise AssertionError(f"on-time queue {self.waiting_on_time_tokens} tokens != {on_time} waiting on time")
         if self.num_late_waiting != late:
             raise AssertionError(f"late count {self.num_late_waiting} != {late} waiting past their TTFT objective")
 
@@ -522,6 +573,8 @@ class Admission:
         queue = self._buckets[bucket]
         if queue.num_waiting >= cfg.max_queue_len:
             return self._reject(req, "queue_full", now)
+        if cfg.early_refusal and self._no_slack(req, now):
+            return self._reject(req, "no_slack", now)
         if queue.num_waiting == 0:
             # A bucket that was idle rejoins at the current virtual time: no banked credit.
             self._pass[bucket] = max(self._pass[bucket], self._vtime)
@@ -530,6 +583,7 @@ class Admission:
         self._seq = seq + 1
         queue.push(e)
         waiting[rid] = e
+        self.waiting_on_time_tokens += prompt_len
         arrival = req.arrival_time
         if cfg.max_wait_s is not None:
             heappush(self._expiry, (arrival, seq, e))
@@ -549,7 +603,7 @@ class Admission:
         ``submit`` and the caller's ``admit`` decides."""
         cfg = self.cfg
         hold = self.prefill_hold_tokens
-        if (self._waiting or cfg.max_wait_s is not None or self.deadline_s is not None or cfg.adapt_boundaries
+        if (self._waiting or (cfg.early_refusal and self._no_slack(req, now)) or cfg.max_wait_s is not None or self.deadline_s is not None or cfg.adapt_boundaries
                 or self.max_priority_kept is not None or self.num_seqs_in_flight >= self.batch_cap
                 or (hold is not None and self.prefill_tokens_in_flight >= hold)):
             return self.submit(req, now), False
@@ -593,6 +647,8 @@ class Admission:
         self.kv_blocks_in_flight += blocks
         self.num_long_in_flight += is_long
         if getattr(req, "reports_first_token", True):
+            if not self.prefill_tokens_in_flight:
+                self._busy_since = now  # a prefill backlog starts: the drain rate's clock runs
             self._awaiting_first[rid] = (prompt_len, now)
             self.prefill_tokens_in_flight += prompt_len
         self.num_admitted += 1
@@ -632,6 +688,8 @@ class Admission:
                 continue
             bucket, req = e.bucket, e.request
             self._buckets[bucket].pop(e)
+            if not e.late:
+                self.waiting_on_time_tokens -= req.prompt_len
             self._vtime = self._pass[bucket]
             self._pass[bucket] += self._stride[bucket]
             e.alive = False
@@ -642,6 +700,8 @@ class Admission:
             self.kv_blocks_in_flight += blocks
             self.num_long_in_flight += e.is_long
             if getattr(req, "reports_first_token", True):
+                if not self.prefill_tokens_in_flight:
+                    self._busy_since = now  # a prefill backlog starts: the drain rate's clock runs
                 self._awaiting_first[rid] = (req.prompt_len, now)
                 self.prefill_tokens_in_flight += req.prompt_len
             self.num_admitted += 1
@@ -661,6 +721,8 @@ class Admission:
         entry = self._awaiting_first.pop(request_id, None)  # on_first_token(request_id), inline
         if entry is not None:
             self.prefill_tokens_in_flight -= entry[0]
+            if not self.prefill_tokens_in_flight:
+                self._busy_since = None  # no first token to time the rest of this backlog by
         self.num_seqs_in_flight -= seqs
         self.kv_blocks_in_flight -= blocks
         self.num_long_in_flight -= is_long
@@ -670,14 +732,18 @@ class Admission:
         """A request in flight produced its first token (at ``now``, on the clock ``admit`` was
         given; None: not timed): its prompt leaves the prefill backlog (then call ``admit``: a
         held request may go) and, timed, its time from admission feeds ``first_token_s`` and is
-        returned. Idempotent; unknown ids are a no-op (None)."""
+        returned, and its prompt feeds the drain rate (``drain_rate``). Idempotent; unknown ids
+        are a no-op (None)."""
         entry = self._awaiting_first.pop(request_id, None)
         if entry is None:
             return None
         prompt_len, admitted_at = entry
         self.prefill_tokens_in_flight -= prompt_len
         if now is None:
+            if not self.prefill_tokens_in_flight:
+                self._busy_since = None
             return None
+        self._observe_drain(prompt_len, now)
         sample = max(0.0, now - admitted_at)
         if self.cfg.first_token_margin:
             prev, rate = self.first_token_s, self.cfg.first_token_margin_rate
@@ -691,6 +757,53 @@ class Admission:
         if not self.cfg.first_token_margin or self.first_token_s is None or self.late_after_s is None:
             return 0.0
         return min(self.first_token_s, self.cfg.first_token_margin_max * self.late_after_s)
+
+    @property
+    def drain_rate(self) -> float | None:
+        """Prompt tokens that reached their first token per second while a prefill backlog
+        existed, over the last ``early_refusal_window`` first tokens; None until
+        ``early_refusal_min_samples`` were measured (or no backlog time has passed)."""
+        if len(self._drain) < self.cfg.early_refusal_min_samples or not self._drain_time > 0:
+            return None
+        return self._drain_tokens / self._drain_time
+
+    def predicted_first_token_s(self, prompt_len: int, arrival_time: float, now: float) -> float | None:
+        """Predicted seconds from arrival to first token of a request submitted at ``now``: what
+        it waited + (the prompt tokens queued on time + in flight without a first token + its
+        own) / ``drain_rate``, the engine's part at least ``first_token_s`` when measured. From
+        this module's telemetry alone (no output length). None while the rate is unmeasured."""
+        rate = self.drain_rate
+        if rate is None:
+            return None
+        engine_s = (self.prefill_tokens_in_flight + prompt_len) / rate
+        if self.first_token_s is not None:
+            engine_s = max(engine_s, self.first_token_s)
+        return max(0.0, now - arrival_time) + self.waiting_on_time_tokens / rate + engine_s
+
+    def _no_slack(self, req: Any, now: float) -> bool:
+        """Whether ``early_refusal`` refuses ``req`` at submit (the caller checked the flag)."""
+        ttft_s = self.ttft_s
+        if ttft_s is None or req.priority <= self.cfg.deadline_max_priority_kept:
+            return False
+        predicted = self.predicted_first_token_s(req.prompt_len, req.arrival_time, now)
+        return predicted is not None and predicted > self.cfg.early_refusal_slack * ttft_s
+
+    def _observe_drain(self, prompt_len: int, now: float) -> None:
+        """A prompt reached its first token at ``now``: one sample of the drain rate (its tokens
+        over the backlog time since the previous first token or the backlog's start)."""
+        since = self._busy_since
+        if since is not None:
+            dt = max(0.0, now - since)
+            window = self._drain
+            window.append((prompt_len, dt))
+            self._drain_tokens += prompt_len
+            self._drain_time += dt
+            if len(window) > self.cfg.early_refusal_window:
+                old_tokens, old_dt = window.popleft()
+                self._drain_tokens -= old_tokens
+                self._drain_time -= old_dt
+            now = max(now, since)
+        self._busy_since = now if self.prefill_tokens_in_flight else None
 
     def cancel(self, request_id: str, now: float) -> Rejection | None:
         """A client went away. A waiting request is dropped (reason "cancelled"); an in-flight
@@ -779,6 +892,8 @@ class Admission:
         e.alive = False
         self._buckets[e.bucket].num_waiting -= 1
         self._buckets[e.bucket].num_late -= e.late
+        if not e.late:
+            self.waiting_on_time_tokens -= e.request.prompt_len
         del self._waiting[e.request.request_id]
 
     def _mark_late(self, now: float) -> None:
@@ -791,6 +906,7 @@ class Admission:
             _, _, e = heappop(heap)
             if e.alive:
                 self._buckets[e.bucket].mark_late(e)
+                self.waiting_on_time_tokens -= e.request.prompt_len
 
     def _choose(self, allow_long: bool) -> _Entry | None:
         buckets = self._buckets
