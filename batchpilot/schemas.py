@@ -89,7 +89,7 @@ from batchpilot.core.knobs import BUCKETING_MODES
 from batchpilot.core.pid import PIDConfig, check_common
 from batchpilot.core.shield import ShieldConfig
 from batchpilot.core.specs import HardwareSpec, ModelSpec
-from batchpilot.core.telemetry import SLO
+from batchpilot.core.telemetry import DEFAULT_TPOT_MS, DEFAULT_TTFT_MS, SLO
 from batchpilot.workload_config import WORKLOAD_SCHEMAS
 
 
@@ -443,7 +443,7 @@ class AIMDConfig:
     """Additive increase / multiplicative decrease on the cap (``conf/policy/aimd.yaml``)."""
 
     metric: str = "ttft"
-    slo_ms: float = 1000.0
+    slo_ms: float = DEFAULT_TTFT_MS
     #: A breach is P99 above target_frac x SLO.
     target_frac: float = 1.0
     additive_increase: int = 4
@@ -452,7 +452,7 @@ class AIMDConfig:
     decrease_on_preemption: bool = True
     #: As PIDConfig.queue_aware: judge the SLO on TPOT while the backlog exceeds the cap.
     queue_aware: bool = True
-    tpot_slo_ms: float | None = 100.0
+    tpot_slo_ms: float | None = DEFAULT_TPOT_MS
     initial_batch_cap: int = 32
     min_batch: int = 1
     max_batch: int = 256
@@ -522,8 +522,12 @@ class LookaheadConfig:
     #: How far each choice is judged: the option for ``epoch_s``, then ``1`` (PID's cap, the
     #: default order) for the rest.
     horizon_s: float = 40.0
-    #: ``<factor>[/<bucketing>]`` (a factor of the residual policy's action on PID's cap) or
-    #: ``max[/<bucketing>]`` (the engine's max_num_seqs); the order defaults to ``bucketing``.
+    #: ``<cap>[/<bucketing>][/refuse[=<p>]|/keep][/budget=<x>|/budget=none]``: the cap is a
+    #: factor of the residual policy's action on PID's cap or ``max`` (the engine's
+    #: max_num_seqs); the order defaults to ``bucketing``; the admission parts hold for the
+    #: option's epoch only (``refuse``: ``ttft_deadline`` on above priority ``p``, default -1 =
+    #: every request; ``keep``: off; ``budget``: ``prefill_backlog_budgets``), the env's own
+    #: admission configuration otherwise.
     options: list[str] = field(default_factory=lambda: ["0.7", "0.85", "1", "1.15", "1.3", "1/weighted",
                                                         "1/fifo", "max"])
     #: The order of ``1`` and of an option that names none (PID with shortest first: ``pid_sf``).

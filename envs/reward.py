@@ -14,7 +14,7 @@ __all__ = ["RewardConfig", "reward_terms"]
 def reward_terms(snap: Snapshot, slo: SLO, cfg: RewardConfig, *, rate_scale: float,
                  on_8bit_frac: float) -> dict[str, float]:
     """The reward's parts for one interval (positive terms and penalties), for logging."""
-    ttft_ref = slo.ttft_ms or 1000.0
+    ttft_ref = slo.ttft_ref_ms
     throughput = min(snap.request_goodput / rate_scale, 2.0)
     inv_latency = 1.0 / (1.0 + snap.ttft_p99_ms / ttft_ref)
     memory = snap.kv_cache_usage

@@ -73,10 +73,9 @@ class AppSettings:
         from omegaconf import OmegaConf
 
         c = OmegaConf.to_container(cfg, resolve=True) if not isinstance(cfg, dict) else cfg
-        slo = c.get("slo") or {}
         return cls(
             serve=ServeConfig.from_cfg(c["serve"]),
-            slo=SLO(ttft_ms=slo.get("ttft_ms", 1000.0), tpot_ms=slo.get("tpot_ms", 100.0), e2el_ms=slo.get("e2el_ms")),
+            slo=SLO.from_mapping(c.get("slo")),
             shield=dict(c.get("shield") or {}),
             policy=dict(c.get("policy") or {"kind": "pid"}),
         )
@@ -183,7 +182,7 @@ class Gateway:
         self.lanes = [
             Lane.build(
                 i, up, cfg.admission, knobs,
-                Telemetry(settings.slo, num_buckets=3, window_s=cfg.control.window_s,
+                Telemetry(settings.slo, num_buckets=cfg.admission.num_buckets, window_s=cfg.control.window_s,
                           max_num_seqs=cfg.max_num_seqs, max_model_len=cfg.max_model_len,
                           rate_scale=cfg.control.rate_scale, token_rate_scale=cfg.control.token_rate_scale),
                 self.metrics, cfg.retry_after_s,

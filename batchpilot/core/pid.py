@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from batchpilot.core.knobs import BUCKETING_MODES, Knobs, Proposal
-from batchpilot.core.telemetry import Snapshot
+from batchpilot.core.telemetry import DEFAULT_TPOT_MS, DEFAULT_TTFT_MS, Snapshot
 
 LATENCY_METRICS: tuple[str, ...] = ("ttft", "tpot", "e2el")
 
@@ -49,8 +49,9 @@ class PIDConfig:
 
     #: Latency whose P99 is controlled.
     metric: str = "tpot"
-    #: SLO of that metric in ms (filled from the top config's SLO by ``build_controller``).
-    slo_ms: float = 1000.0
+    #: SLO of that metric in ms (filled from the top config's SLO by ``build_controller``). Left
+    #: unfilled it is the TTFT default, as it has always been, though ``metric`` is TPOT.
+    slo_ms: float = DEFAULT_TTFT_MS
     #: Aim for P99 = target_frac x SLO (headroom for noise).
     target_frac: float = 0.8
     kp: float = 1.0
@@ -79,7 +80,7 @@ class PIDConfig:
     #: smaller cap would only lengthen it: steer on TPOT (engine-side) until the backlog clears.
     queue_aware: bool = True
     #: TPOT SLO in ms for queue-aware steering (filled from the top config's SLO).
-    tpot_slo_ms: float | None = 100.0
+    tpot_slo_ms: float | None = DEFAULT_TPOT_MS
     initial_batch_cap: int = 128
     min_batch: int = 1
     max_batch: int = 256

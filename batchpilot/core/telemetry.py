@@ -10,20 +10,27 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
 from batchpilot.core.knobs import BUCKETING_MODES, Knobs
+
+#: The project's default SLO (``conf/slo/default.yaml`` restates it for Hydra; a test keeps the
+#: two equal). Also the scale latencies are normalised by where an objective is switched off
+#: (``SLO.ttft_ref_ms``), so a policy's features and reward keep their meaning.
+DEFAULT_TTFT_MS: float = 1000.0
+DEFAULT_TPOT_MS: float = 100.0
 
 
 @dataclass(slots=True)
 class SLO:
     """Per-request objectives in milliseconds; ``None`` = no objective on that metric."""
 
-    ttft_ms: float | None = 1000.0
-    tpot_ms: float | None = 100.0
+    ttft_ms: float | None = DEFAULT_TTFT_MS
+    tpot_ms: float | None = DEFAULT_TPOT_MS
     e2el_ms: float | None = None
 
     def __post_init__(self) -> None:
@@ -32,6 +39,27 @@ class SLO:
             if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))
                                   or not math.isfinite(v) or v <= 0):
                 raise ValueError(f"slo.{key} must be a positive number of milliseconds or null, got {v!r}")
+
+    @classmethod
+    def from_mapping(cls, node: Mapping[str, Any] | None) -> "SLO":
+        """From an ``slo`` config node (``{"ttft_ms": .., "tpot_ms": .., "e2el_ms": ..}``; None or
+        a missing key keeps the default, a null value means no objective). An unknown key raises
+        naming it, so a typo cannot leave the default SLO in force unnoticed."""
+        d = dict(node or {})
+        unknown = sorted(set(d) - {"ttft_ms", "tpot_ms", "e2el_ms"})
+        if unknown:
+            raise ValueError(f"slo: unknown key(s) {unknown}; expected ttft_ms, tpot_ms, e2el_ms")
+        return cls(**d)
+
+    @property
+    def ttft_ref_ms(self) -> float:
+        """The TTFT that latency features are scaled by: the objective, or the default without one."""
+        return self.ttft_ms or DEFAULT_TTFT_MS
+
+    @property
+    def tpot_ref_ms(self) -> float:
+        """The TPOT that latency features are scaled by: the objective, or the default without one."""
+        return self.tpot_ms or DEFAULT_TPOT_MS
 
     def met(self, ttft_s: float, tpot_s: float, e2el_s: float) -> bool:
         return (
@@ -330,8 +358,8 @@ def observation_from_snapshot(
     token_rate_scale: float,
 ) -> np.ndarray:
     """Normalise a snapshot into the policy's observation (see ``FEATURES``)."""
-    ttft_ref = slo.ttft_ms or 1000.0
-    tpot_ref = slo.tpot_ms or 100.0
+    ttft_ref = slo.ttft_ref_ms
+    tpot_ref = slo.tpot_ref_ms
     e2el_ref = slo.e2el_ms or (ttft_ref + 256 * tpot_ref)
     q = list(snap.queue_depth) + [0] * max(0, 3 - len(snap.queue_depth))
     onehot = [float(snap.knobs.bucketing == m) for m in BUCKETING_MODES]
