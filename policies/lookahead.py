@@ -19,7 +19,12 @@ lengths, which a gateway learns only when a request finishes.
 The options are the residual policy's own batch actions (a factor on PID's cap,
 ``batchpilot/core/residual.py``) with an order, and ``max`` (the engine's ``max_num_seqs``, a
 cap of its own); PID keeps steering underneath, so after an option the next one starts from
-where PID would be.
+where PID would be. An option may also set admission for its epoch, levers the gateway carries
+out with the same ``core/admission.py``: ``refuse`` (refuse queued requests past their TTFT
+objective), ``keep`` (serve them late), ``budget=<x>`` (the prefill backlog admission lets into
+the engine, in engine token budgets). Those settings hold for the option's epoch only, on the copy it is tried
+on and on the environment when chosen; the rest of the horizon, and any option without them,
+runs the environment's own admission configuration (``apply_admission``).
 """
 
 from __future__ import annotations
@@ -48,22 +53,39 @@ class LookaheadError(ValueError):
     """The lookahead cannot run as configured; the message names the setting."""
 
 
+#: The admission parts an option may name after its cap (and order), for the error message.
+ADMISSION_PARTS = "refuse[=<priority>], keep, budget=<x>|none"
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class Option:
-    """One choice: ``factor`` on PID's cap (None: the engine's max_num_seqs) and an order."""
+    """One choice: ``factor`` on PID's cap (None: the engine's max_num_seqs), an order, and the
+    admission settings (``AdmissionConfig`` fields) in force for its epoch (none: the env's)."""
 
     factor: float | None
     bucketing: str
+    admission: tuple[tuple[str, Any], ...] = ()
+    #: The admission parts as written back (``str``); the settings above are what compares.
+    parts: tuple[str, ...] = dataclasses.field(default=(), compare=False)
 
     @classmethod
     def parse(cls, text: str, default_bucketing: str) -> "Option":
-        """``<factor>[/<bucketing>]`` or ``max[/<bucketing>]``."""
-        head, _, order = str(text).partition("/")
-        order = order or default_bucketing
-        if order not in BUCKETING_MODES:
-            raise LookaheadError(f"lookahead option {text!r}: order {order!r} is not one of {list(BUCKETING_MODES)}")
+        """``<cap>[/<order>][/refuse[=<p>]|/keep][/budget=<x>|/budget=none]``; the cap is
+        ``max`` or a residual factor. ``refuse``: ``ttft_deadline`` on for every priority above
+        ``p`` (default -1: every request, so a single-class workload is covered too); ``keep``:
+        ``ttft_deadline`` off; ``budget``: ``prefill_backlog_budgets`` (``none``: no hold)."""
+        head, *rest = str(text).split("/")
+        found: dict[str, tuple[str, dict[str, Any]]] = {}
+        for part in rest:
+            kind, label, settings = _parse_part(text, part)
+            if kind in found:
+                raise LookaheadError(f"lookahead option {text!r}: two {kind} parts ({found[kind][0]!r} and {part!r})")
+            found[kind] = (label, settings)
+        order = found.pop("order", (default_bucketing, {}))[0]
+        admission = {k: v for _, settings in found.values() for k, v in settings.items()}
+        parts = tuple(found[k][0] for k in ("deadline", "budget") if k in found)
         if head == "max":
-            return cls(None, order)
+            return cls(None, order, tuple(sorted(admission.items())), parts)
         try:
             factor = float(head)
         except ValueError:
@@ -72,10 +94,56 @@ class Option:
         if not match:
             raise LookaheadError(f"lookahead option {text!r}: the cap part must be max or one of the residual "
                                  f"policy's factors {list(RESIDUAL_FACTORS)}")
-        return cls(match[0], order)
+        return cls(match[0], order, tuple(sorted(admission.items())), parts)
 
     def __str__(self) -> str:
-        return f"{'max' if self.factor is None else f'{self.factor:g}'}/{self.bucketing}"
+        return "/".join((f"{'max' if self.factor is None else f'{self.factor:g}'}", self.bucketing, *self.parts))
+
+
+def _parse_part(text: str, part: str) -> tuple[str, str, dict[str, Any]]:
+    """One ``/``-separated part after the cap: (its kind, its label, the admission settings)."""
+    if part in BUCKETING_MODES:
+        return "order", part, {}
+    if part == "keep":
+        return "deadline", part, {"ttft_deadline": False}
+    name, eq, value = part.partition("=")
+    if name == "refuse":
+        try:
+            kept = int(value) if eq else -1
+        except ValueError:
+            raise LookaheadError(f"lookahead option {text!r}: refuse={value!r} needs an integer priority (the "
+                                 f"highest priority never refused; refuse alone is -1: every request)") from None
+        return "deadline", "refuse" if kept == -1 else f"refuse={kept}", {
+            "ttft_deadline": True, "deadline_max_priority_kept": kept}
+    if name == "budget" and eq:
+        if value.lower() in ("none", "null"):
+            return "budget", "budget=none", {"prefill_backlog_budgets": None}
+        try:
+            budget = float(value)
+        except ValueError:
+            budget = math.nan
+        if not (budget > 0 and math.isfinite(budget)):
+            raise LookaheadError(f"lookahead option {text!r}: budget={value!r} must be a number > 0 (engine token "
+                                 f"budgets of prefill held in admission) or none")
+        return "budget", f"budget={budget:g}", {"prefill_backlog_budgets": budget}
+    raise LookaheadError(f"lookahead option {text!r}: order {part!r} is not one of {list(BUCKETING_MODES)} (nor "
+                         f"an admission part: {ADMISSION_PARTS})")
+
+
+def apply_admission(env: Any, option: Option) -> None:
+    """Put ``option``'s admission settings in force on ``env`` (the env's own configuration,
+    ``env.admission_cfg``, for an option without any). ``Admission`` caches what
+    ``ttft_deadline`` and ``prefill_backlog_budgets`` imply (``use_slo``, ``use_token_budget``),
+    so both are called again. A request is put under the TTFT deadline when it is queued: one
+    queued before ``refuse`` took effect is never refused (it waits, goes late, is served last)."""
+    own = env.admission_cfg
+    cfg = dataclasses.replace(own, **dict(option.admission)) if option.admission else own
+    adm = env.admission
+    if adm.cfg is cfg:
+        return
+    adm.cfg = cfg
+    adm.use_slo(env.slo.ttft_ms)
+    adm.use_token_budget(env.engine.capabilities().max_num_batched_tokens)
 
 
 class LookaheadController:
@@ -131,6 +199,7 @@ class LookaheadController:
             raise LookaheadError("lookahead needs its environment: call bind(env) before the episode")
         if self._step % self._epoch_steps == 0:
             self._current = self._choose()
+            apply_admission(self.env, self._current)
         self._step += 1
         return self._propose(self.residual, self._current, snapshot, knobs)
 
@@ -158,6 +227,8 @@ class LookaheadController:
             start = len(env.finished_requests)
             for i in range(self._horizon_steps):
                 chosen = option if i < self._epoch_steps else self.base
+                if i in (0, self._epoch_steps):
+                    apply_admission(env, chosen)
                 _, _, terminated, truncated, _ = env.step_proposal(
                     self._propose(residual, chosen, env.snapshot, env.knobs))
                 if terminated or truncated:

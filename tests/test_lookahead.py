@@ -1,7 +1,8 @@
 """The lookahead bound (policies/lookahead.py): its copies of the simulator replay the episode
 exactly, with the base option alone it is PID with shortest-first order, fed the recent past it
-is a forecast (not the bound), and what it cannot do (a live engine, an option outside the
-policy's actions) is one clear error."""
+is a forecast (not the bound), its admission options change what the environment does for their
+epoch only, and what it cannot do (a live engine, an option outside the policy's actions) is
+one clear error."""
 
 from __future__ import annotations
 
@@ -16,7 +17,15 @@ from batchpilot.core.telemetry import SLO
 from batchpilot.envs.serving_env import ServingEnv
 from batchpilot.evaluation.matrix import evaluate, run_episode
 from batchpilot.evaluation.plan import EvaluationError, compose_eval
-from batchpilot.policies.lookahead import ARRIVALS, LookaheadController, LookaheadError, Option, recent_arrivals
+from batchpilot.policies.controllers import build_controller
+from batchpilot.policies.lookahead import (
+    ARRIVALS,
+    LookaheadController,
+    LookaheadError,
+    Option,
+    apply_admission,
+    recent_arrivals,
+)
 from batchpilot.schemas import LookaheadConfig
 
 #: A bursty minute on Llama-3-8B/H100, loaded enough that the options differ (clients capped at
@@ -117,3 +126,108 @@ def test_fed_recent_arrivals_it_is_a_forecast_not_the_bound() -> None:
     assert runs["future"] != runs["recent"]
     with pytest.raises(LookaheadError, match=r"arrivals must be one of \['future', 'recent'\], got 'past'"):
         LookaheadController(LookaheadConfig(arrivals="past"), SLO(), 256)
+
+
+@pytest.mark.parametrize("text,want,back", [
+    ("1", Option(1.0, "shortest_first"), "1/shortest_first"),
+    ("max/keep", Option(None, "shortest_first", (("ttft_deadline", False),)), "max/shortest_first/keep"),
+    ("1.3/fifo/refuse/budget=2", Option(1.3, "fifo", (("deadline_max_priority_kept", -1), ("prefill_backlog_budgets",
+                                                                                            2.0),
+                                                      ("ttft_deadline", True))), "1.3/fifo/refuse/budget=2"),
+    ("0.7/budget=none/refuse=0", Option(0.7, "shortest_first", (
+        ("deadline_max_priority_kept", 0), ("prefill_backlog_budgets", None), ("ttft_deadline", True))),
+     "0.7/shortest_first/refuse=0/budget=none"),
+    ("1/refuse=-1/weighted", Option(1.0, "weighted", (("deadline_max_priority_kept", -1), ("ttft_deadline", True))),
+     "1/weighted/refuse"),
+])
+def test_an_option_names_its_admission_after_its_cap(text: str, want: Option, back: str) -> None:
+    got = Option.parse(text, "shortest_first")
+    assert got == want and str(got) == back
+    assert Option.parse(back, "fifo") == got  # what it writes back parses to the same option
+
+
+@pytest.mark.parametrize("text,match", [
+    ("1/refuse/keep", r"option '1/refuse/keep': two deadline parts \('refuse' and 'keep'\)"),
+    ("1/fifo/weighted", r"option '1/fifo/weighted': two order parts \('fifo' and 'weighted'\)"),
+    ("1/budget=0", r"option '1/budget=0': budget='0' must be a number > 0 .* or none"),
+    ("1/budget=inf", r"option '1/budget=inf': budget='inf' must be a number > 0"),
+    ("1/budget=lots", r"option '1/budget=lots': budget='lots' must be a number > 0"),
+    ("1/refuse=core", r"option '1/refuse=core': refuse='core' needs an integer priority"),
+    ("1/budget", r"option '1/budget': order 'budget' is not one of .* \(nor an admission part: refuse\[=<priority>\], "
+                 r"keep, budget=<x>\|none\)"),
+    ("1/", r"option '1/': order '' is not one of"),
+])
+def test_a_malformed_admission_part_is_refused_naming_the_option(text: str, match: str) -> None:
+    with pytest.raises(LookaheadError, match=match):
+        Option.parse(text, "shortest_first")
+
+
+def _run(options: list[str], epoch_s: float, horizon_s: float, *extra: str) -> tuple[ServingEnv, LookaheadController]:
+    env = ServingEnv(load_config([*BURSTY, *extra]))
+    ctl = LookaheadController(LookaheadConfig(epoch_s=epoch_s, horizon_s=horizon_s, options=options), env.slo, 256)
+    run_episode(env, ctl, seed=0)
+    return env, ctl
+
+
+def test_a_refuse_option_makes_the_env_refuse_late_requests_that_keep_serves() -> None:
+    """The bursty minute overloads the engine: chosen every epoch, ``refuse`` makes admission
+    refuse queued requests past their TTFT objective ("deadline"), single-class as they are;
+    ``keep`` (the env's own setting here) refuses none, and ends where the base option does."""
+    refused, _ = _run(["1/refuse"], 5.0, 5.0)
+    kept, _ = _run(["1/keep"], 5.0, 5.0)
+    base, _ = _run(["1"], 5.0, 5.0)
+    assert refused.admission.num_rejected_by_reason["deadline"] > 0
+    assert kept.admission.num_rejected_by_reason["deadline"] == 0
+    assert kept.admission.num_rejected_by_reason == base.admission.num_rejected_by_reason
+    assert len(kept.finished_requests) == len(base.finished_requests)
+    for env in (refused, kept, base):
+        env.close()
+
+
+def test_an_options_admission_holds_for_its_epoch_then_the_envs_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On each copy the option's admission (refuse, two token budgets of prefill) holds for the
+    epoch's 5 steps and the env's own configuration for the other 5 of the horizon; the
+    environment itself runs the chosen option; ``apply_admission`` with the base option puts the
+    env's own configuration back, and with it what admission derived from it."""
+    seen: list[tuple[ServingEnv, bool, float | None, int | None]] = []
+    step = ServingEnv.step_proposal
+
+    def recording(self: ServingEnv, proposal: Proposal):  # noqa: ANN202 (the wrapped method's)
+        adm = self.admission
+        seen.append((self, adm.cfg is self.admission_cfg, adm.deadline_s, adm.prefill_hold_tokens))
+        return step(self, proposal)
+
+    monkeypatch.setattr(ServingEnv, "step_proposal", recording)
+    env = ServingEnv(load_config([*BURSTY, "workload.duration_s=20", "env.episode_s=20"]))
+    own = env.admission_cfg
+    assert not own.ttft_deadline and own.prefill_backlog_budgets == 1.0
+    ctl = LookaheadController(LookaheadConfig(epoch_s=5.0, horizon_s=10.0, options=["1/refuse/budget=2"]), env.slo,
+                              256)
+    run_episode(env, ctl, seed=0)
+    hold = env.engine.capabilities().max_num_batched_tokens  # one token budget: the env's own hold
+    real = [s for s in seen if s[0] is env]
+    assert len(real) == 20 and all(not mine and dl == env.slo.ttft_ms / 1000 and h == 2 * hold
+                                   for _, mine, dl, h in real), real
+    copies: dict[int, list[tuple[bool, float | None, int | None]]] = {}
+    for e, mine, dl, h in seen:
+        if e is not env:
+            copies.setdefault(id(e), []).append((mine, dl, h))
+    assert len(copies) == len(ctl.log) == 4
+    for steps in copies.values():  # the last epoch's copy ends with the episode, at 5 steps
+        assert steps[:5] == [(False, env.slo.ttft_ms / 1000, 2 * hold)] * 5, steps
+        assert steps[5:] == [(True, None, hold)] * (len(steps) - 5), steps
+    assert [len(steps) for steps in copies.values()] == [10, 10, 10, 5]
+    apply_admission(env, ctl.base)
+    adm = env.admission
+    assert adm.cfg is own and adm.deadline_s is None and adm.prefill_hold_tokens == hold and not own.ttft_deadline
+    env.close()
+
+
+def test_the_wide_option_set_parses_and_keeps_the_base() -> None:
+    """``conf/policy/lookahead_wide.yaml`` extends ``lookahead``: its 12 options all parse,
+    differ, and include the base (ties go to it)."""
+    ctl = build_controller(load_config(["policy=lookahead_wide"]).policy, 256)
+    assert isinstance(ctl, LookaheadController)
+    assert len(ctl.options) == len(set(ctl.options)) == 12 and ctl.base in ctl.options
+    assert (ctl.cfg.epoch_s, ctl.cfg.horizon_s) == (10.0, 40.0)
+    assert {dict(o.admission).get("prefill_backlog_budgets", "own") for o in ctl.options} == {"own", 0.5, 2.0}
