@@ -69,6 +69,21 @@ def test_idle_time_between_requests_does_not_lower_the_rate() -> None:
         assert a.drain_rate == pytest.approx(RATE)
 
 
+def test_a_queue_held_by_a_full_batch_cap_counts_as_backlog_time() -> None:
+    """Requests waiting here while the cap is full of decodes (no prefill in flight) drain no
+    faster than slots free: that time counts, so the rate shows the queue's real pace."""
+    a = _adm()
+    t = _warm(a, 8)
+    assert a.submit_or_admit(Request("decoding", t, 1000, 10), t) == (None, True)
+    a.on_first_token("decoding", t + 0.1)  # prefills at the usual pace, then decodes for 5 s
+    assert a.submit(Request("queued", t + 0.2, 1000, 10), t + 0.2) is None
+    a.on_finished("decoding", 10)
+    assert [r.request_id for r in a.admit(t + 5.2)] == ["queued"]
+    a.on_first_token("queued", t + 5.3)  # 5.1 s after it began to wait
+    assert a.drain_rate == pytest.approx(10 * 1000 / (9 * 0.1 + 5.1))
+    a.check_counts()
+
+
 def test_the_prediction_counts_the_queue_the_prefill_in_flight_its_prompt_and_its_wait() -> None:
     a = _adm()
     t = _warm(a, 8)

@@ -42,8 +42,9 @@ gateway, so its client learns at once and can go elsewhere) when its predicted t
 token is over ``early_refusal_slack`` times the TTFT objective, instead of waiting its objective
 out first (``ttft_deadline``). The prediction uses what this module sees and nothing else
 (``predicted_first_token_s``): the prompt tokens queued on time ahead of it, in flight without a
-first token and its own, over the prefill drain rate measured from ``on_first_token`` while a
-prefill backlog existed (``drain_rate``), plus what it already waited. O(1): running sums.
+first token and its own, over the drain rate measured from ``on_first_token`` while a backlog
+existed (requests waiting here or prefill in flight: ``drain_rate``), plus what it already
+waited. O(1): running sums.
 
 Memory, per request (``memory``, the shield): besides the count, a request is admitted only if
 the predicted memory of everything in flight plus it stays within the shield's ceiling. Each
@@ -146,9 +147,10 @@ class AdmissionConfig:
     #: from arrival, exceeds ``early_refusal_slack`` x the TTFT objective (``use_slo``). The
     #: prediction (``Admission.predicted_first_token_s``): what it waited so far + (prompt tokens
     #: queued on time + prompt tokens in flight without a first token + its own prompt) / the
-    #: prefill drain rate, the last term at least the measured admission-to-first-token time
-    #: when ``first_token_margin`` measures it. The drain rate is prompt tokens reaching their
-    #: first token per second of time with a prefill backlog (idle time does not count), over the
+    #: drain rate, the last two terms at least the measured admission-to-first-token time when
+    #: ``first_token_margin`` measures it. The drain rate is prompt tokens reaching their first
+    #: token per second of time with a backlog (requests waiting here, or prompts in flight
+    #: without a first token; idle time does not count, a full batch cap does), over the
     #: last ``early_refusal_window`` first tokens; nothing is refused early until
     #: ``early_refusal_min_samples`` first tokens were measured. Its client learns at once, not
     #: after waiting its objective out (``ttft_deadline``), and can retry elsewhere.
@@ -388,9 +390,9 @@ class Admission:
         #: Prompt tokens of the waiting requests not (yet) late: the queue a new request waits
         #: behind (``early_refusal``; all waiting requests without ``on_time_first``).
         self.waiting_on_time_tokens = 0
-        # The prefill drain rate (``drain_rate``): (prompt tokens, seconds of backlog since the
-        # previous first token) of the last first tokens, their running sums, and since when
-        # the current backlog's clock runs (None: no prefill in flight).
+        # The drain rate (``drain_rate``): (prompt tokens, seconds of backlog since the previous
+        # first token) of the last first tokens, their running sums, and since when the current
+        # backlog's clock runs (None: idle, nothing waiting and no prefill in flight).
         self._drain: deque[tuple[int, float]] = deque()
         self._drain_tokens = 0
         self._drain_time = 0.0
@@ -584,6 +586,8 @@ class Admission:
         queue.push(e)
         waiting[rid] = e
         self.waiting_on_time_tokens += prompt_len
+        if self._busy_since is None:
+            self._busy_since = now  # a backlog starts: the drain rate's clock runs
         arrival = req.arrival_time
         if cfg.max_wait_s is not None:
             heappush(self._expiry, (arrival, seq, e))
@@ -647,8 +651,8 @@ class Admission:
         self.kv_blocks_in_flight += blocks
         self.num_long_in_flight += is_long
         if getattr(req, "reports_first_token", True):
-            if not self.prefill_tokens_in_flight:
-                self._busy_since = now  # a prefill backlog starts: the drain rate's clock runs
+            if self._busy_since is None:
+                self._busy_since = now  # a backlog starts: the drain rate's clock runs
             self._awaiting_first[rid] = (prompt_len, now)
             self.prefill_tokens_in_flight += prompt_len
         self.num_admitted += 1
@@ -700,12 +704,12 @@ class Admission:
             self.kv_blocks_in_flight += blocks
             self.num_long_in_flight += e.is_long
             if getattr(req, "reports_first_token", True):
-                if not self.prefill_tokens_in_flight:
-                    self._busy_since = now  # a prefill backlog starts: the drain rate's clock runs
                 self._awaiting_first[rid] = (req.prompt_len, now)
                 self.prefill_tokens_in_flight += req.prompt_len
             self.num_admitted += 1
             out.append(req)
+        if not waiting and not self.prefill_tokens_in_flight:
+            self._busy_since = None  # all admitted, none with a first token to wait for
         return out
 
     def on_finished(self, request_id: str, output_tokens: int | None = None) -> None:
@@ -721,8 +725,8 @@ class Admission:
         entry = self._awaiting_first.pop(request_id, None)  # on_first_token(request_id), inline
         if entry is not None:
             self.prefill_tokens_in_flight -= entry[0]
-            if not self.prefill_tokens_in_flight:
-                self._busy_since = None  # no first token to time the rest of this backlog by
+            if not self.prefill_tokens_in_flight and not self._waiting:
+                self._busy_since = None  # idle, and no first token to time the rest of this backlog by
         self.num_seqs_in_flight -= seqs
         self.kv_blocks_in_flight -= blocks
         self.num_long_in_flight -= is_long
@@ -740,7 +744,7 @@ class Admission:
         prompt_len, admitted_at = entry
         self.prefill_tokens_in_flight -= prompt_len
         if now is None:
-            if not self.prefill_tokens_in_flight:
+            if not self.prefill_tokens_in_flight and not self._waiting:
                 self._busy_since = None
             return None
         self._observe_drain(prompt_len, now)
@@ -760,8 +764,8 @@ class Admission:
 
     @property
     def drain_rate(self) -> float | None:
-        """Prompt tokens that reached their first token per second while a prefill backlog
-        existed, over the last ``early_refusal_window`` first tokens; None until
+        """Prompt tokens that reached their first token per second while a backlog existed
+        (requests waiting here or prompts in flight without a first token), over the last ``early_refusal_window`` first tokens; None until
         ``early_refusal_min_samples`` were measured (or no backlog time has passed)."""
         if len(self._drain) < self.cfg.early_refusal_min_samples or not self._drain_time > 0:
             return None
@@ -790,7 +794,9 @@ class Admission:
 
     def _observe_drain(self, prompt_len: int, now: float) -> None:
         """A prompt reached its first token at ``now``: one sample of the drain rate (its tokens
-        over the backlog time since the previous first token or the backlog's start)."""
+        over the backlog time since the previous first token or the backlog's start). Backlog
+        time is time with requests waiting here or prompts in flight without a first token: a
+        full batch cap drains the queue slower than the engine prefills, and that must show."""
         since = self._busy_since
         if since is not None:
             dt = max(0.0, now - since)
@@ -803,7 +809,7 @@ class Admission:
                 self._drain_tokens -= old_tokens
                 self._drain_time -= old_dt
             now = max(now, since)
-        self._busy_since = now if self.prefill_tokens_in_flight else None
+        self._busy_since = now if self.prefill_tokens_in_flight or self._waiting else None
 
     def cancel(self, request_id: str, now: float) -> Rejection | None:
         """A client went away. A waiting request is dropped (reason "cancelled"); an in-flight
@@ -894,6 +900,8 @@ class Admission:
         self._buckets[e.bucket].num_late -= e.late
         if not e.late:
             self.waiting_on_time_tokens -= e.request.prompt_len
+        if not self._waiting and not self.prefill_tokens_in_flight:
+            self._busy_since = None  # the backlog is gone (refused or cancelled)
         del self._waiting[e.request.request_id]
 
     def _mark_late(self, now: float) -> None:
