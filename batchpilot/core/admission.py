@@ -607,7 +607,8 @@ class Admission:
         ``submit`` and the caller's ``admit`` decides."""
         cfg = self.cfg
         hold = self.prefill_hold_tokens
-        if (self._waiting or (cfg.early_refusal and self._no_slack(req, now)) or cfg.max_wait_s is not None or self.deadline_s is not None or cfg.adapt_boundaries
+        if (self._waiting or (cfg.early_refusal and self._no_slack(req, now))
+                or cfg.max_wait_s is not None or self.deadline_s is not None or cfg.adapt_boundaries
                 or self.max_priority_kept is not None or self.num_seqs_in_flight >= self.batch_cap
                 or (hold is not None and self.prefill_tokens_in_flight >= hold)):
             return self.submit(req, now), False
@@ -765,8 +766,9 @@ class Admission:
     @property
     def drain_rate(self) -> float | None:
         """Prompt tokens that reached their first token per second while a backlog existed
-        (requests waiting here or prompts in flight without a first token), over the last ``early_refusal_window`` first tokens; None until
-        ``early_refusal_min_samples`` were measured (or no backlog time has passed)."""
+        (requests waiting here or prompts in flight without a first token), over the last
+        ``early_refusal_window`` first tokens; None until ``early_refusal_min_samples`` were
+        measured (or no backlog time has passed)."""
         if len(self._drain) < self.cfg.early_refusal_min_samples or not self._drain_time > 0:
             return None
         return self._drain_tokens / self._drain_time
