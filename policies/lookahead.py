@@ -21,8 +21,9 @@ The options are the residual policy's own batch actions (a factor on PID's cap,
 cap of its own); PID keeps steering underneath, so after an option the next one starts from
 where PID would be. An option may also set admission for its epoch, levers the gateway carries
 out with the same ``core/admission.py``: ``refuse`` (refuse queued requests past their TTFT
-objective), ``keep`` (serve them late), ``budget=<x>`` (the prefill backlog admission lets into
-the engine, in engine token budgets). Those settings hold for the option's epoch only, on the copy it is tried
+objective), ``keep`` (serve them late), ``early`` (refuse at arrival a request predicted to miss
+it), ``budget=<x>`` (the prefill backlog admission lets into the engine, in engine token
+budgets). Those settings hold for the option's epoch only, on the copy it is tried
 on and on the environment when chosen; the rest of the horizon, and any option without them,
 runs the environment's own admission configuration (``apply_admission``).
 """
@@ -54,7 +55,7 @@ class LookaheadError(ValueError):
 
 
 #: The admission parts an option may name after its cap (and order), for the error message.
-ADMISSION_PARTS = "refuse[=<priority>], keep, budget=<x>|none"
+ADMISSION_PARTS = "refuse[=<priority>], keep, early[=<slack>], early=off, budget=<x>|none"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -70,10 +71,12 @@ class Option:
 
     @classmethod
     def parse(cls, text: str, default_bucketing: str) -> "Option":
-        """``<cap>[/<order>][/refuse[=<p>]|/keep][/budget=<x>|/budget=none]``; the cap is
-        ``max`` or a residual factor. ``refuse``: ``ttft_deadline`` on for every priority above
-        ``p`` (default -1: every request, so a single-class workload is covered too); ``keep``:
-        ``ttft_deadline`` off; ``budget``: ``prefill_backlog_budgets`` (``none``: no hold)."""
+        """``<cap>[/<order>][/refuse[=<p>]|/keep][/early[=<slack>]|/early=off][/budget=<x>|none]``
+        (the parts after the cap in any order); the cap is ``max`` or a residual factor.
+        ``refuse``: ``ttft_deadline`` on for every priority above ``p`` (default -1: every
+        request, so a single-class workload is covered too); ``keep``: ``ttft_deadline`` off;
+        ``early``: ``early_refusal`` on above priority -1 (``early_refusal_slack`` when given);
+        ``budget``: ``prefill_backlog_budgets`` (``none``: no hold)."""
         head, *rest = str(text).split("/")
         found: dict[str, tuple[str, dict[str, Any]]] = {}
         for part in rest:
@@ -82,8 +85,13 @@ class Option:
                 raise LookaheadError(f"lookahead option {text!r}: two {kind} parts ({found[kind][0]!r} and {part!r})")
             found[kind] = (label, settings)
         order = found.pop("order", (default_bucketing, {}))[0]
-        admission = {k: v for _, settings in found.values() for k, v in settings.items()}
-        parts = tuple(found[k][0] for k in ("deadline", "budget") if k in found)
+        admission: dict[str, Any] = {}
+        for label, settings in found.values():
+            for key, value in settings.items():
+                if admission.setdefault(key, value) != value:
+                    raise LookaheadError(f"lookahead option {text!r}: its parts set admission.{key} to "
+                                         f"{admission[key]!r} and {value!r} ({label!r})")
+        parts = tuple(found[k][0] for k in ("deadline", "early", "budget") if k in found)
         if head == "max":
             return cls(None, order, tuple(sorted(admission.items())), parts)
         try:
@@ -115,19 +123,33 @@ def _parse_part(text: str, part: str) -> tuple[str, str, dict[str, Any]]:
                                  f"highest priority never refused; refuse alone is -1: every request)") from None
         return "deadline", "refuse" if kept == -1 else f"refuse={kept}", {
             "ttft_deadline": True, "deadline_max_priority_kept": kept}
+    if name == "early":
+        if value == "off":
+            return "early", "early=off", {"early_refusal": False}
+        slack = _positive(text, part, value) if eq else None
+        settings = {"early_refusal": True, "deadline_max_priority_kept": -1}
+        if slack is None:
+            return "early", "early", settings
+        return "early", f"early={slack:g}", {**settings, "early_refusal_slack": slack}
     if name == "budget" and eq:
         if value.lower() in ("none", "null"):
             return "budget", "budget=none", {"prefill_backlog_budgets": None}
-        try:
-            budget = float(value)
-        except ValueError:
-            budget = math.nan
-        if not (budget > 0 and math.isfinite(budget)):
-            raise LookaheadError(f"lookahead option {text!r}: budget={value!r} must be a number > 0 (engine token "
-                                 f"budgets of prefill held in admission) or none")
+        budget = _positive(text, part, value, " (engine token budgets of prefill in flight) or none")
         return "budget", f"budget={budget:g}", {"prefill_backlog_budgets": budget}
     raise LookaheadError(f"lookahead option {text!r}: order {part!r} is not one of {list(BUCKETING_MODES)} (nor "
                          f"an admission part: {ADMISSION_PARTS})")
+
+
+def _positive(text: str, part: str, value: str, what: str = "") -> float:
+    """The number > 0 an option's part names, or a clear error naming the option."""
+    try:
+        x = float(value)
+    except ValueError:
+        x = math.nan
+    if not (x > 0 and math.isfinite(x)):
+        raise LookaheadError(f"lookahead option {text!r}: {part.partition('=')[0]}={value!r} must be a number > 0"
+                             f"{what}")
+    return x
 
 
 def apply_admission(env: Any, option: Option) -> None:

@@ -139,6 +139,10 @@ def test_fed_recent_arrivals_it_is_a_forecast_not_the_bound() -> None:
      "0.7/shortest_first/refuse=0/budget=none"),
     ("1/refuse=-1/weighted", Option(1.0, "weighted", (("deadline_max_priority_kept", -1), ("ttft_deadline", True))),
      "1/weighted/refuse"),
+    ("1/early=1.50/keep", Option(1.0, "shortest_first", (("deadline_max_priority_kept", -1), ("early_refusal", True),
+                                                         ("early_refusal_slack", 1.5), ("ttft_deadline", False))),
+     "1/shortest_first/keep/early=1.5"),
+    ("max/early=off", Option(None, "shortest_first", (("early_refusal", False),)), "max/shortest_first/early=off"),
 ])
 def test_an_option_names_its_admission_after_its_cap(text: str, want: Option, back: str) -> None:
     got = Option.parse(text, "shortest_first")
@@ -153,8 +157,12 @@ def test_an_option_names_its_admission_after_its_cap(text: str, want: Option, ba
     ("1/budget=inf", r"option '1/budget=inf': budget='inf' must be a number > 0"),
     ("1/budget=lots", r"option '1/budget=lots': budget='lots' must be a number > 0"),
     ("1/refuse=core", r"option '1/refuse=core': refuse='core' needs an integer priority"),
+    ("1/early=-1", r"option '1/early=-1': early='-1' must be a number > 0"),
+    ("1/early/early=2", r"option '1/early/early=2': two early parts \('early' and 'early=2'\)"),
+    ("1/refuse=0/early", r"option '1/refuse=0/early': its parts set admission.deadline_max_priority_kept to 0 and "
+                         r"-1 \('early'\)"),
     ("1/budget", r"option '1/budget': order 'budget' is not one of .* \(nor an admission part: refuse\[=<priority>\], "
-                 r"keep, budget=<x>\|none\)"),
+                 r"keep, early\[=<slack>\], early=off, budget=<x>\|none\)"),
     ("1/", r"option '1/': order '' is not one of"),
 ])
 def test_a_malformed_admission_part_is_refused_naming_the_option(text: str, match: str) -> None:
@@ -181,6 +189,17 @@ def test_a_refuse_option_makes_the_env_refuse_late_requests_that_keep_serves() -
     assert kept.admission.num_rejected_by_reason == base.admission.num_rejected_by_reason
     assert len(kept.finished_requests) == len(base.finished_requests)
     for env in (refused, kept, base):
+        env.close()
+
+
+def test_an_early_option_refuses_at_arrival_for_its_epoch() -> None:
+    """``early``: admission refuses at submit ("no_slack") requests predicted to miss their TTFT
+    objective, which the env's own admission (early refusal off) never does."""
+    early, _ = _run(["1/early"], 5.0, 5.0)
+    base, _ = _run(["1"], 5.0, 5.0)
+    assert early.admission.num_rejected_by_reason["no_slack"] > 0
+    assert base.admission.num_rejected_by_reason["no_slack"] == 0 and not base.admission_cfg.early_refusal
+    for env in (early, base):
         env.close()
 
 
