@@ -522,12 +522,12 @@ class LookaheadConfig:
     #: How far each choice is judged: the option for ``epoch_s``, then ``1`` (PID's cap, the
     #: default order) for the rest.
     horizon_s: float = 40.0
-    #: ``<cap>[/<bucketing>][/refuse[=<p>]|/keep][/budget=<x>|/budget=none]``: the cap is a
-    #: factor of the residual policy's action on PID's cap or ``max`` (the engine's
-    #: max_num_seqs); the order defaults to ``bucketing``; the admission parts hold for the
-    #: option's epoch only (``refuse``: ``ttft_deadline`` on above priority ``p``, default -1 =
-    #: every request; ``keep``: off; ``budget``: ``prefill_backlog_budgets``), the env's own
-    #: admission configuration otherwise.
+    #: ``<cap>[/<bucketing>][/refuse[=<p>]|/keep][/early[=<slack>]|/early=off][/budget=<x>|none]``:
+    #: the cap is a factor of the residual policy's action on PID's cap or ``max`` (the
+    #: engine's max_num_seqs); the order defaults to ``bucketing``; the admission parts hold for
+    #: the option's epoch only (``refuse``: ``ttft_deadline`` on above priority ``p``, default
+    #: -1 = every request; ``keep``: off; ``early``: ``early_refusal`` on above -1; ``budget``:
+    #: ``prefill_backlog_budgets``), the env's own admission configuration otherwise.
     options: list[str] = field(default_factory=lambda: ["0.7", "0.85", "1", "1.15", "1.3", "1/weighted",
                                                         "1/fifo", "max"])
     #: The order of ``1`` and of an option that names none (PID with shortest first: ``pid_sf``).
