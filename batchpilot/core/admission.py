@@ -167,7 +167,11 @@ class AdmissionConfig:
     #: With ``on_time_first``, once any waiting request has gone late the queue holds more than
     #: the engine serves in time: requests still on time are then taken newest first (most slack
     #: left: "adaptive LIFO"), since the oldest on-time request, with almost none, would mostly
-    #: go late while it is served. First come, first served again once none is late.
+    #: go late while it is served. First come, first served again once none is late. With
+    #: ``ttft_deadline`` or ``early_refusal`` the late ones are refused rather than kept, so a
+    #: refusal for lack of time counts as a late request for one TTFT objective after it:
+    #: otherwise the refusals would empty the late heaps and turn the order back to first come,
+    #: first served in the middle of the overload that caused them.
     newest_first_when_late: bool = True
     #: Hold requests here while the prompt tokens in flight that have not produced a first token
     #: reach this many of the engine's per-iteration token budgets (``use_token_budget``; None
@@ -406,6 +410,9 @@ class Admission:
         self.late_after_s: float | None = None
         #: Seconds a request above core priority may wait (``use_slo``); None = no deadline.
         self.deadline_s: float | None = None
+        #: When a request was last refused for lack of time ("deadline", "no_slack"): the queue
+        #: counts as overloaded (newest first) for one TTFT objective after.
+        self._refused_late_at = -math.inf
         self._seq = 0
         self._pass = [0.0] * cfg.num_buckets  # stride scheduling, weighted mode
         self._stride = [1.0 / w for w in cfg.weights]
@@ -576,6 +583,7 @@ class Admission:
         if queue.num_waiting >= cfg.max_queue_len:
             return self._reject(req, "queue_full", now)
         if cfg.early_refusal and self._no_slack(req, now):
+            self._refused_late_at = now
             return self._reject(req, "no_slack", now)
         if queue.num_waiting == 0:
             # A bucket that was idle rejoins at the current virtual time: no banked credit.
@@ -674,7 +682,7 @@ class Admission:
         while self.num_seqs_in_flight < self.batch_cap and waiting:
             if hold is not None and self.prefill_tokens_in_flight >= hold:
                 break  # the engine has an iteration of prefill ahead of it: the rest wait here
-            e = self._choose(self.num_long_in_flight < max_num_long)
+            e = self._choose(self.num_long_in_flight < max_num_long, now)
             if e is None:
                 break  # only long prompts wait and the long cap is full
             seqs, blocks = e.seqs, e.blocks
@@ -840,6 +848,8 @@ class Admission:
                 if e.alive:
                     self._drop(e)
                     out.append(self._reject(e.request, reason, now))
+                    if reason == "deadline":
+                        self._refused_late_at = now
         return out
 
     def shed(self, max_priority_kept: int | None, now: float = 0.0, *, persist: bool = False) -> list[Rejection]:
@@ -918,12 +928,14 @@ class Admission:
                 self._buckets[e.bucket].mark_late(e)
                 self.waiting_on_time_tokens -= e.request.prompt_len
 
-    def _choose(self, allow_long: bool) -> _Entry | None:
+    def _choose(self, allow_long: bool, now: float) -> _Entry | None:
         buckets = self._buckets
         newest = False
         if self.cfg.newest_first_when_late:
+            late_s = self.late_after_s
+            newest = late_s is not None and now - self._refused_late_at <= late_s
             for b in buckets:
-                if b.num_late:
+                if newest or b.num_late:
                     newest = True
                     break
         # The head of each bucket that has one, in bucket order (an entry knows its bucket).
