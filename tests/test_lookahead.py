@@ -250,3 +250,16 @@ def test_the_wide_option_set_parses_and_keeps_the_base() -> None:
     assert len(ctl.options) == len(set(ctl.options)) == 12 and ctl.base in ctl.options
     assert (ctl.cfg.epoch_s, ctl.cfg.horizon_s) == (10.0, 40.0)
     assert {dict(o.admission).get("prefill_backlog_budgets", "own") for o in ctl.options} == {"own", 0.5, 2.0}
+
+
+def test_copies_stay_faithful_with_admission_options() -> None:
+    """As with the cap options: with the horizon one epoch long, the value computed on a copy
+    for the chosen option (admission settings included) is what the episode then finished
+    within the SLO, so an option's admission acts on the copy exactly as on the environment."""
+    env, ctl = _run(["1", "1/refuse", "1/early", "1/budget=2", "0.7/refuse/budget=0.5"], 5.0, 5.0)
+    done = env.finished_requests
+    assert any(ctl.options[e["chosen"]].admission for e in ctl.log), ctl.log  # an admission option was chosen
+    for now, nxt in zip(ctl.log, ctl.log[1:]):
+        got = sum(1 for r in done[now["finished"]:nxt["finished"]] if env.slo.met(r.ttft, r.tpot, r.e2el))
+        assert now["values"][now["chosen"]] == got, (now, got)
+    env.close()
