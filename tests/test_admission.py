@@ -755,3 +755,37 @@ def test_the_hold_counts_in_token_budgets() -> None:
         AdmissionConfig(prefill_backlog_budgets=0.0)
     with pytest.raises(ValueError, match="prefill_backlog_budgets"):
         AdmissionConfig.from_cfg({"prefill_backlog_budgets": float("nan")})
+
+
+@pytest.mark.parametrize("mode", BUCKETING_MODES)
+def test_a_refusal_for_lack_of_time_keeps_newest_first_for_one_objective(mode: str) -> None:
+    """With the TTFT deadline the late requests are refused, not kept, so none waits late: the
+    overload they showed keeps the on-time ones newest first for one objective after the last
+    refusal, and first come, first served returns after that."""
+    adm = Admission(AdmissionConfig(ttft_deadline=True, deadline_max_priority_kept=-1, newest_first_when_late=True),
+                    Knobs(batch_cap=1, bucketing=mode))
+    adm.use_slo(1000.0)
+    _submit(adm, ("late", 0.0, 100, 0), ("a", 0.5, 100, 0), ("b", 0.6, 100, 0), ("c", 0.7, 100, 0))
+    (refused,) = adm.expire(1.05)
+    assert (refused.request_id, refused.reason) == ("late", "deadline") and adm.num_late_waiting == 0
+    (r,) = adm.admit(1.1)
+    assert r.request_id == "c"  # overloaded a moment ago: newest on time first
+    adm.on_finished("c")
+    assert [x.request_id for x in adm.expire(2.3)] == ["a", "b"]  # both waited past 1 s: refused at 2.3
+    _submit(adm, ("e", 2.5, 100, 0), ("f", 2.6, 100, 0), ("g", 2.7, 100, 0))
+    (r,) = adm.admit(3.2)  # 0.9 s after the last refusal: still newest first
+    assert r.request_id == "g"
+    adm.on_finished("g")
+    (r,) = adm.admit(3.4)  # 1.1 s after it, nobody late: first come, first served again
+    assert r.request_id == "e" and adm.num_late_waiting == 0
+    adm.on_finished("e")
+    adm.check_counts()
+
+
+def test_without_a_refusal_for_lack_of_time_the_order_stays_first_come_first_served() -> None:
+    """The same queue with the deadline off and nobody late yet: arrival order."""
+    adm = Admission(AdmissionConfig(newest_first_when_late=True), Knobs(batch_cap=1, bucketing="fifo"))
+    adm.use_slo(1000.0)
+    _submit(adm, ("a", 0.5, 100, 0), ("b", 0.6, 100, 0), ("c", 0.7, 100, 0))
+    (r,) = adm.admit(1.1)
+    assert r.request_id == "a"

@@ -1,0 +1,42 @@
+"""The ``refuse_late`` presets (conf/env/refuse_late.yaml, conf/serve/refuse_late.yaml): admission
+that refuses a queued request once it has waited its TTFT objective, whatever its priority, the
+same in the simulator and at the gateway."""
+
+from __future__ import annotations
+
+from batchpilot.config import load_config
+from batchpilot.envs.serving_env import ServingEnv
+
+
+def test_the_presets_set_the_deadline_for_every_priority_and_keep_the_rest() -> None:
+    env = load_config(["env=refuse_late"])
+    default = load_config([])
+    serve = load_config(["serve=refuse_late"], config_name="serve_app")
+    for adm in (env.env.admission, serve.serve.admission):
+        assert adm.ttft_deadline is True and adm.deadline_max_priority_kept == -1
+    changed = {k for k in default.env if default.env[k] != env.env[k]}
+    assert changed == {"admission"}
+    assert {k for k in default.env.admission if default.env.admission[k] != env.env.admission[k]} == {
+        "ttft_deadline", "deadline_max_priority_kept"}
+
+
+def test_with_the_preset_the_env_refuses_late_requests_and_meets_the_slo_as_often() -> None:
+    """An overloaded simulated minute (Poisson at ~5x capacity, every request at core priority 0):
+    the default serves every request, most late; the preset refuses those that waited their
+    objective ("deadline") and meets the SLO for at least as many."""
+    metrics, reasons = {}, {}
+    for preset in ("default", "refuse_late"):
+        env = ServingEnv(cfg=load_config([f"env={preset}", "env.episode_s=15", "workload.duration_s=15",
+                                          "workload=poisson", "workload.rate=150"]))
+        env.reset(seed=0)
+        done = False
+        while not done:
+            *_, term, trunc, _ = env.step(env.action_space.nvec // 2)
+            done = term or trunc
+        env.admission.check_counts()
+        reasons[preset] = dict(env.admission.num_rejected_by_reason)
+        metrics[preset] = env.episode_metrics()
+        env.close()
+    assert "deadline" not in reasons["default"]
+    assert reasons["refuse_late"].get("deadline", 0) > 100, reasons
+    assert metrics["refuse_late"]["request_goodput"] >= metrics["default"]["request_goodput"], metrics
