@@ -237,6 +237,41 @@ def read_artifact(
 
     ``expected_features=None`` skips the feature-list check (tools that only inspect)."""
     root = Path(path)
+    manifest = _read_manifest(root)
+    sec = _manifest_sections(root, manifest)
+    _check_expected(root, sec, expected_features, expected_nvec)
+    normalization = _read_normalization(root, sec.norm_raw, len(sec.features))
+    tensors = _read_weights(root, sec.wmeta, sec.wfile, sec.wsha)
+    layers = _read_layers(root, tensors, sec)
+    return Artifact(
+        path=root,
+        manifest=manifest,
+        features=tuple(sec.features),
+        normalization=normalization,
+        nvec=sec.nvec,
+        activation=sec.activation,
+        layers=tuple(layers),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class _Sections:
+    """The manifest fields the reader uses, pulled out once (a missing or mistyped one is a
+    single "malformed section" error) and checked by the steps after."""
+
+    features: list[str]
+    norm_raw: Any
+    nvec: tuple[int, ...]
+    activation: Any
+    layer_meta: Any
+    wmeta: Any
+    wfile: str
+    wsha: str
+
+
+def _read_manifest(root: Path) -> dict[str, Any]:
+    """The manifest as a JSON object with every required key, of this format and version:
+    checked before anything in it is trusted."""
     if not root.is_dir():
         raise _fail(root, "not a directory")
     mpath = root / MANIFEST_FILE
@@ -259,7 +294,12 @@ def read_artifact(
             f"format_version {manifest['format_version']!r} not supported by this runtime "
             f"(supports {FORMAT_VERSION}); re-export the policy or upgrade batchpilot",
         )
+    return manifest
 
+
+def _manifest_sections(root: Path, manifest: dict[str, Any]) -> _Sections:
+    """The sections' fields, read in one place so any missing key or wrong type names the
+    manifest as malformed."""
     try:
         obs = manifest["observation"]
         features = [str(f) for f in obs["features"]]
@@ -273,38 +313,55 @@ def read_artifact(
         wfile, wsha = str(wmeta["file"]), str(wmeta["sha256"])
     except (KeyError, TypeError, ValueError) as e:
         raise _fail(root, f"{MANIFEST_FILE} malformed section: {type(e).__name__}: {e}") from e
+    return _Sections(features, norm_raw, nvec, activation, layer_meta, wmeta, wfile, wsha)
 
-    if expected_features is not None and features != list(expected_features):
-        diff = _features_diff(features, list(expected_features))
+
+def _check_expected(
+    root: Path,
+    sec: _Sections,
+    expected_features: list[str] | tuple[str, ...] | None,
+    expected_nvec: tuple[int, ...] | None,
+) -> None:
+    """The policy's interface against what the caller will feed it and read from it (features,
+    action sizes), and a network this runtime can evaluate."""
+    if expected_features is not None and sec.features != list(expected_features):
+        diff = _features_diff(sec.features, list(expected_features))
         raise _fail(root, f"observation features differ: {diff}")
-    if expected_nvec is not None and nvec != tuple(expected_nvec):
+    if expected_nvec is not None and sec.nvec != tuple(expected_nvec):
         raise _fail(
-            root, f"action nvec {list(nvec)} differs from the expected {list(expected_nvec)}"
+            root, f"action nvec {list(sec.nvec)} differs from the expected {list(expected_nvec)}"
         )
-    if activation not in ACTIVATIONS:
-        raise _fail(root, f"network.activation {activation!r} not one of {ACTIVATIONS}")
-    if not isinstance(layer_meta, list) or not layer_meta:
+    if sec.activation not in ACTIVATIONS:
+        raise _fail(root, f"network.activation {sec.activation!r} not one of {ACTIVATIONS}")
+    if not isinstance(sec.layer_meta, list) or not sec.layer_meta:
         raise _fail(root, "network.layers must be a non-empty list")
 
-    normalization = None
-    if norm_raw is not None:
-        try:
-            mean = np.asarray(norm_raw["mean"], dtype=np.float64)
-            var = np.asarray(norm_raw["var"], dtype=np.float64)
-            eps, clip = float(norm_raw["epsilon"]), float(norm_raw["clip_obs"])
-        except (KeyError, TypeError, ValueError) as e:
-            msg = f"observation.normalization malformed: {type(e).__name__}: {e}"
-            raise _fail(root, msg) from e
-        n = len(features)
-        if mean.shape != (n,) or var.shape != (n,):
-            raise _fail(
-                root, f"normalization mean {mean.shape}/var {var.shape} must both be ({n},)"
-            )
-        if (var < 0).any() or not (eps > 0 and clip > 0 and math.isfinite(clip)):
-            raise _fail(root, "normalization needs var >= 0, epsilon > 0 and a finite clip_obs > 0")
-        normalization = Normalization(mean, var, eps, clip)
 
-    # Weights: hash the bytes we are about to parse, so what is checked is what is used.
+def _read_normalization(root: Path, norm_raw: Any, n: int) -> Normalization | None:
+    """VecNormalize's statistics (None when the policy was trained without them), one value
+    per feature and usable: a negative variance or a non-finite clip would corrupt every
+    observation."""
+    if norm_raw is None:
+        return None
+    try:
+        mean = np.asarray(norm_raw["mean"], dtype=np.float64)
+        var = np.asarray(norm_raw["var"], dtype=np.float64)
+        eps, clip = float(norm_raw["epsilon"]), float(norm_raw["clip_obs"])
+    except (KeyError, TypeError, ValueError) as e:
+        msg = f"observation.normalization malformed: {type(e).__name__}: {e}"
+        raise _fail(root, msg) from e
+    if mean.shape != (n,) or var.shape != (n,):
+        raise _fail(
+            root, f"normalization mean {mean.shape}/var {var.shape} must both be ({n},)"
+        )
+    if (var < 0).any() or not (eps > 0 and clip > 0 and math.isfinite(clip)):
+        raise _fail(root, "normalization needs var >= 0, epsilon > 0 and a finite clip_obs > 0")
+    return Normalization(mean, var, eps, clip)
+
+
+def _read_weights(root: Path, wmeta: Any, wfile: str, wsha: str) -> dict[str, np.ndarray]:
+    """The weight tensors. Hashes the bytes it is about to parse, so what is checked is what is
+    used; a mismatch says whether the file looks truncated."""
     if Path(wfile).name != wfile:
         raise _fail(root, f"weights.file {wfile!r} must be a plain file name inside the artifact")
     wpath = root / wfile
@@ -322,20 +379,27 @@ def read_artifact(
             f"(corrupted or replaced{size_note})",
         )
     try:
-        tensors = _st_load(blob)
+        return _st_load(blob)
     except Exception as e:  # safetensors raises its own error type
         raise _fail(root, f"weights {wfile} unreadable as safetensors: {e}") from e
 
+
+def _read_layers(
+    root: Path, tensors: dict[str, np.ndarray], sec: _Sections
+) -> list[tuple[np.ndarray, np.ndarray]]:
+    """The actor's Linear layers in order, each present, finite and chained (its input size is
+    the previous output's, the first the feature count), the last giving one logit per action
+    choice (``sum(nvec)``)."""
     layers: list[tuple[np.ndarray, np.ndarray]] = []
-    in_dim = len(features)
-    for i, meta in enumerate(layer_meta):
+    in_dim = len(sec.features)
+    for i, meta in enumerate(sec.layer_meta):
         try:
             wn, bn = meta["weight"], meta["bias"]
         except (KeyError, TypeError) as e:
             raise _fail(root, f"network.layers[{i}] needs 'weight' and 'bias' names") from e
         for name in (wn, bn):
             if name not in tensors:
-                raise _fail(root, f"tensor {name!r} (network.layers[{i}]) missing from {wfile}")
+                raise _fail(root, f"tensor {name!r} (network.layers[{i}]) missing from {sec.wfile}")
         w, b = tensors[wn], tensors[bn]
         if w.ndim != 2 or w.shape[1] != in_dim or b.shape != (w.shape[0],):
             raise _fail(
@@ -347,17 +411,8 @@ def read_artifact(
             raise _fail(root, f"non-finite values (NaN/inf) in {wn} or {bn}")
         layers.append((w.astype(np.float32), b.astype(np.float32)))
         in_dim = w.shape[0]
-    if in_dim != sum(nvec):
+    if in_dim != sum(sec.nvec):
         raise _fail(
-            root, f"action head has {in_dim} outputs but sum(nvec {list(nvec)}) = {sum(nvec)}"
+            root, f"action head has {in_dim} outputs but sum(nvec {list(sec.nvec)}) = {sum(sec.nvec)}"
         )
-
-    return Artifact(
-        path=root,
-        manifest=manifest,
-        features=tuple(features),
-        normalization=normalization,
-        nvec=nvec,
-        activation=activation,
-        layers=tuple(layers),
-    )
+    return layers

@@ -325,19 +325,73 @@ def controller_record(env: ServingEnv) -> dict[str, Any]:
 
 
 # --- the run -------------------------------------------------------------------------------
+# ``train`` reads as the recipe; each step below it is one helper, in the order it runs.
 def train(cfg: DictConfig) -> float:
     """Train, evaluate against the baseline, export the best policy. Returns the metric a sweep
     optimises: the exported policy's mean request_goodput on the validation workloads' held-out
     seeds, minus 10x its SLO-attainment shortfall below the baseline there (so runs that miss
     the SLO more often than PID rank last)."""
     import torch
-    from stable_baselines3.common.callbacks import CallbackList, CheckpointCallback
     from stable_baselines3.common.utils import set_random_seed
 
-    from batchpilot.policies import warm_start as ws_mod
-    from batchpilot.policies.export import export_policy, load_sb3
-
     t_start = time.perf_counter()
+    setup = _prepare_run(cfg)
+    torch.set_num_threads(setup.tc.torch_threads)
+    set_random_seed(setup.seed)
+
+    venv = suite = run = None
+    try:
+        # 1. Environments: randomised training workers (forked before W&B starts its threads),
+        #    fixed validation workloads, and the baseline's scores on them.
+        venv = build_train_env(setup.plain, setup.tc, setup.seed)
+        run = start_wandb(setup.lc, {**setup.config_dict, "_job": job_info()}, setup.out_dir)
+        suite = ValidationSuite(validation_base_cfg(setup.plain, setup.tc.validation), setup.tc.validation)
+        baseline = _run_baseline(cfg, setup.tc, suite)
+        # 2. Model.
+        model = _build_run_model(setup, venv)
+        # 3. Callbacks: episode metrics, W&B curves, validation + best model, checkpoints.
+        validation, obs_range, callbacks = _build_callbacks(setup, suite, baseline, run, venv.num_envs)
+        # 4. Learn, then choose the model to export.
+        final_steps = _learn(model, setup, validation, obs_range, callbacks)
+        train_s = time.perf_counter() - t_start
+        chosen_dir, chosen = _select_model(model, venv, validation, setup)
+        # 5. Export the chosen model.
+        best_model, best_vecnorm, policy_dir = _export_chosen(
+            setup, chosen_dir, chosen, suite, obs_range, final_steps=final_steps, train_s=train_s)
+        # 6. Report it against the baseline on held-out seeds.
+        summary, rows = _report(setup, suite, baseline, best_model, best_vecnorm, chosen, validation,
+                                train_s=train_s)
+        print(f"[train] policy exported to {policy_dir} ; {time.perf_counter() - t_start:.0f}s total")
+        if run is not None:
+            _log_final_to_wandb(run, setup.lc, summary, rows, chosen.timesteps, policy_dir)
+        return float(summary["mean_request_goodput"] - 10.0 * summary["slo_deficit"])
+    finally:
+        if venv is not None:
+            venv.close()
+        if suite is not None:
+            suite.close()
+        if run is not None:
+            run.finish()
+
+
+@dataclasses.dataclass(frozen=True)
+class _RunSetup:
+    """What every step of a run reads, fixed before any worker forks: the checked configs, the
+    plain resolved config (picklable for the workers), the output folder and the warm start
+    (None when training from scratch)."""
+
+    tc: TrainConfig
+    lc: LoggerConfig
+    plain: DictConfig
+    config_dict: dict[str, Any]
+    seed: int
+    out_dir: Path
+    warm: Any | None
+
+
+def _prepare_run(cfg: DictConfig) -> _RunSetup:
+    """Everything checked before the run starts (a bad value fails here in one line, not after
+    W&B and the workers have started)."""
     try:
         tc = TrainConfig.from_cfg(cfg.train)
         lc = LoggerConfig.from_cfg(cfg.logger)
@@ -349,183 +403,269 @@ def train(cfg: DictConfig) -> float:
     plain = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
     if tc.deployments:  # the training workers and the validation suite draw deployments
         plain.env.deployments = list(tc.deployments)
-    warm = None
-    if tc.init_from:
-        # Warm start: checked before any engine starts; the observation scales become the
-        # source policy's (features must mean what they meant to it).
-        warm = ws_mod.load_warm_start(tc.init_from)
-        ws_mod.check_compatible(warm, net_arch=tc.net_arch, activation=tc.activation,
-                                action_mode=str(plain.env.get("action_mode")), clip_obs=tc.clip_obs,
-                                norm_obs=tc.norm_obs)
-        changed = ws_mod.apply_observation_scales(warm, plain.env)
-        print(f"[train] warm start from {warm.artifact.path}: actor and observation normalisation loaded, "
-              f"critic and reward normalisation fresh"
-              + (f"; observation scales set to the policy's: {changed}" if changed else ""))
+    warm = _load_warm_start(tc, plain)
     check_training_config(plain, tc)
     config_dict: dict[str, Any] = OmegaConf.to_container(plain)  # type: ignore[assignment]
-    torch.set_num_threads(tc.torch_threads)
-    set_random_seed(seed)
+    return _RunSetup(tc=tc, lc=lc, plain=plain, config_dict=config_dict, seed=seed, out_dir=out_dir, warm=warm)
 
-    venv = suite = run = None
-    try:
-        # 1. Environments: randomised training workers (forked before W&B starts its threads),
-        #    fixed validation workloads.
-        venv = build_train_env(plain, tc, seed)
-        run = start_wandb(lc, {**config_dict, "_job": job_info()}, out_dir)
-        suite = ValidationSuite(validation_base_cfg(plain, tc.validation), tc.validation)
-        baseline_name = str(tc.validation.get("baseline", "pid"))
-        baseline_cfg = load_group_file("policy", baseline_name, config_dirs())  # checked by check_training_config
-        slo_ms = {"ttft": cfg.slo.ttft_ms, "tpot": cfg.slo.tpot_ms, "e2el": cfg.slo.e2el_ms}
+
+def _load_warm_start(tc: TrainConfig, plain: DictConfig) -> Any | None:
+    """``train.init_from``: checked before any engine starts; the observation scales in
+    ``plain.env`` become the source policy's (features must mean what they meant to it)."""
+    if not tc.init_from:
+        return None
+    from batchpilot.policies import warm_start as ws_mod
+
+    warm = ws_mod.load_warm_start(tc.init_from)
+    ws_mod.check_compatible(warm, net_arch=tc.net_arch, activation=tc.activation,
+                            action_mode=str(plain.env.get("action_mode")), clip_obs=tc.clip_obs,
+                            norm_obs=tc.norm_obs)
+    changed = ws_mod.apply_observation_scales(warm, plain.env)
+    print(f"[train] warm start from {warm.artifact.path}: actor and observation normalisation loaded, "
+          f"critic and reward normalisation fresh"
+          + (f"; observation scales set to the policy's: {changed}" if changed else ""))
+    return warm
+
+
+@dataclasses.dataclass(frozen=True)
+class _Baseline:
+    """The controller the policy is compared with: its name, what builds it (again for the
+    held-out seeds) and its scores on the selection seeds."""
+
+    name: str
+    policy_cfg: Any
+    slo_ms: dict[str, Any]
+    results: Results
+
+    def factory(self) -> Callable[[ServingEnv], Any]:
+        return baseline_factory(self.policy_cfg, self.slo_ms)
+
+
+def _run_baseline(cfg: DictConfig, tc: TrainConfig, suite: ValidationSuite) -> _Baseline:
+    """The baseline on the validation suite's selection seeds, once: every evaluation during
+    training is compared with these scores."""
+    name = str(tc.validation.get("baseline", "pid"))
+    policy_cfg = load_group_file("policy", name, config_dirs())  # checked by check_training_config
+    slo_ms = {"ttft": cfg.slo.ttft_ms, "tpot": cfg.slo.tpot_ms, "e2el": cfg.slo.e2el_ms}
+    t0 = time.perf_counter()
+    results = suite.run_controller(baseline_factory(policy_cfg, slo_ms))
+    print(f"[train] baseline {name} on {suite.names}: {time.perf_counter() - t0:.1f}s, "
+          f"mean request_goodput {mean_over_workloads(results, 'request_goodput'):.3f}/s")
+    return _Baseline(name=name, policy_cfg=policy_cfg, slo_ms=slo_ms, results=results)
+
+
+def _build_run_model(setup: _RunSetup, venv: Any) -> Any:
+    """The model, started where the run says: the warm start's actor and normalisation (saved
+    under ``init/`` as loaded, before any update, for a test or an audit to compare with the
+    source), or a residual policy near PID, or scratch."""
+    tc, out_dir, warm = setup.tc, setup.out_dir, setup.warm
+    model = build_model(venv, tc, setup.seed)
+    if warm is not None:
+        from batchpilot.policies import warm_start as ws_mod
+
+        ws_mod.load_actor(model, warm)
+        ws_mod.load_obs_normalization(venv, warm)
+        (out_dir / "init").mkdir(parents=True, exist_ok=True)
+        model.save(out_dir / "init" / "model.zip")
+        venv.save(str(out_dir / "init" / "vecnormalize.pkl"))
+    elif setup.plain.env.get("action_mode") == "residual_pid":
+        start_at_baseline(model, tc.baseline_prior_logit, tc.bucketing_prior)
+    model.set_logger(sb3_logger(out_dir, setup.lc, verbose=False))
+    return model
+
+
+def _build_callbacks(
+    setup: _RunSetup, suite: ValidationSuite, baseline: _Baseline, run: Any | None, n_envs: int
+) -> tuple[ValidationCallback, ObservationRangeCallback, list[Any]]:
+    """Episode metrics, W&B curves, validation + best model, checkpoints. The validation and
+    observation-range callbacks are returned apart too: the run reads them after learning."""
+    from stable_baselines3.common.callbacks import CheckpointCallback
+
+    tc, out_dir = setup.tc, setup.out_dir
+
+    def on_evaluation(ev: Evaluation) -> None:
+        rows = comparison_rows(ev.results, baseline.results, baseline.name)
+        gp, gb = (mean_over_workloads(r, "request_goodput") for r in (ev.results, baseline.results))
+        print(f"[eval @ {ev.timesteps}] goodput ppo {gp:.3f} vs {baseline.name} {gb:.3f}/s, "
+              f"slo deficit {slo_deficit(ev.results, baseline.results, tc.slo_tolerance):.3f} ({ev.seconds:.0f}s)")
+        if run is not None:
+            run.log({"eval/comparison": wandb_table(rows, ev.timesteps), "global_step": ev.timesteps})
+
+    validation = ValidationCallback(
+        suite, baseline.results, eval_freq=tc.eval_freq, best_dir=out_dir / "best",
+        slo_tolerance=tc.slo_tolerance, on_evaluation=on_evaluation,
+    )
+    obs_range = ObservationRangeCallback()
+    callbacks: list[Any] = [EpisodeMetricsCallback(), obs_range, validation]
+    if run is not None:
+        callbacks.insert(0, WandbCallback(run))
+    if tc.checkpoint_freq > 0:
+        callbacks.append(CheckpointCallback(
+            save_freq=max(tc.checkpoint_freq // n_envs, 1),
+            save_path=str(out_dir / "checkpoints"), name_prefix="model",
+            save_vecnormalize=True,
+        ))
+    return validation, obs_range, callbacks
+
+
+def _learn(
+    model: Any,
+    setup: _RunSetup,
+    validation: ValidationCallback,
+    obs_range: ObservationRangeCallback,
+    callbacks: list[Any],
+) -> int:
+    """Learn ``train.total_timesteps`` steps (after a critic warm-up on a warm start), then
+    evaluate the final model, a candidate too. Returns the steps learnt."""
+    from stable_baselines3.common.callbacks import CallbackList
+
+    tc, warm = setup.tc, setup.warm
+    if tc.eval_on_start:
+        validation.init_callback(model)
+        validation.evaluate()
+    remaining = tc.total_timesteps
+    warmup = min(tc.critic_warmup_steps, tc.total_timesteps - 1) if warm is not None else 0
+    if warmup > 0:
+        from batchpilot.policies import warm_start as ws_mod
+
+        # Critic warm-up: the loaded actor frozen, the fresh critic fitted to this env.
         t0 = time.perf_counter()
-        baseline = suite.run_controller(baseline_factory(baseline_cfg, slo_ms))
-        print(f"[train] baseline {baseline_name} on {suite.names}: {time.perf_counter() - t0:.1f}s, "
-              f"mean request_goodput {mean_over_workloads(baseline, 'request_goodput'):.3f}/s")
+        ws_mod.set_actor_trainable(model, False)
+        model.learn(total_timesteps=warmup, callback=CallbackList([EpisodeMetricsCallback(), obs_range]),
+                    progress_bar=False)
+        ws_mod.set_actor_trainable(model, True)
+        remaining -= warmup
+        print(f"[train] critic warm-up: {model.num_timesteps} steps, actor frozen ({time.perf_counter() - t0:.0f}s)")
+    model.learn(total_timesteps=remaining, callback=CallbackList(callbacks),
+                progress_bar=tc.progress_bar, reset_num_timesteps=warmup == 0)
+    final_steps = model.num_timesteps
+    validation.evaluate()  # the final model is a candidate too
+    return final_steps
 
-        # 2. Model.
-        model = build_model(venv, tc, seed)
-        if warm is not None:
-            ws_mod.load_actor(model, warm)
-            ws_mod.load_obs_normalization(venv, warm)
-            # The loaded model before any update (what a test or an audit compares with the source).
-            (out_dir / "init").mkdir(parents=True, exist_ok=True)
-            model.save(out_dir / "init" / "model.zip")
-            venv.save(str(out_dir / "init" / "vecnormalize.pkl"))
-        elif plain.env.get("action_mode") == "residual_pid":
-            start_at_baseline(model, tc.baseline_prior_logit, tc.bucketing_prior)
-        model.set_logger(sb3_logger(out_dir, lc, verbose=False))
 
-        # 3. Callbacks: episode metrics, W&B curves, validation + best model, checkpoints.
-        def on_evaluation(ev: Evaluation) -> None:
-            rows = comparison_rows(ev.results, baseline, baseline_name)
-            gp, gb = (mean_over_workloads(r, "request_goodput") for r in (ev.results, baseline))
-            print(f"[eval @ {ev.timesteps}] goodput ppo {gp:.3f} vs {baseline_name} {gb:.3f}/s, "
-                  f"slo deficit {slo_deficit(ev.results, baseline, tc.slo_tolerance):.3f} ({ev.seconds:.0f}s)")
-            if run is not None:
-                run.log({"eval/comparison": wandb_table(rows, ev.timesteps), "global_step": ev.timesteps})
+def _select_model(
+    model: Any, venv: Any, validation: ValidationCallback, setup: _RunSetup
+) -> tuple[Path, Evaluation]:
+    """The folder and evaluation of the model to export: the best evaluation's (``best/``), or
+    with ``train.export_select=final`` the last model, saved under ``final/`` first."""
+    best = validation.best
+    assert best is not None
+    out_dir = setup.out_dir
+    if setup.tc.export_select == "final":
+        (out_dir / "final").mkdir(parents=True, exist_ok=True)
+        model.save(out_dir / "final" / "model.zip")
+        venv.save(str(out_dir / "final" / "vecnormalize.pkl"))
+        return out_dir / "final", validation.history[-1]
+    return out_dir / "best", best
 
-        validation = ValidationCallback(
-            suite, baseline, eval_freq=tc.eval_freq, best_dir=out_dir / "best",
-            slo_tolerance=tc.slo_tolerance, on_evaluation=on_evaluation,
-        )
-        obs_range = ObservationRangeCallback()
-        callbacks: list[Any] = [EpisodeMetricsCallback(), obs_range, validation]
-        if run is not None:
-            callbacks.insert(0, WandbCallback(run))
-        if tc.checkpoint_freq > 0:
-            callbacks.append(CheckpointCallback(
-                save_freq=max(tc.checkpoint_freq // venv.num_envs, 1),
-                save_path=str(out_dir / "checkpoints"), name_prefix="model",
-                save_vecnormalize=True,
-            ))
 
-        # 4. Learn.
-        if tc.eval_on_start:
-            validation.init_callback(model)
-            validation.evaluate()
-        remaining = tc.total_timesteps
-        warmup = min(tc.critic_warmup_steps, tc.total_timesteps - 1) if warm is not None else 0
-        if warmup > 0:
-            # Critic warm-up: the loaded actor frozen, the fresh critic fitted to this env.
-            t0 = time.perf_counter()
-            ws_mod.set_actor_trainable(model, False)
-            model.learn(total_timesteps=warmup, callback=CallbackList([EpisodeMetricsCallback(), obs_range]),
-                        progress_bar=False)
-            ws_mod.set_actor_trainable(model, True)
-            remaining -= warmup
-            print(f"[train] critic warm-up: {model.num_timesteps} steps, actor frozen ({time.perf_counter() - t0:.0f}s)")
-        model.learn(total_timesteps=remaining, callback=CallbackList(callbacks),
-                    progress_bar=tc.progress_bar, reset_num_timesteps=warmup == 0)
-        final_steps = model.num_timesteps
-        validation.evaluate()  # the final model is a candidate too
-        best = validation.best
-        assert best is not None
-        train_s = time.perf_counter() - t_start
-        if tc.export_select == "final":
-            (out_dir / "final").mkdir(parents=True, exist_ok=True)
-            model.save(out_dir / "final" / "model.zip")
-            venv.save(str(out_dir / "final" / "vecnormalize.pkl"))
-            chosen_dir, chosen = out_dir / "final", validation.history[-1]
-        else:
-            chosen_dir, chosen = out_dir / "best", best
+def _export_chosen(
+    setup: _RunSetup,
+    chosen_dir: Path,
+    chosen: Evaluation,
+    suite: ValidationSuite,
+    obs_range: ObservationRangeCallback,
+    *,
+    final_steps: int,
+    train_s: float,
+) -> tuple[Any, Any, Path]:
+    """Export the chosen model, reloaded from disk (what is exported is what was saved), with
+    the guards a gateway needs; ``policy_guards.json`` goes beside the checkpoints too, so
+    ``scripts/export.py`` of any checkpoint records them. Returns the reloaded model, its
+    VecNormalize (None without observation normalisation) and the policy folder."""
+    from batchpilot.policies import warm_start as ws_mod
+    from batchpilot.policies.export import export_policy, load_sb3
 
-        # 5. Export the chosen model (reloaded from disk: what is exported is what was saved).
-        best_model, best_vecnorm = load_sb3(chosen_dir / "model.zip",
-                                            chosen_dir / "vecnormalize.pkl" if tc.norm_obs else None)
-        any_env = next(iter(suite.envs.values()))
-        seen = obs_range.as_dict()
-        guards = {"controller": controller_record(any_env),
-                  "observation_range": ws_mod.merge_observation_range(warm, seen) if warm is not None else seen}
-        # Also beside the checkpoints, so scripts/export.py of any checkpoint records them too.
-        (out_dir / "policy_guards.json").write_text(json.dumps(guards) + "\n")
-        train_config = {
-            **config_dict,
-            "observation_scales": observation_scales(plain, any_env),
-            **guards,
-            "best_timesteps": chosen.timesteps,
-            "export_select": tc.export_select,
-            "final_timesteps": final_steps,
-            "train_seconds": train_s,
-            **({"init_from": warm.record} if warm is not None else {}),
-        }
-        policy_dir = export_policy(
-            best_model, best_vecnorm, out_dir / "policy",
-            shield=OmegaConf.to_container(plain.shield),  # type: ignore[arg-type]
-            slo=OmegaConf.to_container(plain.slo),  # type: ignore[arg-type]
-            train_config=train_config,
-        )
+    tc, plain, out_dir, warm = setup.tc, setup.plain, setup.out_dir, setup.warm
+    best_model, best_vecnorm = load_sb3(chosen_dir / "model.zip",
+                                        chosen_dir / "vecnormalize.pkl" if tc.norm_obs else None)
+    any_env = next(iter(suite.envs.values()))
+    seen = obs_range.as_dict()
+    guards = {"controller": controller_record(any_env),
+              "observation_range": ws_mod.merge_observation_range(warm, seen) if warm is not None else seen}
+    (out_dir / "policy_guards.json").write_text(json.dumps(guards) + "\n")
+    train_config = {
+        **setup.config_dict,
+        "observation_scales": observation_scales(plain, any_env),
+        **guards,
+        "best_timesteps": chosen.timesteps,
+        "export_select": tc.export_select,
+        "final_timesteps": final_steps,
+        "train_seconds": train_s,
+        **({"init_from": warm.record} if warm is not None else {}),
+    }
+    policy_dir = export_policy(
+        best_model, best_vecnorm, out_dir / "policy",
+        shield=OmegaConf.to_container(plain.shield),  # type: ignore[arg-type]
+        slo=OmegaConf.to_container(plain.slo),  # type: ignore[arg-type]
+        train_config=train_config,
+    )
+    return best_model, best_vecnorm, policy_dir
 
-        # 6. Report: the exported policy and the baseline on held-out seeds of the validation
-        #    workloads (the best model was chosen on `seeds`, so those scores are optimistic).
-        test_seeds = [int(s) for s in tc.validation.get("test_seeds") or []] or list(suite.seeds)
-        test_baseline = suite.run_controller(baseline_factory(baseline_cfg, slo_ms), seeds=test_seeds)
-        test_policy = suite.run_policy(best_model, best_vecnorm, seeds=test_seeds)
-        rows = comparison_rows(test_policy, test_baseline, baseline_name)
-        deficit = slo_deficit(test_policy, test_baseline, tc.slo_tolerance)
-        goodput = mean_over_workloads(test_policy, "request_goodput")
-        base_goodput = mean_over_workloads(test_baseline, "request_goodput")
-        title = (f"exported policy ({tc.export_select}, step {chosen.timesteps}) vs {baseline_name} on the validation workloads, "
-                 f"seeds {test_seeds} - trained {tc.total_timesteps} steps in {train_s / 60:.1f} min")
-        md = print_comparison(rows, title)
-        print(f"[train] on the selection seeds {list(suite.seeds)}: goodput ppo "
-              f"{mean_over_workloads(chosen.results, 'request_goodput'):.3f} vs {baseline_name} "
-              f"{mean_over_workloads(baseline, 'request_goodput'):.3f}/s")
-        summary = {
-            "best_timesteps": chosen.timesteps,
-            "export_select": tc.export_select,
-            "init_from": warm.record if warm is not None else None,
-            "test_seeds": test_seeds,
-            "mean_request_goodput": goodput,
-            "baseline_mean_request_goodput": base_goodput,
-            "slo_deficit": deficit,
-            "beats_baseline": bool(deficit <= 0 and goodput > base_goodput),
-            "train_seconds": train_s,
-            "rows": rows,
-            "markdown": md,
-            "selection_rows": comparison_rows(chosen.results, baseline, baseline_name),
-            "evaluations": [
-                {"timesteps": e.timesteps, "mean_request_goodput": mean_over_workloads(e.results, "request_goodput"),
-                 "slo_deficit": slo_deficit(e.results, baseline, tc.slo_tolerance)}
-                for e in validation.history
-            ],
-        }
-        (out_dir / "comparison.json").write_text(json.dumps(summary, indent=2, default=float) + "\n")
-        print(f"[train] policy exported to {policy_dir} ; {time.perf_counter() - t_start:.0f}s total")
-        if run is not None:
-            run.summary.update({k: v for k, v in summary.items()
-                                if k not in ("rows", "selection_rows", "markdown", "evaluations")})
-            run.log({"final/comparison": wandb_table(rows, chosen.timesteps)})
-            if lc.log_policy_artifact:
-                import wandb
 
-                art = wandb.Artifact(f"policy-{run.id}", type="model",
-                                     metadata={k: summary[k] for k in ("best_timesteps", "mean_request_goodput", "slo_deficit")})
-                art.add_dir(str(policy_dir))
-                run.log_artifact(art)
-        return float(goodput - 10.0 * deficit)
-    finally:
-        if venv is not None:
-            venv.close()
-        if suite is not None:
-            suite.close()
-        if run is not None:
-            run.finish()
+def _report(
+    setup: _RunSetup,
+    suite: ValidationSuite,
+    baseline: _Baseline,
+    best_model: Any,
+    best_vecnorm: Any,
+    chosen: Evaluation,
+    validation: ValidationCallback,
+    *,
+    train_s: float,
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The exported policy and the baseline on held-out seeds of the validation workloads (the
+    best model was chosen on ``seeds``, so those scores are optimistic): printed, and written
+    to ``comparison.json``. Returns the summary and the held-out comparison rows."""
+    tc, warm = setup.tc, setup.warm
+    test_seeds = [int(s) for s in tc.validation.get("test_seeds") or []] or list(suite.seeds)
+    test_baseline = suite.run_controller(baseline.factory(), seeds=test_seeds)
+    test_policy = suite.run_policy(best_model, best_vecnorm, seeds=test_seeds)
+    rows = comparison_rows(test_policy, test_baseline, baseline.name)
+    deficit = slo_deficit(test_policy, test_baseline, tc.slo_tolerance)
+    goodput = mean_over_workloads(test_policy, "request_goodput")
+    base_goodput = mean_over_workloads(test_baseline, "request_goodput")
+    title = (f"exported policy ({tc.export_select}, step {chosen.timesteps}) vs {baseline.name} on the validation workloads, "
+             f"seeds {test_seeds} - trained {tc.total_timesteps} steps in {train_s / 60:.1f} min")
+    md = print_comparison(rows, title)
+    print(f"[train] on the selection seeds {list(suite.seeds)}: goodput ppo "
+          f"{mean_over_workloads(chosen.results, 'request_goodput'):.3f} vs {baseline.name} "
+          f"{mean_over_workloads(baseline.results, 'request_goodput'):.3f}/s")
+    summary = {
+        "best_timesteps": chosen.timesteps,
+        "export_select": tc.export_select,
+        "init_from": warm.record if warm is not None else None,
+        "test_seeds": test_seeds,
+        "mean_request_goodput": goodput,
+        "baseline_mean_request_goodput": base_goodput,
+        "slo_deficit": deficit,
+        "beats_baseline": bool(deficit <= 0 and goodput > base_goodput),
+        "train_seconds": train_s,
+        "rows": rows,
+        "markdown": md,
+        "selection_rows": comparison_rows(chosen.results, baseline.results, baseline.name),
+        "evaluations": [
+            {"timesteps": e.timesteps, "mean_request_goodput": mean_over_workloads(e.results, "request_goodput"),
+             "slo_deficit": slo_deficit(e.results, baseline.results, tc.slo_tolerance)}
+            for e in validation.history
+        ],
+    }
+    (setup.out_dir / "comparison.json").write_text(json.dumps(summary, indent=2, default=float) + "\n")
+    return summary, rows
+
+
+def _log_final_to_wandb(
+    run: Any, lc: LoggerConfig, summary: dict[str, Any], rows: list[dict[str, Any]], timesteps: int, policy_dir: Path
+) -> None:
+    """The summary (less its tables), the held-out comparison table and, with
+    ``logger.log_policy_artifact``, the exported policy folder as a W&B model artifact."""
+    run.summary.update({k: v for k, v in summary.items()
+                        if k not in ("rows", "selection_rows", "markdown", "evaluations")})
+    run.log({"final/comparison": wandb_table(rows, timesteps)})
+    if lc.log_policy_artifact:
+        import wandb
+
+        art = wandb.Artifact(f"policy-{run.id}", type="model",
+                             metadata={k: summary[k] for k in ("best_timesteps", "mean_request_goodput", "slo_deficit")})
+        art.add_dir(str(policy_dir))
+        run.log_artifact(art)
