@@ -168,27 +168,6 @@ def token_budget(cfg: Any) -> int | None:
     return int(given) if given else None
 
 
-def _needed_prefixes() -> tuple[str, ...]:
-    from batchpilot.metrics import VLLM_METRIC_NAMES
-
-    return tuple(sorted({n.removesuffix("_total") for names in VLLM_METRIC_NAMES.values() for n in names}))
-
-
-_NEEDED = _needed_prefixes()
-
-
-def _only_needed(text: str) -> str:
-    """The lines of vLLM's /metrics the parser reads. The full text (histogram buckets of every
-    metric) takes ~50 ms to parse on a busy core; the filtered one under a millisecond."""
-    keep = []
-    for line in text.splitlines():
-        if line.startswith(_NEEDED) and "_bucket{" not in line:
-            keep.append(line)
-        elif line.startswith("# TYPE ") and line[7:].startswith(_NEEDED):
-            keep.append(line)
-    return "\n".join(keep) + "\n"
-
-
 def decision_record(tick: int, lane: str, now: float, who: str, snap: Snapshot, dec: Decision) -> dict[str, Any]:
     """One decision as ``GET /admin/decisions`` lists it: what the controller saw (the snapshot's
     latencies, load and queue) and the knobs the shield let through. A value that is not finite
@@ -556,7 +535,7 @@ class ControlLoop:
 
     async def _scrape(self, lane: Lane) -> dict[str, float]:
         try:
-            return parse_vllm_metrics(_only_needed(await lane.upstream.metrics_text()))
+            return parse_vllm_metrics(await lane.upstream.metrics_text())
         except (UpstreamDown, ValueError):
             return {}
 

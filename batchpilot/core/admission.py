@@ -934,10 +934,11 @@ class Admission:
         if self.cfg.newest_first_when_late:
             late_s = self.late_after_s
             newest = late_s is not None and now - self._refused_late_at <= late_s
-            for b in buckets:
-                if newest or b.num_late:
-                    newest = True
-                    break
+            if not newest:
+                for b in buckets:
+                    if b.num_late:
+                        newest = True
+                        break
         # The head of each bucket that has one, in bucket order (an entry knows its bucket).
         heads = [h for b in buckets if b.num_waiting and (h := b.head(allow_long, newest)) is not None]
         if len(heads) <= 1:  # none, or one bucket to serve: every mode picks it
