@@ -82,7 +82,6 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, ValidationError
 
-from batchpilot.config import ConfigError, from_node, node_schema, plain, schema_node
 from batchpilot.core.admission import AdmissionConfig
 from batchpilot.core.engine import KV_DTYPES_ALL
 from batchpilot.core.knobs import BUCKETING_MODES
@@ -90,6 +89,7 @@ from batchpilot.core.pid import PIDConfig, check_common
 from batchpilot.core.shield import ShieldConfig
 from batchpilot.core.specs import HardwareSpec, ModelSpec
 from batchpilot.core.telemetry import DEFAULT_TPOT_MS, DEFAULT_TTFT_MS, SLO
+from batchpilot.nodes import ConfigError, from_node, node_schema, plain, schema_node
 from batchpilot.workload_config import WORKLOAD_SCHEMAS
 
 

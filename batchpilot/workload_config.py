@@ -30,7 +30,7 @@ from typing import Any
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, ValidationError
 
-from batchpilot.config import plain, schema_node
+from batchpilot.nodes import plain, schema_node
 
 WORKLOAD_KINDS: tuple[str, ...] = (
     "poisson", "gamma", "onoff", "ramp", "diurnal", "trace", "randomized", "mixture",

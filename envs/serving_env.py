@@ -57,7 +57,7 @@ import gymnasium as gym
 import numpy as np
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from batchpilot.config import from_node, load_config
+from batchpilot.config import load_config
 from batchpilot.core.actions import ACTION_NVEC, action_mask, action_to_proposal
 from batchpilot.core.admission import Admission, AdmissionConfig
 from batchpilot.core.control import guard
@@ -73,6 +73,7 @@ from batchpilot.envs.engines import EngineFactory
 from batchpilot.envs.reward import RewardConfig, reward_terms
 from batchpilot.envs.workloads import RequestStream, build_workload
 from batchpilot.metrics import Offered, summarize
+from batchpilot.nodes import from_node
 
 #: ``env.memory_utilization`` draws only budgets where the shield admits this many requests of
 #: its starting context: below it the deployment serves nothing (DeepSeek-V3 on an H200 at 0.7

@@ -37,7 +37,6 @@ from typing import Any
 
 import numpy as np
 
-from batchpilot.config import from_node
 from batchpilot.core.engine import (
     KV_DTYPES_16BIT,
     KV_DTYPES_ALL,
@@ -55,6 +54,7 @@ from batchpilot.core.engine import (
     StepResult,
     merge_into,
 )
+from batchpilot.nodes import from_node
 from batchpilot.platform.vllm_cpu import cpu_simd_flags, request_amx_permission, small_machine_omp_defaults
 from batchpilot.schemas import VLLMEngineConfig  # declared there (schema/vllm_engine); re-exported
 

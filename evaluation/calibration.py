@@ -732,7 +732,7 @@ def measure_level(engine: Engine, hw: HardwareSpec, model: ModelSpec, seconds: f
            if level["state"] > slow_above else "") + ").")
 
 
-# ---- the entry point (scripts/calibrate.py) -------------------------------------------------
+# ---- the fit's steps for the app (evaluation/calibrate_app.py, scripts/calibrate.py) ------------------
 def fmt_number(x: float) -> str:
     if not math.isfinite(x):
         return "nan"
@@ -744,8 +744,9 @@ def run_fit(cfg: Any, console: Any) -> CalibrationResult:
     from omegaconf import OmegaConf
     from rich.table import Table
 
-    from batchpilot.config import REPO_ROOT, from_node, load_config
+    from batchpilot.config import REPO_ROOT, load_config
     from batchpilot.envs.vllm_engine import VLLMEngine
+    from batchpilot.nodes import from_node
 
     check_app(CalibrateApp, cfg)
     live_cfg = load_config(["engine=vllm", *cfg.live_overrides])
@@ -873,28 +874,3 @@ def check_workloads(cfg: Any, overrides: Sequence[str] = ()) -> None:
         raise CalibrationError(f"load_vs_capacity names {unknown}, not among the workloads "
                                f"{sorted(cfg.workloads)}; drop them too (~load_vs_capacity.{unknown[0]})")
 
-
-def main(cfg: Any) -> dict[str, float] | None:
-    """``scripts/calibrate.py``: fit (unless ``fit=false``), then the report when ``report=true``."""
-    import json
-
-    from rich.console import Console
-
-    console = Console(width=160)
-    if not (cfg.fit or cfg.report or cfg.served.enabled):
-        raise SystemExit("calibrate: nothing to do (fit=false report=false served.enabled=false)")
-    from hydra.core.hydra_config import HydraConfig
-
-    try:  # before the fit (minutes of vLLM) and the report
-        check_workloads(cfg, list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else [])
-    except CalibrationError as e:
-        raise SystemExit(f"calibrate: error: {e}") from None
-    if cfg.fit:
-        run_fit(cfg, console)
-    if not cfg.report:
-        return None
-    from batchpilot.evaluation.sim_to_real import run_report
-
-    summary = run_report(cfg, console)
-    print(json.dumps(summary), flush=True)
-    return summary

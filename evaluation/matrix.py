@@ -55,7 +55,7 @@ import numpy as np
 from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
-from batchpilot.config import ConfigError, group_file, group_names, load_group_file
+from batchpilot.config import group_file, group_names, load_group_file
 from batchpilot.core.knobs import Knobs
 from batchpilot.evaluation.plan import (
     BEST_STATIC,
@@ -67,6 +67,7 @@ from batchpilot.evaluation.plan import (
     plan_matrix,
 )
 from batchpilot.evaluation.report import ROW_KEYS, Timeline
+from batchpilot.nodes import ConfigError
 from batchpilot.policies.controllers import CONTROLLER_BUILDERS, Controller, build_controller
 from batchpilot.schemas import BestStaticConfig, LauncherConfig
 

@@ -24,10 +24,11 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
-from batchpilot.config import CONF_DIR, config_dirs, from_node, group_file, group_names
+from batchpilot.config import CONF_DIR, config_dirs, group_file, group_names
 from batchpilot.core.engine import EngineCapabilities
 from batchpilot.envs.engines import build_engine
 from batchpilot.envs.workloads import build_workload
+from batchpilot.nodes import from_node
 from batchpilot.schemas import BestStaticConfig, EvaluateApp, LauncherConfig, LoadConfig, check_app
 
 BEST_STATIC = "best_static"

@@ -328,6 +328,102 @@ def compared_runs(states: Sequence[float], tolerance: float, runs: int) -> list[
     return fast[:runs] if len(fast) >= min(2, runs) else list(range(len(states)))
 
 
+def _controller(cfg: Any, env: Any) -> Any:
+    """The controller ``cfg.policy`` names, sized to ``env``'s engine, under ``cfg``'s SLO."""
+    from batchpilot.policies.controllers import build_controller
+
+    slo = {k: cfg.slo.get(f"{k}_ms") for k in ("ttft", "tpot", "e2el")}
+    return build_controller(cfg.policy, env.engine.capabilities().max_num_seqs, slo_ms=slo)
+
+
+def _simulate(cfg: Any, seed: int) -> dict[str, float]:
+    """One simulated episode of ``cfg`` under its controller: the simulator's side."""
+    from batchpilot.envs.serving_env import ServingEnv
+
+    sim_env = ServingEnv(cfg=cfg)
+    try:
+        return _episode(sim_env, _controller(cfg, sim_env), seed)
+    finally:
+        sim_env.close()
+
+
+@dataclass(slots=True)
+class _LiveRuns:
+    """What the live engine gave: per run its metrics, CPU share, its iterations' speed against
+    the profile, and (probed) the slower of its two state probes; the warm-up's figures."""
+
+    warm: dict[str, float]
+    live: list[dict[str, float]] = field(default_factory=list)
+    shares: list[float] = field(default_factory=list)
+    speeds: list[EngineSpeed] = field(default_factory=list)
+    probes: list[float] = field(default_factory=list)
+    meter: StateMeter | None = None
+
+
+def _live_runs(workload: str, live_cfg: Any, sim_st: StepTimeModel, *, runs: int, seed: int,
+               warmup_s: float, warmup_kwargs: dict[str, Any] | None, log: Callable[[str], None],
+               probe: StateProbe | None, context_spread: float) -> _LiveRuns:
+    """The live side: a warm-up, then episodes until ``runs`` of them (``probe.max_runs`` at
+    most) were in the fast state, each bracketed by state probes when ``probe`` is enabled; the
+    first probe's floor is the simulator's own prediction of it (``sim_st``)."""
+    from batchpilot.envs.serving_env import ServingEnv
+    from batchpilot.envs.vllm_engine import warm_up
+
+    env = ServingEnv(cfg=live_cfg)
+    try:
+        warm = warm_up(env.engine, warmup_s, **(warmup_kwargs or {})) if warmup_s > 0 else {}
+        log(f"[{workload}] live warm-up: {warm.get('seconds', 0):.0f} s, "
+            f"{warm.get('requests', 0):.0f} requests, {warm.get('output_tokens', 0):.0f} tokens")
+        ctl = _controller(live_cfg, env)
+        meter = StateMeter(env.engine, probe, context_spread) if probe and probe.enabled else None
+        out = _LiveRuns(warm, meter=meter)
+        before = math.nan
+        if meter:
+            before = meter()
+            predicted = meter.last.predict(sim_st) if meter.last else math.inf
+            meter.floor_s = predicted
+            log(f"[{workload}] state probe: {before * 1e3:.2f} ms live, {predicted * 1e3:.2f} ms "
+                "predicted by the profile")
+        max_runs = max(runs, probe.max_runs) if meter and probe else runs
+        while len(out.live) < max_runs:
+            before = _one_live_run(workload, env, ctl, seed, sim_st, out, before, log)
+            if meter and sum(not meter.slow(x) for x in out.probes) >= runs:
+                break
+    finally:
+        env.close()
+    return out
+
+
+def _one_live_run(workload: str, env: Any, ctl: Any, seed: int, sim_st: StepTimeModel, out: _LiveRuns,
+                  before: float, log: Callable[[str], None]) -> float:
+    """One live episode into ``out`` (its iterations recorded and priced by the profile; with a
+    meter, the engine run idle and probed after it); returns the probe after it (the next run's
+    before)."""
+    c0, w0 = time.process_time(), time.monotonic()
+    iterations: list[IterationShape] = []
+    env.engine.record_iterations(iterations)
+    try:
+        m = _episode(env, ctl, seed)
+    finally:
+        env.engine.record_iterations(None)
+    out.shares.append((time.process_time() - c0) / max(time.monotonic() - w0, 1e-9))
+    out.live.append(m)
+    out.speeds.append(EngineSpeed.of(iterations, sim_st))
+    state = ""
+    meter = out.meter
+    if meter:
+        run_until_idle(env.engine)
+        after = meter()
+        out.probes.append(max(before, after))
+        before = after
+        state = f", state {meter.factor(out.probes[-1]):.2f}"
+    log(f"[{workload}] live run {len(out.live)}: {m['completed']:.0f} requests, "
+        f"{m['output_throughput']:.0f} tok/s, p99 TTFT {m['p99_ttft_ms']:.0f} ms, "
+        f"duration {m['duration_s']:.1f} s, CPU share {out.shares[-1]:.2f}{state}, "
+        f"engine {out.speeds[-1].factor:.2f}x the profile on its {out.speeds[-1].iterations} iterations")
+    return before
+
+
 def sim_to_real(workload: str, live_cfg: Any, sim_cfg: Any, *, runs: int, seed: int,
                 warmup_s: float, warmup_kwargs: dict[str, Any] | None = None,
                 log: Callable[[str], None] = print, probe: StateProbe | None = None,
@@ -337,70 +433,16 @@ def sim_to_real(workload: str, live_cfg: Any, sim_cfg: Any, *, runs: int, seed: 
     enabled ``probe`` each live run is bracketed by reference probes, and runs go on (up to
     ``probe.max_runs``) until ``runs`` of them were in the fast state, which the simulator's
     own prediction of the probe anchors."""
-    from batchpilot.envs.serving_env import ServingEnv
-    from batchpilot.envs.vllm_engine import warm_up
-    from batchpilot.policies.controllers import build_controller
-
-    def controller(cfg: Any, env: Any) -> Any:
-        slo = {k: cfg.slo.get(f"{k}_ms") for k in ("ttft", "tpot", "e2el")}
-        return build_controller(cfg.policy, env.engine.capabilities().max_num_seqs, slo_ms=slo)
-
-    def simulate(cfg: Any) -> dict[str, float]:
-        sim_env = ServingEnv(cfg=cfg)
-        try:
-            return _episode(sim_env, controller(cfg, sim_env), seed)
-        finally:
-            sim_env.close()
-
-    sim = simulate(sim_cfg)
+    sim = _simulate(sim_cfg, seed)
     log(f"[{workload}] sim: {sim['completed']:.0f} requests, "
         f"{sim['output_throughput']:.0f} tok/s, duration {sim['duration_s']:.1f} s")
     sim_st = StepTimeModel.build(
         HardwareSpec.from_cfg(sim_cfg.hardware), ModelSpec.from_cfg(sim_cfg.model), "auto",
         int(sim_cfg.engine.max_num_batched_tokens), int(sim_cfg.engine.max_num_seqs))
-    env = ServingEnv(cfg=live_cfg)
-    try:
-        warm = warm_up(env.engine, warmup_s, **(warmup_kwargs or {})) if warmup_s > 0 else {}
-        log(f"[{workload}] live warm-up: {warm.get('seconds', 0):.0f} s, "
-            f"{warm.get('requests', 0):.0f} requests, {warm.get('output_tokens', 0):.0f} tokens")
-        ctl = controller(live_cfg, env)
-        meter = StateMeter(env.engine, probe, context_spread) if probe and probe.enabled else None
-        before = math.nan
-        if meter:
-            before = meter()
-            predicted = meter.last.predict(sim_st) if meter.last else math.inf
-            meter.floor_s = predicted
-            log(f"[{workload}] state probe: {before * 1e3:.2f} ms live, {predicted * 1e3:.2f} ms "
-                "predicted by the profile")
-        live, shares, probes, speeds = [], [], [], []
-        max_runs = max(runs, probe.max_runs) if meter and probe else runs
-        while len(live) < max_runs:
-            c0, w0 = time.process_time(), time.monotonic()
-            iterations: list[IterationShape] = []
-            env.engine.record_iterations(iterations)
-            try:
-                m = _episode(env, ctl, seed)
-            finally:
-                env.engine.record_iterations(None)
-            shares.append((time.process_time() - c0) / max(time.monotonic() - w0, 1e-9))
-            live.append(m)
-            speeds.append(EngineSpeed.of(iterations, sim_st))
-            state = ""
-            if meter:
-                run_until_idle(env.engine)
-                after = meter()
-                probes.append(max(before, after))
-                before = after
-                state = f", state {meter.factor(probes[-1]):.2f}"
-            log(f"[{workload}] live run {len(live)}: {m['completed']:.0f} requests, "
-                f"{m['output_throughput']:.0f} tok/s, p99 TTFT {m['p99_ttft_ms']:.0f} ms, "
-                f"duration {m['duration_s']:.1f} s, CPU share {shares[-1]:.2f}{state}, "
-                f"engine {speeds[-1].factor:.2f}x the profile on its {speeds[-1].iterations} iterations")
-            if meter and sum(not meter.slow(x) for x in probes) >= runs:
-                break
-    finally:
-        env.close()
-    states = [meter.factor(x) for x in probes] if meter else [math.nan] * len(live)
+    lr = _live_runs(workload, live_cfg, sim_st, runs=runs, seed=seed, warmup_s=warmup_s,
+                    warmup_kwargs=warmup_kwargs, log=log, probe=probe, context_spread=context_spread)
+    meter, live, speeds = lr.meter, lr.live, lr.speeds
+    states = [meter.factor(x) for x in lr.probes] if meter else [math.nan] * len(live)
     tol = probe.tolerance if probe else 0.0
     idx = compared_runs(states, tol, runs)
     if meter and len(idx) == len(live) and any(f > 1.0 + tol for f in states):
@@ -409,10 +451,10 @@ def sim_to_real(workload: str, live_cfg: Any, sim_cfg: Any, *, runs: int, seed: 
     speed = median_speed([speeds[i] for i in idx])
     at_cfg = copy.deepcopy(sim_cfg)
     at_cfg.hardware.slowdown = float(at_cfg.hardware.slowdown) * speed.factor
-    sim_at = simulate(at_cfg)
+    sim_at = _simulate(at_cfg, seed)
     log(f"[{workload}] sim at the live engine's speed ({speed.factor:.2f}x): "
         f"{sim_at['output_throughput']:.0f} tok/s, p99 TTFT {sim_at['p99_ttft_ms']:.0f} ms")
-    return WorkloadRun(workload, sim, live, shares, warm,
+    return WorkloadRun(workload, sim, live, lr.shares, lr.warm,
                        compare(workload, sim, [live[i] for i in idx], sim_at_speed=sim_at),
                        states, idx, speeds, speed, sim_at)
 
@@ -421,15 +463,12 @@ def sim_to_real(workload: str, live_cfg: Any, sim_cfg: Any, *, runs: int, seed: 
 def run_report(cfg: Any, console: Any) -> dict[str, float]:
     """Sim-to-real on ``cfg.workloads``; returns the JSON summary."""
     from omegaconf import OmegaConf
-    from rich.table import Table
 
-    from batchpilot.config import from_node, load_config
-    from batchpilot.policies.controllers import initial_knobs
+    from batchpilot.nodes import from_node
 
     check_app(CalibrateApp, cfg)
     warm = dict(OmegaConf.to_container(cfg.warmup, resolve=True))
     warm_s = float(warm.pop("seconds"))
-    common = list(cfg.common_overrides)
     probe = from_node(StateProbe, cfg.state_probe)
     shares = {str(k): float(v) for k, v in (cfg.load_vs_capacity or {}).items()}
     unknown = sorted(set(shares) - set(cfg.workloads))
@@ -438,29 +477,62 @@ def run_report(cfg: Any, console: Any) -> dict[str, float]:
                                f"{sorted(cfg.workloads)}")
     runs: list[WorkloadRun] = []
     for name, wl in cfg.workloads.items():
-        live_cfg = load_config([*cfg.live_report_overrides, *common, *wl, *cfg.live_overrides])
-        sim_cfg = load_config([*cfg.sim_overrides, *common, *wl])
-        for c in (live_cfg, sim_cfg):
-            k = initial_knobs(c.policy, int(c.engine.max_num_seqs))
-            c.env.initial_batch_cap, c.env.initial_bucketing = k.batch_cap, k.bucketing
-        share = shares.get(name)
-        if share is not None:
-            scale, offered, capacity = capacity_scale(sim_cfg, share)
-            for c in (live_cfg, sim_cfg):
-                c.workload.rate_scale = float(c.workload.rate_scale) * scale
-            console.print(f"[{name}] load: {share:.0%} of what {cfg.profile} finishes at batch cap "
-                          f"{sim_cfg.env.initial_batch_cap} ({capacity:.1f} req/s; offered "
-                          f"{offered:.1f} -> {offered * scale:.1f} req/s, rate x{scale:.2f})")
+        live_cfg, sim_cfg = _workload_configs(cfg, str(name), wl, shares.get(str(name)), console)
         runs.append(sim_to_real(str(name), live_cfg, sim_cfg, runs=int(cfg.runs), seed=int(cfg.seed),
                                 warmup_s=warm_s, warmup_kwargs=warm,
                                 log=lambda m: console.print(m), probe=probe,
                                 context_spread=float(cfg.grid.context_spread)))
+    rows = [r for w in runs for r in w.rows]
+    console.print(_report_table(cfg, runs, rows))
+    slow_above = 1.0 + probe.tolerance  # a run's state factor past this: the slow state
+    slow = {w.name: [w.live_state[i] for i in w.compared] for w in runs
+            if w.compared and all(w.live_state[i] > slow_above for i in w.compared)}
+    why = diagnose(rows, str(cfg.profile), shares, slow,
+                   {w.name: w.speed for w in runs if w.speed is not None})
+    if why:
+        console.print("Targets not met, why, and what to change:")
+        for line in why:
+            console.print(f"- {line}")
+    if any(len(w.compared) < len(w.live) for w in runs):
+        console.print(f"* a run in the machine's slow state (probe > {slow_above:.2f}x the "
+                      "fastest), not compared: the profile describes the fast state")
+    return _report_summary(runs, rows, slow_above)
+
+
+def _workload_configs(cfg: Any, name: str, wl: Sequence[str], share: float | None,
+                      console: Any) -> tuple[Any, Any]:
+    """One workload's live and simulator configs: both start from the controller's initial
+    knobs, and with a ``load_vs_capacity`` share both replay the load that puts the profile's
+    engine at that share of what it finishes (``capacity_scale``)."""
+    from batchpilot.config import load_config
+    from batchpilot.policies.controllers import initial_knobs
+
+    common = list(cfg.common_overrides)
+    live_cfg = load_config([*cfg.live_report_overrides, *common, *wl, *cfg.live_overrides])
+    sim_cfg = load_config([*cfg.sim_overrides, *common, *wl])
+    for c in (live_cfg, sim_cfg):
+        k = initial_knobs(c.policy, int(c.engine.max_num_seqs))
+        c.env.initial_batch_cap, c.env.initial_bucketing = k.batch_cap, k.bucketing
+    if share is not None:
+        scale, offered, capacity = capacity_scale(sim_cfg, share)
+        for c in (live_cfg, sim_cfg):
+            c.workload.rate_scale = float(c.workload.rate_scale) * scale
+        console.print(f"[{name}] load: {share:.0%} of what {cfg.profile} finishes at batch cap "
+                      f"{sim_cfg.env.initial_batch_cap} ({capacity:.1f} req/s; offered "
+                      f"{offered:.1f} -> {offered * scale:.1f} req/s, rate x{scale:.2f})")
+    return live_cfg, sim_cfg
+
+
+def _report_table(cfg: Any, runs: Sequence[WorkloadRun], rows: Sequence[MetricComparison]) -> Any:
+    """The report's table: a row per workload and metric, then per workload the engine's speed
+    against the profile, preemptions, completions, CPU share and (probed) every run's state."""
+    from rich.table import Table
+
     table = Table(title=f"sim-to-real: simulator (hardware={cfg.profile}) vs live vLLM, "
                         f"{cfg.runs} live runs")
     for col in ("workload", "metric", "sim", "live mean", "live runs", "rel err", "live spread",
                 "target", "ok", "sim @ live speed"):
         table.add_column(col, justify="left" if col in ("workload", "metric") else "right")
-    rows = [r for w in runs for r in w.rows]
     for r in rows:
         table.add_row(r.workload, r.metric, fmt_number(r.sim), fmt_number(r.live_mean),
                       " / ".join(fmt_number(x) for x in r.live), f"{r.rel_err:+.1%}",
@@ -482,19 +554,13 @@ def run_report(cfg: Any, console: Any) -> dict[str, float]:
             table.add_row(w.name, "state (all runs)", "", "",
                           " / ".join(f"{f:.2f}" + ("" if i in w.compared else "*")
                                      for i, f in enumerate(w.live_state)), "", "", "", "")
-    console.print(table)
-    slow_above = 1.0 + probe.tolerance  # a run's state factor past this: the slow state
-    slow = {w.name: [w.live_state[i] for i in w.compared] for w in runs
-            if w.compared and all(w.live_state[i] > slow_above for i in w.compared)}
-    why = diagnose(rows, str(cfg.profile), shares, slow,
-                   {w.name: w.speed for w in runs if w.speed is not None})
-    if why:
-        console.print("Targets not met, why, and what to change:")
-        for line in why:
-            console.print(f"- {line}")
-    if any(len(w.compared) < len(w.live) for w in runs):
-        console.print(f"* a run in the machine's slow state (probe > {slow_above:.2f}x the "
-                      "fastest), not compared: the profile describes the fast state")
+    return table
+
+
+def _report_summary(runs: Sequence[WorkloadRun], rows: Sequence[MetricComparison],
+                    slow_above: float) -> dict[str, float]:
+    """The report's JSON line: ``summary_json`` plus per workload its run counts (all, slow,
+    compared), the engine's speed against the profile, and each target's error at that speed."""
     pre_sim = sum(w.sim["preemptions"] for w in runs)
     pre_live = sum(float(np.mean([w.live[i]["preemptions"] for i in w.compared])) for w in runs)
     out = summary_json(rows, pre_sim, pre_live)

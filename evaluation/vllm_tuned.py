@@ -25,9 +25,9 @@ from typing import Any, Mapping
 import numpy as np
 from omegaconf import open_dict
 
-from batchpilot.config import from_node
 from batchpilot.core.engine import RequestRejected
 from batchpilot.evaluation.plan import EvaluationError, WorkloadPlan
+from batchpilot.nodes import from_node
 from batchpilot.schemas import VllmTunedConfig
 
 #: The policy keys ``from_node`` must not pass to ``VllmTunedConfig`` (they select the class),

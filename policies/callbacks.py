@@ -26,8 +26,9 @@ from omegaconf import DictConfig, OmegaConf
 from stable_baselines3.common.callbacks import BaseCallback
 from stable_baselines3.common.logger import KVWriter
 
-from batchpilot.config import config_dirs, group_file, group_names, plain
+from batchpilot.config import config_dirs, group_file, group_names
 from batchpilot.envs.serving_env import ServingEnv
+from batchpilot.nodes import plain
 from batchpilot.policies.controllers import Controller, build_controller
 from batchpilot.workload_config import workload_from_node
 

@@ -12,7 +12,6 @@ import dataclasses
 import math
 from typing import Any, Callable
 
-from batchpilot.config import from_node, plain
 from batchpilot.core.controller import Controller
 from batchpilot.core.knobs import Knobs, Proposal
 from batchpilot.core.pid import (  # noqa: F401  (re-exported: the baselines live together here)
@@ -25,6 +24,7 @@ from batchpilot.core.pid import (  # noqa: F401  (re-exported: the baselines liv
     steering_metric,
 )
 from batchpilot.core.telemetry import Snapshot
+from batchpilot.nodes import from_node, plain
 from batchpilot.schemas import AIMDConfig, StaticConfig  # declared there (policy/schema_aimd, schema_static)
 
 

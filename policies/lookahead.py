@@ -38,12 +38,12 @@ from typing import Any
 
 import numpy as np
 
-from batchpilot.config import from_node
 from batchpilot.core.actions import KV_CHOICES
 from batchpilot.core.knobs import BUCKETING_MODES, Knobs, Proposal
 from batchpilot.core.residual import RESIDUAL_FACTORS, ResidualPID, residual_pid_config
 from batchpilot.core.telemetry import SLO, Snapshot
 from batchpilot.envs.workloads import RequestStream
+from batchpilot.nodes import from_node
 from batchpilot.schemas import LookaheadConfig
 
 #: ``arrivals``: what a copy is fed.

@@ -30,11 +30,11 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from batchpilot.config import from_node
 from batchpilot.core.actions import action_mask, action_to_proposal
 from batchpilot.core.knobs import Knobs, Proposal
 from batchpilot.core.residual import ACTION_MODES, ResidualPID, residual_pid_config
 from batchpilot.core.telemetry import FEATURE_NAMES, SLO, Snapshot, observation_from_snapshot
+from batchpilot.nodes import from_node
 from batchpilot.policies.artifact import PolicyLoadError
 from batchpilot.policies.kv_agent import KV_AGENT_SUBDIR, KVAgent
 from batchpilot.policies.runtime import PolicyRuntime

@@ -40,8 +40,9 @@ from typing import Any, Callable
 
 from omegaconf import DictConfig, OmegaConf
 
-from batchpilot.config import CONF_DIR, ConfigError, config_dirs, group_file, group_names, load_group_file
+from batchpilot.config import CONF_DIR, config_dirs, group_file, group_names, load_group_file
 from batchpilot.envs.serving_env import ServingEnv
+from batchpilot.nodes import ConfigError
 from batchpilot.policies.callbacks import (
     COMPARE_METRICS,
     EpisodeMetricsCallback,

@@ -28,7 +28,7 @@ import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
 import batchpilot.schemas  # noqa: E402,F401  (stores the config schemas before Hydra composes)
-from batchpilot.evaluation.calibration import main as run  # noqa: E402
+from batchpilot.evaluation.calibrate_app import main as run  # noqa: E402
 
 
 @hydra.main(config_path="../conf", config_name="calibrate", version_base="1.3")

@@ -17,7 +17,8 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig
 
 import batchpilot.schemas  # noqa: F401  (stores the config schemas before Hydra composes)
-from batchpilot.config import CONF_DIR, from_node, schema_node
+from batchpilot.config import CONF_DIR
+from batchpilot.nodes import from_node, schema_node
 from batchpilot.serving.soak import SoakConfig, soak
 
 ConfigStore.instance().store(group="schema", name="soak", node=schema_node(SoakConfig))

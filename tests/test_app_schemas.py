@@ -18,7 +18,8 @@ from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 from param_sweeps import sweep
 
-from batchpilot.config import CONF_DIR, ConfigError, from_node, load_config
+from batchpilot.config import CONF_DIR, load_config
+from batchpilot.nodes import ConfigError, from_node
 from batchpilot.schemas import (
     SCHEMAS,
     BenchApp,

@@ -16,7 +16,7 @@ from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 from param_sweeps import sweep
 
-from batchpilot.config import CONF_DIR, ConfigError, from_node, load_config, load_group_file, plain
+from batchpilot.config import CONF_DIR, load_config, load_group_file
 from batchpilot.core.admission import AdmissionConfig
 from batchpilot.core.shield import ShieldConfig
 from batchpilot.core.telemetry import SLO
@@ -24,6 +24,7 @@ from batchpilot.envs.serving_env import slo_from_cfg
 from batchpilot.envs.sim_engine import SimEngine
 from batchpilot.envs.specs import HardwareSpec, ModelSpec
 from batchpilot.envs.workloads import WORKLOAD_SCHEMAS, WorkloadConfigError, build_workload, workload_from_node
+from batchpilot.nodes import ConfigError, from_node, plain
 from batchpilot.policies.callbacks import validation_cfg
 from batchpilot.policies.controllers import build_controller
 from batchpilot.schemas import (

@@ -76,9 +76,9 @@ from dataclasses import dataclass
 from heapq import heappop, heappush
 from typing import Any, Protocol, Sequence
 
-from batchpilot.config import from_node
 from batchpilot.core.knobs import BUCKETING_MODES, Knobs
 from batchpilot.core.output_estimate import CHARGE_MODES, OutputEstimate
+from batchpilot.nodes import from_node
 
 #: Why a request left admission without running. A short slug, machine-readable.
 REJECT_REASONS: tuple[str, ...] = ("queue_full", "timeout", "shed_low_priority", "cancelled", "too_large_for_memory",

@@ -61,10 +61,10 @@ from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from batchpilot.config import from_node
 from batchpilot.core.engine import KV_DTYPES_16BIT, EngineCapabilities, MemoryModel
 from batchpilot.core.knobs import BUCKETING_MODES, Knobs, Proposal
 from batchpilot.core.telemetry import SLO, Snapshot
+from batchpilot.nodes import from_node
 
 log = logging.getLogger(__name__)
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from batchpilot.config import from_node
 from batchpilot.core.engine import INT8_SCALE_BYTES, KV_DTYPES_8BIT, KV_DTYPES_16BIT, ModelMemory, kv_elem_bytes
+from batchpilot.nodes import from_node
 
 __all__ = ["INT8_SCALE_BYTES", "HardwareSpec", "ModelSpec", "is_8bit", "kv_elem_bytes"]
 
