@@ -44,7 +44,6 @@ ALLOWED = {
 KNOWN_CYCLES = {
     frozenset({"batchpilot.serving.gateway", "batchpilot.serving.control_loop",
                "batchpilot.serving.actuation"}),
-    frozenset({"batchpilot.evaluation.calibration", "batchpilot.evaluation.sim_to_real"}),
     frozenset({"batchpilot.evaluation.live", "batchpilot.evaluation.live_twin"}),
 }
 _SUBPACKAGES = {"core": "core", "platform": "platform", "envs": "envs", "policies": "policies",
