@@ -56,7 +56,7 @@ def _package_of_module(name: str) -> str | None:
         return None
     if len(parts) == 1:
         return "top"
-    if len(parts) == 2 and f"batchpilot/{parts[1]}.py" in MODULES:
+    if f"batchpilot/{parts[1]}.py" in MODULES:  # the module or a name from it
         return MODULES[f"batchpilot/{parts[1]}.py"]
     return _SUBPACKAGES.get(parts[1], "top")
 
