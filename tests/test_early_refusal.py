@@ -266,3 +266,33 @@ def test_the_gateway_answers_no_slack_with_429_and_retry_after() -> None:
     assert core == "waiting"
     assert isinstance(low, Refused) and low.reason == "no_slack" and low.status == 429 and low.retry_after
     assert gw.metrics.rejected.labels("no_slack")._value.get() == 1
+
+
+@pytest.mark.parametrize("bucketing", ["fifo", "shortest_first", "weighted"])
+def test_while_the_queue_runs_newest_first_only_what_goes_before_counts(bucketing: str) -> None:
+    """Overloaded (a request was just refused for lack of time), the on-time queue runs newest
+    first: a new request is served before the on-time ones of its own bucket, so they are not
+    ahead of it. Counting them (as FIFO order would) refused requests that would be served
+    next. Under ``shortest_first`` the shorter buckets still go first; ``weighted`` interleaves
+    the buckets, so the whole queue counts there."""
+    a = _adm(newest_first_when_late=True, boundaries=(512, 8192))
+    a.set_knobs(Knobs(batch_cap=1, bucketing=bucketing))
+    t = _warm(a, 8)
+    _backlog(a, t, 20)  # 20 x 1000 tokens queued on time, 2.0 s at the rate: past the 1 s objective
+    short = [a.submit(Request(f"s{i}", t, 100, 10), t) for i in range(30)]  # 3,000 tokens, a shorter bucket
+    assert short == [None] * 30 and a.bucket_of(100) < a.bucket_of(1000)
+    fifo_ahead = a.predicted_first_token_s(1000, t, t)
+    assert fifo_ahead == pytest.approx((23_000 + 1000 + 1000) / RATE)  # not overloaded yet: all of it
+    rej = a.submit(Request("low0", t, 1000, 10, priority=1), t)
+    assert rej is not None and rej.reason == "no_slack"  # and now the queue runs newest first
+    predicted = a.predicted_first_token_s(1000, t, t)
+    ahead = {"fifo": 0, "shortest_first": 3_000, "weighted": 23_000}[bucketing]
+    assert predicted == pytest.approx((ahead + 1000 + 1000) / RATE)
+    rej = a.submit(Request("low1", t, 1000, 10, priority=1), t)
+    assert (rej is None) == (bucketing != "weighted")  # served next: kept (FIFO order refused it)
+    a.check_counts()
+    # Once the objective has passed with nothing late and no refusal, FIFO order is back.
+    later = t + 1.01
+    a._refused_late_at = -1.0  # noqa: SLF001 (nothing refused since; the lateness check runs in admit)
+    assert a.predicted_first_token_s(1000, later, later) == pytest.approx(
+        (a.waiting_on_time_tokens + 2000) / RATE)

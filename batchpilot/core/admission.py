@@ -299,7 +299,7 @@ class _Bucket:
     """One length bucket: (priority, arrival, seq) heaps, long prompts apart, and requests
     past their TTFT objective apart (``on_time_first``); the on-time ones also newest first."""
 
-    __slots__ = ("heaps", "newest", "num_waiting", "num_late")
+    __slots__ = ("heaps", "newest", "num_waiting", "num_late", "on_time_tokens")
 
     def __init__(self) -> None:
         # heaps[late][long]: on time / late x not long / long
@@ -308,6 +308,7 @@ class _Bucket:
         self.newest: tuple[list, list] = ([], [])
         self.num_waiting = 0
         self.num_late = 0  # of num_waiting, those past their TTFT objective
+        self.on_time_tokens = 0  # prompt tokens of the waiting ones not late (early refusal)
 
     def push(self, e: _Entry) -> None:
         r = e.request
@@ -315,6 +316,7 @@ class _Bucket:
         late = e.late
         self._push(self.heaps[late][e.is_long], (r.priority, r.arrival_time, e.seq, e), late)
         if not late:
+            self.on_time_tokens += r.prompt_len
             self._push(self.newest[e.is_long], (r.priority, -r.arrival_time, -e.seq, e), False)
 
     def mark_late(self, e: _Entry) -> None:
@@ -322,6 +324,7 @@ class _Bucket:
         e.late = True
         self.num_late += 1
         r = e.request
+        self.on_time_tokens -= r.prompt_len
         self._push(self.heaps[1][e.is_long], (r.priority, r.arrival_time, e.seq, e), True)
 
     def _push(self, h: list, item: tuple, late: bool) -> None:
@@ -360,6 +363,8 @@ class _Bucket:
         """Count ``e`` out; the caller marks it dead, so its heap entries are skipped."""
         self.num_waiting -= 1
         self.num_late -= e.late
+        if not e.late:
+            self.on_time_tokens -= e.request.prompt_len
 
 
 class Admission:
@@ -538,6 +543,11 @@ class Admission:
         on_time = sum(e.request.prompt_len for e in self._waiting.values() if not e.late)
         if self.waiting_on_time_tokens != on_time:
             raise AssertionError(f"on-time queue {self.waiting_on_time_tokens} tokens != {on_time} waiting on time")
+        per_bucket = [0] * len(self._buckets)
+        for e in self._waiting.values():
+            per_bucket[e.bucket] += 0 if e.late else e.request.prompt_len
+        if per_bucket != [b.on_time_tokens for b in self._buckets]:
+            raise AssertionError(f"on-time tokens per bucket {[b.on_time_tokens for b in self._buckets]} != {per_bucket}")
         if self.num_late_waiting != late:
             raise AssertionError(f"late count {self.num_late_waiting} != {late} waiting past their TTFT objective")
 
@@ -783,16 +793,48 @@ class Admission:
 
     def predicted_first_token_s(self, prompt_len: int, arrival_time: float, now: float) -> float | None:
         """Predicted seconds from arrival to first token of a request submitted at ``now``: what
-        it waited + (the prompt tokens queued on time + in flight without a first token + its
-        own) / ``drain_rate``, the engine's part at least ``first_token_s`` when measured. From
-        this module's telemetry alone (no output length). None while the rate is unmeasured."""
+        it waited + (the prompt tokens queued on time ahead of it + in flight without a first
+        token + its own) / ``drain_rate``, the engine's part at least ``first_token_s`` when
+        measured. From this module's telemetry alone (no output length). None while the rate is
+        unmeasured.
+
+        Which queued tokens are ahead follows the order ``admit`` will take: in FIFO order every
+        on-time one; while the queue runs newest first (``newest_first_when_late``, overloaded)
+        a new request goes before the on-time ones of its own bucket, so only the buckets served
+        before it count (the shorter ones with ``shortest_first``, none with ``fifo``; all with
+        ``weighted``, whose shares interleave). Counting the whole queue there refused requests
+        that would have been served next."""
         rate = self.drain_rate
         if rate is None:
             return None
         engine_s = (self.prefill_tokens_in_flight + prompt_len) / rate
         if self.first_token_s is not None:
             engine_s = max(engine_s, self.first_token_s)
-        return max(0.0, now - arrival_time) + self.waiting_on_time_tokens / rate + engine_s
+        return max(0.0, now - arrival_time) + self._on_time_tokens_ahead(prompt_len, now) / rate + engine_s
+
+    def _on_time_tokens_ahead(self, prompt_len: int, now: float) -> int:
+        """Prompt tokens queued on time that ``admit`` takes before a request of ``prompt_len``
+        submitted at ``now`` (``predicted_first_token_s``)."""
+        if self.bucketing == "weighted" or not self._newest_first(now):
+            return self.waiting_on_time_tokens
+        if self.bucketing == "fifo":
+            return 0
+        bucket = self.bucket_of(prompt_len)
+        return sum(b.on_time_tokens for b in self._buckets[:bucket])
+
+    def _newest_first(self, now: float) -> bool:
+        """Whether the on-time queue runs newest first now (``newest_first_when_late``): a
+        request waited past its TTFT objective, or one was refused for lack of time within the
+        last objective (``_refused_late_at``)."""
+        if not self.cfg.newest_first_when_late:
+            return False
+        late_s = self.late_after_s
+        if late_s is not None and now - self._refused_late_at <= late_s:
+            return True
+        for b in self._buckets:
+            if b.num_late:
+                return True
+        return False
 
     def _no_slack(self, req: Any, now: float) -> bool:
         """Whether ``early_refusal`` refuses ``req`` at submit (the caller checked the flag)."""
@@ -908,8 +950,7 @@ class Admission:
     def _drop(self, e: _Entry) -> None:
         """Take a waiting entry out (lazily from the heaps; at once from the counts)."""
         e.alive = False
-        self._buckets[e.bucket].num_waiting -= 1
-        self._buckets[e.bucket].num_late -= e.late
+        self._buckets[e.bucket].pop(e)
         if not e.late:
             self.waiting_on_time_tokens -= e.request.prompt_len
         if not self._waiting and not self.prefill_tokens_in_flight:
@@ -930,15 +971,7 @@ class Admission:
 
     def _choose(self, allow_long: bool, now: float) -> _Entry | None:
         buckets = self._buckets
-        newest = False
-        if self.cfg.newest_first_when_late:
-            late_s = self.late_after_s
-            newest = late_s is not None and now - self._refused_late_at <= late_s
-            if not newest:
-                for b in buckets:
-                    if b.num_late:
-                        newest = True
-                        break
+        newest = self._newest_first(now)
         # The head of each bucket that has one, in bucket order (an entry knows its bucket).
         heads = [h for b in buckets if b.num_waiting and (h := b.head(allow_long, newest)) is not None]
         if len(heads) <= 1:  # none, or one bucket to serve: every mode picks it
