@@ -25,7 +25,17 @@ class GatewayMetrics:
     """Every metric the gateway exports, on one registry."""
 
     def __init__(self) -> None:
+        # One helper per kind of metric; the order of the calls is the order /metrics lists them in.
         r = self.registry = CollectorRegistry(auto_describe=True)
+        self._add_request_metrics(r)
+        self._add_knob_metrics(r)
+        self._add_safety_metrics(r)
+        self._add_upstream_metrics(r)
+        self._add_latency_metrics(r)
+        self._add_control_metrics(r)
+
+    def _add_request_metrics(self, r: CollectorRegistry) -> None:
+        """Requests answered and refused, and where the admitted ones wait: the gateway's traffic."""
         self.requests = Counter(
             "batchpilot:requests", "Requests answered, by route and HTTP status.", ["route", "status"], registry=r
         )
@@ -39,6 +49,9 @@ class GatewayMetrics:
             "batchpilot:queue_depth", "Requests waiting in admission.", ["upstream", "bucket"], registry=r
         )
         self.in_flight = Gauge("batchpilot:in_flight", "Requests inside the upstream.", ["upstream"], registry=r)
+
+    def _add_knob_metrics(self, r: CollectorRegistry) -> None:
+        """The knobs in force (and a KV dtype recommended but not applied): what the controller set."""
         self.batch_cap = Gauge("batchpilot:knob_batch_cap", "In-flight cap in force.", ["upstream"], registry=r)
         self.bucketing = Gauge(
             "batchpilot:knob_bucketing", "1 for the bucketing mode in force.", ["upstream", "mode"], registry=r
@@ -50,6 +63,9 @@ class GatewayMetrics:
             ["upstream", "dtype"],
             registry=r,
         )
+
+    def _add_safety_metrics(self, r: CollectorRegistry) -> None:
+        """What the shield and the breaker did: the safety layer's interventions."""
         self.shield_interventions = Counter(
             "batchpilot:shield_interventions", "Shield interventions, by kind.", ["kind"], registry=r
         )
@@ -57,6 +73,9 @@ class GatewayMetrics:
             "batchpilot:breaker_level", "Circuit-breaker level (0 closed .. 3 restart).", ["upstream"], registry=r
         )
         self.alerts = Counter("batchpilot:alerts", "Shield alerts raised.", registry=r)
+
+    def _add_upstream_metrics(self, r: CollectorRegistry) -> None:
+        """The upstream engines' health, restarts, memory and mirrored vLLM figures."""
         self.upstream_up = Gauge("batchpilot:upstream_up", "1 when the upstream answers /health.", ["upstream"], registry=r)
         self.upstream_restarts = Counter(
             "batchpilot:upstream_restarts", "Upstream restarts, by cause.", ["upstream", "cause"], registry=r
@@ -83,6 +102,9 @@ class GatewayMetrics:
             ["upstream"],
             registry=r,
         )
+
+    def _add_latency_metrics(self, r: CollectorRegistry) -> None:
+        """Latency as the client sees it and the SLO figures the controller reads."""
         self.admission_wait = Histogram(
             "batchpilot:admission_wait_seconds", "Time a request waited in the gateway's admission queue.",
             ["bucket"], buckets=_LAT_BUCKETS, registry=r,
@@ -97,6 +119,10 @@ class GatewayMetrics:
         )
         self.goodput = Gauge("batchpilot:request_goodput", "Finished requests/s meeting the SLO.", ["upstream"], registry=r)
         self.p99_ttft = Gauge("batchpilot:ttft_p99_ms", "p99 TTFT over the telemetry window.", ["upstream"], registry=r)
+
+    def _add_control_metrics(self, r: CollectorRegistry) -> None:
+        """The control side: quality guard, acting controller, operator overrides, policy
+        fallbacks, shadow and canary state, and the cost of one control decision."""
         self.output_diff_rate = Gauge(
             "batchpilot:output_diff_rate", "Share of sampled 8-bit-KV outputs that differ from the 16-bit reference.",
             registry=r,
