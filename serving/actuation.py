@@ -17,17 +17,26 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Callable
+from typing import Callable, Protocol
 
 from batchpilot.core.engine import KV_DTYPES_8BIT, EngineCapabilities
 from batchpilot.core.knobs import Knobs
 from batchpilot.core.shield import Shield
 from batchpilot.serving.lanes import Lane
-
-if TYPE_CHECKING:
-    from batchpilot.serving.gateway import Gateway
+from batchpilot.serving.prom import GatewayMetrics
+from batchpilot.serving.quality_guard import QualityGuard
+from batchpilot.serving.supervisor import Supervisor
 
 log = logging.getLogger(__name__)
+
+
+class LaneServices(Protocol):
+    """What a lane's plant uses of the gateway (``Gateway`` is one): typed here rather than by
+    importing the gateway, which builds the control loop that builds the plants."""
+
+    metrics: GatewayMetrics
+    quality: QualityGuard | None
+    supervisor: Supervisor
 
 
 class LanePlant:
@@ -35,7 +44,7 @@ class LanePlant:
     capabilities, its dwell clock). ``acting`` names the controller whose decision is carried
     out (for the events)."""
 
-    def __init__(self, gw: "Gateway", lane: Lane, shield: Callable[[], Shield], note: Callable[[str], None]) -> None:
+    def __init__(self, gw: LaneServices, lane: Lane, shield: Callable[[], Shield], note: Callable[[str], None]) -> None:
         self.gw = gw
         self.lane = lane
         self._shield = shield

@@ -22,10 +22,10 @@ import time
 from collections import deque
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from batchpilot.core.admission import depths_padded
-from batchpilot.core.control import control_step
+from batchpilot.core.control import ControllerChain, ControlStep, FailSafe, control_step
 from batchpilot.core.controller import Controller
 from batchpilot.core.engine import KV_DTYPES_8BIT, KV_DTYPES_16BIT, EngineCapabilities, MemoryModel, ModelMemory
 from batchpilot.core.knobs import Knobs, Proposal
@@ -35,15 +35,23 @@ from batchpilot.core.telemetry import Snapshot
 from batchpilot.metrics import parse_vllm_metrics
 from batchpilot.platform.vllm_cpu import cpu_kv8_unavailable_reason, engines_run_on_cpu
 from batchpilot.policies.controllers import build_controller
-from batchpilot.serving.actuation import LanePlant
+from batchpilot.serving.actuation import LanePlant, LaneServices
 from batchpilot.serving.lanes import Lane
 from batchpilot.serving.policy_manager import PolicyManager
+from batchpilot.serving.settings import ServeConfig
 from batchpilot.serving.upstream import UpstreamDown
 
-if TYPE_CHECKING:
-    from batchpilot.serving.gateway import Gateway
-
 log = logging.getLogger(__name__)
+
+
+class GatewayView(LaneServices, Protocol):
+    """What the control loop uses of the gateway (``Gateway`` is one): typed here rather than
+    by importing the gateway, which builds the control loop."""
+
+    cfg: ServeConfig
+    settings: Any  # the gateway's AppSettings: slo, shield, policy
+    lanes: list[Lane]
+    model_dir: str | None
 
 
 def deployment_model(model_dir: str | None, tensor_parallel: int = 1) -> tuple[ModelMemory | None, str]:
@@ -225,7 +233,7 @@ class Hold:
 class ControlLoop:
     """Runs the decisions; the admin API calls its ``freeze`` and ``force_kv_dtype`` (and ``policies`` for the rest)."""
 
-    def __init__(self, gw: "Gateway") -> None:
+    def __init__(self, gw: GatewayView) -> None:
         self.gw = gw
         cfg = self.cfg = gw.cfg
         s = gw.settings
@@ -242,6 +250,8 @@ class ControlLoop:
         pid_node = dict(s.policy) if s.policy.get("kind") == "pid" else {"kind": "pid"}
         pid_node.setdefault("initial_batch_cap", cfg.control.initial_batch_cap)
         shield_cfg = ShieldConfig.from_cfg(s.shield)
+        #: The shield stage's rules for what a lane cannot see (stale /metrics, unknown memory).
+        self.fail_safe = FailSafe.from_cfg(cfg.control)
         self.lane_ctl: dict[int, LaneControl] = {}
         now = time.monotonic()
         self.model, self.model_source = deployment_model(gw.model_dir, _tensor_parallel(cfg))
@@ -309,7 +319,7 @@ class ControlLoop:
     def _use_memory_model(self, ln: Lane, ctl: LaneControl, mem: MemoryModel) -> None:
         """Wire a lane's engine model: admission checks each request against the lane's shield
         (the one prediction) when the budget is known; when it is not, the cap is held at the
-        safe static cap (``_fail_safe``) and this says so loudly (log, metric, status)."""
+        safe static cap (the shield stage's ``FailSafe``) and this says so loudly (log, metric, status)."""
         ctl.info = ln.upstream.info
         ln.admission.memory = ctl.shield if mem.known else None
         # The engine's token budget, which admission's prefill backlog counts in.
@@ -512,26 +522,23 @@ class ControlLoop:
         chosen = self.policies.policy_for(lane.index, len(self.gw.lanes), self.num_ticks)
         return chosen if chosen is not None else (ctl.pid, "pid")
 
-    def decide(self, lane: Lane, snap: Snapshot, now: float) -> tuple[Any, str]:
-        """The core control step with the acting controller; a policy that fails gives way to
-        PID in the same interval. PID decides every interval (kept warm as the fallback)."""
+    def decide(self, lane: Lane, snap: Snapshot, now: float) -> tuple[ControlStep, str]:
+        """The core control step with the acting controller, PID behind it in the chain: a
+        policy that fails gives way to PID in the same interval, and PID decides every interval
+        (kept warm as the fallback) unless the knobs are frozen. The shield stage holds the cap
+        when the lane's memory budget is unknown or its /metrics are stale."""
         ctl = self.lane_ctl[lane.index]
         controller, who = self._controller(lane)
-        try:
-            step = control_step(controller, snap, lane.knobs, ctl.shield, now)
-        except ValueError as exc:
-            if who not in ("policy", "canary"):
-                raise
-            self.policies.failed(who, exc)
-            controller, who = ctl.pid, "pid"
-            step = control_step(controller, snap, lane.knobs, ctl.shield, now)
-        if who in ("policy", "canary") and getattr(controller, "fell_back", False):
-            self.policies.out_of_range(controller.last_fallback)
-        if controller is not ctl.pid and who != "frozen":
-            ctl.pid.decide(snap, lane.knobs)
-        if who == "pid":
+        step = control_step(controller, snap, lane.knobs, ctl.shield, now, chain=ControllerChain(ctl.pid, "pid"),
+                            acting=who, may_fail=who in ("policy", "canary"), keep_warm=who != "frozen",
+                            fail_safe=self.fail_safe, stale_intervals=ctl.stale_intervals, where=lane.name)
+        if step.failure is not None:
+            self.policies.failed(who, step.failure)
+        if step.out_of_range:
+            self.policies.out_of_range(list(step.out_of_range))
+        if step.acting == "pid":
             self.policies.shadow(snap, lane.knobs, step.proposal)
-        return step, who
+        return step, step.acting
 
     async def _scrape(self, lane: Lane) -> dict[str, float]:
         try:
@@ -577,7 +584,7 @@ class ControlLoop:
         ctl.last_snapshot = snap
         self._use_measured_restart(lane, ctl)
         step, who = self.decide(lane, snap, now)
-        proposal, dec = step.proposal, self._fail_safe(lane, ctl, step.decision)
+        proposal, dec = step.proposal, step.decision
         if ctl.last_acting is not None:
             self.policies.record(ctl.last_acting, snap)
         self._apply(lane, ctl, dec, who)
@@ -609,39 +616,7 @@ class ControlLoop:
             if policy.kv_agent is not None:
                 policy.kv_agent.restart_s = float(took)
 
-    def _fail_safe(self, lane: Lane, ctl: LaneControl, dec: Decision) -> Decision:
-        """Telemetry loss fails safe: an interval without the upstream's counters never raises
-        the cap (a failed scrape read as 0 % KV use let it grow 197 -> 373); after
-        ``stale_limit`` of them the cap heads for ``safe_batch_cap`` within the step limit."""
-        if not ctl.shield.memory.known:  # no budget to check against: the safe cap, never a guess
-            cur = lane.knobs.batch_cap
-            safe = self.cfg.control.safe_batch_cap
-            cap = min(dec.knobs.batch_cap, max(safe, cur - ctl.shield.max_step(cur)))
-            if cap < dec.knobs.batch_cap:
-                why = f"memory budget of {lane.name} unknown ({ctl.shield.memory.source}): heading for the safe cap {safe}"
-                dec = replace(dec, knobs=dec.knobs.with_(batch_cap=cap),
-                              interventions={**dec.interventions, "memory_unknown": why})
-        n = ctl.stale_intervals
-        if n == 0:
-            return dec
-        cur = lane.knobs.batch_cap
-        cap = min(dec.knobs.batch_cap, cur)
-        why = f"no /metrics from {lane.name} for {n} interval(s): the cap does not grow"
-        limit = self.cfg.control.stale_limit
-        if n >= limit:
-            safe = self.cfg.control.safe_batch_cap
-            cap = min(cap, max(safe, cur - ctl.shield.max_step(cur)))
-            why = f"no /metrics from {lane.name} for {n} intervals: heading for the safe cap {safe}"
-            if n == limit:
-                self.gw.metrics.alerts.inc()
-                self._note(f"telemetry from {lane.name} lost for {n} intervals: holding it at or below the safe "
-                           f"cap {safe} until /metrics answers again")
-        if cap == dec.knobs.batch_cap:
-            return dec
-        return replace(dec, knobs=dec.knobs.with_(batch_cap=cap),
-                       interventions={**dec.interventions, "stale_telemetry": why})
-
-    def _apply(self, lane: Lane, ctl: LaneControl, dec: Any, who: str) -> None:
+    def _apply(self, lane: Lane, ctl: LaneControl, dec: Decision, who: str) -> None:
         mt = self.gw.metrics
         for kind in dec.interventions:
             mt.shield_interventions.labels(kind if kind in INTERVENTION_KINDS else "other").inc()
