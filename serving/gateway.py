@@ -884,8 +884,9 @@ async def drain_on_stop(gw: Gateway, stop_requested: Callable[[], bool], poll_s:
         log.warning("stopping: ended %d request(s) still in flight after %s", ended, after)
 
 
-def build_app(settings: AppSettings) -> FastAPI:
-    """The gateway app. The lifespan starts upstreams, health and control loops."""
+def _lifespan(settings: AppSettings) -> Callable[[FastAPI], Any]:
+    """The app's lifespan: start the gateway (upstreams, health and control loops), drain it at a
+    stop signal, stop it on the way out. A factory, so ``build_app`` only wires the app."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -917,8 +918,12 @@ def build_app(settings: AppSettings) -> FastAPI:
         finally:
             await gw.stop()
 
-    app = FastAPI(title="batchpilot gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
-    app.add_middleware(StatusCounter)
+    return lifespan
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Every error answers in the gateway's JSON form (``_error_response``) with a reason, and
+    the refusals the gateway makes itself are counted in ``batchpilot:requests_rejected``."""
 
     @app.exception_handler(GatewayError)
     async def _on_gateway_error(request: Request, exc: GatewayError) -> JSONResponse:
@@ -959,6 +964,11 @@ def build_app(settings: AppSettings) -> FastAPI:
             request.app.state.gateway.metrics.rejected.labels("client_gone").inc()
         return Response(status_code=499)
 
+
+def _add_openai_routes(app: FastAPI) -> None:
+    """The generation routes (through admission and the shield) and vLLM's read-only endpoints
+    (``FORWARDED``, passed through after the same body checks)."""
+
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         return await _proxy(request, "/v1/completions", chat=False)
@@ -972,6 +982,11 @@ def build_app(settings: AppSettings) -> FastAPI:
 
     for method, path in FORWARDED:
         app.add_api_route(path, forwarded, methods=[method], name=path)
+
+
+def _add_probe_routes(app: FastAPI) -> None:
+    """Liveness and readiness (vLLM's /health and /ping, and the gateway's /healthz, /readyz)
+    and /metrics: what load balancers, orchestrators and Prometheus poll."""
 
     @app.get("/health")
     async def health(request: Request) -> Response:
@@ -997,6 +1012,16 @@ def build_app(settings: AppSettings) -> FastAPI:
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
         return Response(request.app.state.gateway.metrics.render(), media_type=CONTENT_TYPE)
+
+
+def build_app(settings: AppSettings) -> FastAPI:
+    """The gateway app. The lifespan starts upstreams, health and control loops; the routes are
+    added in the order they always were (generation, forwarded, probes, metrics, admin)."""
+    app = FastAPI(title="batchpilot gateway", lifespan=_lifespan(settings), docs_url=None, redoc_url=None)
+    app.add_middleware(StatusCounter)
+    _add_error_handlers(app)
+    _add_openai_routes(app)
+    _add_probe_routes(app)
 
     from batchpilot.serving.admin import router as admin_router
 
