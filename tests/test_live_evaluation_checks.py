@@ -26,11 +26,11 @@ from batchpilot.evaluation.live import (
     _check,
     check_out_dir,
     live_evaluate,
-    resolve_trace_path,
     row_from_result,
     wait_until,
-    write_results,
 )
+from batchpilot.evaluation.live_results import write_results
+from batchpilot.evaluation.live_window import resolve_trace_path
 from batchpilot.policies.ppo_controller import PRETRAINED_DIR
 
 SCRIPT = REPO_ROOT / "scripts" / "live_evaluate.py"

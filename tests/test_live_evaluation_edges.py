@@ -25,11 +25,11 @@ from batchpilot.evaluation.live import (
     error_bodies_in_client,
     error_message,
     row_from_result,
-    scenario_trace,
     wait_until,
     with_error_bodies,
-    write_results,
 )
+from batchpilot.evaluation.live_results import write_results
+from batchpilot.evaluation.live_window import scenario_trace
 
 SCRIPT = REPO_ROOT / "scripts" / "live_evaluate.py"
 AZURE = REPO_ROOT / "data/traces/azure_llm_2023_conv.csv"
@@ -196,7 +196,7 @@ def test_max_requests_on_a_sized_scenario_is_refused_with_what_to_do() -> None:
 
 # --- the rows name the trace window --------------------------------------------------------------
 def test_rows_are_labelled_with_the_trace_and_window(tmp_path: Path) -> None:
-    from batchpilot.evaluation.live import scenario_label
+    from batchpilot.evaluation.live_window import scenario_label
 
     def label(*ov: str) -> str:
         sc = load_config([*ov, "out_dir=/tmp/x"], config_name="live_evaluate").live_scenario

@@ -14,17 +14,8 @@ import pytest
 from omegaconf import OmegaConf
 
 from batchpilot.config import load_config
-from batchpilot.evaluation.live import (
-    LIVE_ROW_KEYS,
-    LiveEvaluationError,
-    _check,
-    check_tuned,
-    row_from_result,
-    scenario_trace,
-    sized_window,
-    tune_flags,
-    write_results,
-)
+from batchpilot.evaluation.live import LiveEvaluationError, _check, check_tuned, row_from_result, tune_flags
+from batchpilot.evaluation.live_results import LIVE_ROW_KEYS, write_results
 from batchpilot.evaluation.live_tuned import (
     TUNED,
     TunedConfigError,
@@ -37,6 +28,7 @@ from batchpilot.evaluation.live_tuned import (
     sweep_grid,
     tuning_scenario,
 )
+from batchpilot.evaluation.live_window import scenario_trace, sized_window
 
 
 def _cfg(*overrides: str):

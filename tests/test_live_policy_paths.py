@@ -12,15 +12,10 @@ import pytest
 from omegaconf import OmegaConf
 
 from batchpilot.config import REPO_ROOT, load_config
-from batchpilot.evaluation.live import (
-    LiveEvaluationError,
-    _check,
-    policy_dirs,
-    row_from_result,
-    scenario_trace,
-    write_results,
-)
+from batchpilot.evaluation.live import LiveEvaluationError, _check, policy_dirs, row_from_result
+from batchpilot.evaluation.live_results import write_results
 from batchpilot.evaluation.live_twin import run_twin
+from batchpilot.evaluation.live_window import scenario_trace
 from batchpilot.policies.ppo_controller import PRETRAINED_DIR
 
 FT = ["+policies.ppo_finetuned=policies/pretrained", "out_dir=/tmp/x"]

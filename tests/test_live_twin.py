@@ -13,7 +13,6 @@ import pytest
 from omegaconf import OmegaConf
 
 from batchpilot.config import REPO_ROOT
-from batchpilot.evaluation.live import scenario_trace, sized_window
 from batchpilot.evaluation.live_twin import (
     SECTION,
     header_priority,
@@ -28,6 +27,7 @@ from batchpilot.evaluation.live_twin import (
     twin_overrides,
     twin_summary,
 )
+from batchpilot.evaluation.live_window import scenario_trace, sized_window
 
 SLO = {"ttft_ms": 1000.0, "tpot_ms": 100.0}
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from batchpilot.evaluation.live import prom_values
+from batchpilot.evaluation.live_metrics import prom_values
 from batchpilot.metrics import VLLM_GAUGES, parse_vllm_metrics
 from batchpilot.prom import FRACTION_GAUGES, aggregate, info_labels, metric_values
 from batchpilot.serving.upstream import _cache_config
