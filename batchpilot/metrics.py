@@ -135,6 +135,100 @@ def _offered_tail(
     return tail
 
 
+@dataclass(frozen=True, slots=True)
+class _PerRequest:
+    """The completed requests as columns (one row per request), read once: every statistic of
+    ``summarize`` is a numpy expression over these."""
+
+    prompt: np.ndarray
+    output: np.ndarray
+    ttft: np.ndarray
+    tpot: np.ndarray
+    e2el: np.ndarray
+    #: Whether the request met every objective of the SLO.
+    met: np.ndarray
+
+    @classmethod
+    def of(cls, finished: Sequence[FinishedRequest], slo: SLO) -> "_PerRequest":
+        n = len(finished)
+        ttft = np.fromiter((r.ttft for r in finished), np.float64, n)
+        tpot = np.fromiter((r.tpot for r in finished), np.float64, n)
+        e2el = np.fromiter((r.e2el for r in finished), np.float64, n)
+        met = np.fromiter((slo.met(*row) for row in zip(ttft.tolist(), tpot.tolist(), e2el.tolist())), bool, n)
+        return cls(prompt=np.fromiter((r.prompt_len for r in finished), np.int64, n),
+                   output=np.fromiter((r.output_len for r in finished), np.int64, n),
+                   ttft=ttft, tpot=tpot, e2el=e2el, met=met)
+
+
+def _checked_run(n: int, duration_s: float, num_rejected: int, window_s: float | None,
+                 offered: Offered | None) -> tuple[float, int]:
+    """(window_s, offered count) of a run, refusing one whose figures cannot be divided by
+    (a zero or infinite duration or window) or do not add up (more completed + rejected
+    requests than were offered): a wrong summary would otherwise look like a result."""
+    if not (math.isfinite(duration_s) and duration_s > 0):
+        raise ValueError(f"duration_s must be > 0, got {duration_s!r}")
+    if window_s is None:
+        window_s = duration_s
+    if not (math.isfinite(window_s) and window_s > 0):
+        raise ValueError(f"window_s must be > 0, got {window_s!r}")
+    if num_rejected < 0:
+        raise ValueError(f"num_rejected must be >= 0, got {num_rejected!r}")
+    num_offered = n + num_rejected if offered is None else len(offered)
+    if n + num_rejected > num_offered:
+        raise ValueError(f"{n} completed + {num_rejected} rejected requests exceed the {num_offered} offered")
+    return window_s, num_offered
+
+
+def _totals(req: _PerRequest, duration_s: float, window_s: float, num_rejected: int,
+            num_offered: int) -> dict[str, float]:
+    """The counts, throughputs, goodput and attainment keys of ``SUMMARY_KEYS`` (up to the
+    latencies), with ``vllm bench serve``'s denominators (see ``summarize``)."""
+    n, good = req.met.size, int(req.met.sum())
+    prompt, output = req.prompt, req.output
+    return {
+        "duration_s": float(duration_s),
+        "completed": float(n),
+        "rejected": float(num_rejected),
+        "total_input_tokens": float(prompt.sum()),
+        "total_output_tokens": float(output.sum()),
+        "request_throughput": n / duration_s,
+        "output_throughput": float(output.sum()) / duration_s,
+        "total_token_throughput": float(prompt.sum() + output.sum()) / duration_s,
+        "request_goodput": good / window_s,
+        "slo_attainment": _share(good, num_offered),
+    }
+
+
+def _latencies(finished: Sequence[FinishedRequest], req: _PerRequest) -> dict[str, float]:
+    """Mean, median and p99 (ms) of each of ``LATENCY_METRICS``. TPOT counts only requests
+    with more than one output token; ITL is per output-token gap, from the engine's per-token
+    timings where it recorded them, else each request's TPOT stands for its ``output_len - 1``
+    gaps (weighted, not averaged per request, as ``vllm bench serve`` does)."""
+    n = req.met.size
+    multi = req.output > 1
+    itl_vals: list[np.ndarray] = []
+    itl_counts: list[np.ndarray] = []
+    for r in finished:
+        if r.itl is not None:
+            itl_vals.append(np.asarray(r.itl, dtype=np.float64))
+            itl_counts.append(np.ones(len(r.itl), np.int64))
+    no_itl = np.fromiter((r.itl is None for r in finished), bool, n) & multi
+    itl_vals.append(req.tpot[no_itl])
+    itl_counts.append(req.output[no_itl] - 1)
+    samples = {
+        "ttft": (req.ttft, np.ones(n, np.int64)),
+        "tpot": (req.tpot[multi], np.ones(int(multi.sum()), np.int64)),
+        "itl": (np.concatenate(itl_vals), np.concatenate(itl_counts)),
+        "e2el": (req.e2el, np.ones(n, np.int64)),
+    }
+    out: dict[str, float] = {}
+    for name in LATENCY_METRICS:
+        vals, counts = samples[name]
+        mean, median, p99 = _weighted_stats(vals * 1e3, counts)
+        out[f"mean_{name}_ms"], out[f"median_{name}_ms"], out[f"p99_{name}_ms"] = mean, median, p99
+    return out
+
+
 def summarize(
     finished: Sequence[FinishedRequest],
     duration_s: float,
@@ -162,64 +256,12 @@ def summarize(
       TPOT and ITL), never a made-up 0. Ratios over nothing are NaN.
     - ``extra`` entries are appended; they may not overwrite a canonical key.
     """
-    if not (math.isfinite(duration_s) and duration_s > 0):
-        raise ValueError(f"duration_s must be > 0, got {duration_s!r}")
-    if window_s is None:
-        window_s = duration_s
-    if not (math.isfinite(window_s) and window_s > 0):
-        raise ValueError(f"window_s must be > 0, got {window_s!r}")
-    if num_rejected < 0:
-        raise ValueError(f"num_rejected must be >= 0, got {num_rejected!r}")
-    n = len(finished)
-    num_offered = n + num_rejected if offered is None else len(offered)
-    if n + num_rejected > num_offered:
-        raise ValueError(f"{n} completed + {num_rejected} rejected requests exceed the {num_offered} offered")
-    prompt = np.fromiter((r.prompt_len for r in finished), np.int64, n)
-    output = np.fromiter((r.output_len for r in finished), np.int64, n)
-    ttft = np.fromiter((r.ttft for r in finished), np.float64, n)
-    tpot = np.fromiter((r.tpot for r in finished), np.float64, n)
-    e2el = np.fromiter((r.e2el for r in finished), np.float64, n)
-    met = np.fromiter((slo.met(*row) for row in zip(ttft.tolist(), tpot.tolist(), e2el.tolist())), bool, n)
-    good = int(met.sum())
-
-    out: dict[str, float] = {
-        "duration_s": float(duration_s),
-        "completed": float(n),
-        "rejected": float(num_rejected),
-        "total_input_tokens": float(prompt.sum()),
-        "total_output_tokens": float(output.sum()),
-        "request_throughput": n / duration_s,
-        "output_throughput": float(output.sum()) / duration_s,
-        "total_token_throughput": float(prompt.sum() + output.sum()) / duration_s,
-        "request_goodput": good / window_s,
-        "slo_attainment": _share(good, num_offered),
-    }
-    tail = _offered_tail(prompt + output, prompt, met, num_rejected, float(window_s), float(duration_s),
-                         num_offered, offered, bucket_edges)
-
-    multi = output > 1
-    itl_vals: list[np.ndarray] = []
-    itl_counts: list[np.ndarray] = []
-    for r in finished:
-        if r.itl is not None:
-            itl_vals.append(np.asarray(r.itl, dtype=np.float64))
-            itl_counts.append(np.ones(len(r.itl), np.int64))
-    no_itl = np.fromiter((r.itl is None for r in finished), bool, n) & multi
-    itl_vals.append(tpot[no_itl])
-    itl_counts.append(output[no_itl] - 1)
-
-    samples = {
-        "ttft": (ttft, np.ones(n, np.int64)),
-        "tpot": (tpot[multi], np.ones(int(multi.sum()), np.int64)),
-        "itl": (np.concatenate(itl_vals), np.concatenate(itl_counts)),
-        "e2el": (e2el, np.ones(n, np.int64)),
-    }
-    for name in LATENCY_METRICS:
-        vals, counts = samples[name]
-        mean, median, p99 = _weighted_stats(vals * 1e3, counts)
-        out[f"mean_{name}_ms"], out[f"median_{name}_ms"], out[f"p99_{name}_ms"] = mean, median, p99
-    out.update(tail)
-
+    window_s, num_offered = _checked_run(len(finished), duration_s, num_rejected, window_s, offered)
+    req = _PerRequest.of(finished, slo)
+    out = _totals(req, duration_s, window_s, num_rejected, num_offered)
+    out.update(_latencies(finished, req))
+    out.update(_offered_tail(req.prompt + req.output, req.prompt, req.met, num_rejected, float(window_s),
+                             float(duration_s), num_offered, offered, bucket_edges))
     for key, value in (extra or {}).items():
         if key in out:
             raise ValueError(f"extra key {key!r} would overwrite a summary metric")

@@ -479,7 +479,29 @@ class Shield:
         self, proposal: Proposal, current: Knobs, inputs: ShieldInputs | Snapshot, now: float
     ) -> Decision:
         """The knobs to apply for ``proposal`` given the knobs in force and the last interval
-        (a ``Snapshot`` is converted with ``ShieldInputs.from_snapshot``)."""
+        (a ``Snapshot`` is converted with ``ShieldInputs.from_snapshot``). The stages run in
+        this order because each bounds the next: the dtype first (memory depends on it), then
+        range and step, the breaker's bound, the memory ceiling, bucketing."""
+        inputs = self._take_inputs(current, inputs)
+        why: dict[str, str] = {}
+        alerts: list[str] = []
+        cur = int(current.batch_cap)
+        target = self._asked_cap(proposal, cur, why)
+        dtype = self._dtype_gate(proposal.kv_dtype, current, inputs, now, why)
+        target = self._range_and_step(target, cur, inputs.num_running, why)
+        level, shrink_to = self._breaker(inputs, cur, now, why, alerts)
+        if shrink_to is not None and target > shrink_to:
+            target = shrink_to
+        target = self._memory_bound(target, cur, dtype, why, alerts)
+        bucketing = self._bucketing(proposal, current, why)
+        return self._record(Knobs(batch_cap=target, bucketing=bucketing, kv_dtype=dtype),
+                            current, level, why, alerts, now)
+
+    def _take_inputs(self, current: Knobs, inputs: ShieldInputs | Snapshot) -> ShieldInputs:
+        """The interval as the shield sees it, folded into its state: a pending OOM report
+        (``report_oom``) marks it a breach, and the context / KV calibration estimates learn
+        from it before any limit is computed (the memory prediction uses them). Refuses knobs
+        in force whose dtype the memory model does not know: no limit could be computed."""
         if isinstance(inputs, Snapshot):
             inputs = ShieldInputs.from_snapshot(inputs, num_kv_blocks_total=self.memory.num_kv_blocks_total)
         if current.kv_dtype not in self.memory.kv_block_bytes:
@@ -492,48 +514,47 @@ class Shield:
             self.oom_reason, self.pending_oom = self.pending_oom, None
         self.num_decisions += 1
         self.observe(inputs)
-        why: dict[str, str] = {}
-        alerts: list[str] = []
-        cfg = self.cfg
-        cur = int(current.batch_cap)
-        lo_b, hi_b = cfg.min_batch, self.max_batch
+        return inputs
 
-        # 1. What was asked (sanitised).
+    @staticmethod
+    def _asked_cap(proposal: Proposal, cur: int, why: dict[str, str]) -> int:
+        """The cap the controller asked for, sanitised: none means "keep", and a value that is
+        not an integer (a float from a policy's head, a bool) is refused rather than rounded."""
         target = proposal.batch_cap
         if target is None:
-            target = cur
-        elif not _is_int(target):
+            return cur
+        if not _is_int(target):
             why["invalid_batch"] = f"batch_cap {target!r} is not an integer; kept {cur}"
-            target = cur
-        target = int(target)
+            return cur
+        return int(target)
 
-        # 2. KV dtype (decided first: memory depends on it).
-        dtype = self._dtype_gate(proposal.kv_dtype, current, inputs, now, why)
-
-        # 3. Range and step.
+    def _range_and_step(self, target: int, cur: int, running: int, why: dict[str, str]) -> int:
+        """``target`` within [min_batch, max_batch] and a step of ``cur`` (and, with
+        ``step_around_running``, of the running batch): no single decision can move the
+        engine far, whatever a controller proposes."""
+        lo_b, hi_b = self.cfg.min_batch, self.max_batch
         if not lo_b <= target <= hi_b:
             why["batch_range"] = f"batch_cap {target} outside [{lo_b}, {hi_b}]"
             target = min(max(target, lo_b), hi_b)
         step = self.max_step(cur)
-        in_range = lo_b <= cur <= hi_b
         if abs(target - cur) > step:
             clipped = min(max(target, cur - step), cur + step)
             why["step_limit"] = f"batch_cap {target} is more than {step} from {cur}; set {clipped}"
             target = clipped
-        if cfg.step_around_running and in_range:
-            target = self._around_running(target, cur, inputs.num_running, why)
+        if self.cfg.step_around_running and lo_b <= cur <= hi_b:
+            target = self._around_running(target, cur, running, why)
+        return target
 
-        # 4. Circuit breaker: an upper bound on the cap.
-        level, shrink_to = self._breaker(inputs, cur, now, why, alerts)
-        if shrink_to is not None and target > shrink_to:
-            target = shrink_to
-
-        # 5. Memory ceiling: never above the feasible cap, but never more than a step down.
+    def _memory_bound(self, target: int, cur: int, dtype: str, why: dict[str, str], alerts: list[str]) -> int:
+        """``target`` under the memory ceiling at ``dtype``, but never more than a step below
+        ``cur`` (the breaker, not this rule, makes big cuts); then back in the range, or, for a
+        cap outside it (an operator's), one step towards it, never a jump."""
+        cfg = self.cfg
+        lo_b, hi_b = cfg.min_batch, self.max_batch
         feasible = self.max_feasible_batch(dtype)
         # (Above max_batch, "feasible" is only the range's end: check the prediction itself.)
         if target > feasible and self.predicted_fraction(target, dtype) > cfg.memory_ceiling:
-            floor_ = max(lo_b, cur - step)
-            new = max(feasible, floor_)
+            new = max(feasible, max(lo_b, cur - self.max_step(cur)))
             if new < target:
                 why["memory_ceiling"] = (
                     f"batch_cap {target} predicts {self.predicted_fraction(target, dtype):.0%} of "
@@ -545,12 +566,14 @@ class Shield:
                     f"memory ceiling {cfg.memory_ceiling:.0%} unreachable even at min_batch={lo_b} "
                     f"with kv_dtype={dtype}"
                 )
-        if in_range:
-            target = min(max(target, lo_b), hi_b)
-        else:  # walking into the range: towards it, one step at a time
-            target = min(target, cur) if cur > hi_b else max(target, cur)
+        if lo_b <= cur <= hi_b:
+            return min(max(target, lo_b), hi_b)
+        return min(target, cur) if cur > hi_b else max(target, cur)  # walking into the range
 
-        # 6. Bucketing.
+    @staticmethod
+    def _bucketing(proposal: Proposal, current: Knobs, why: dict[str, str]) -> str:
+        """The bucketing mode: the proposal's if it is one of ``BUCKETING_MODES``, else the one
+        in force (or the first mode, if the one in force is unknown too)."""
         bucketing = current.bucketing if current.bucketing in BUCKETING_MODES else BUCKETING_MODES[0]
         if proposal.bucketing is not None:
             if proposal.bucketing in BUCKETING_MODES:
@@ -559,16 +582,22 @@ class Shield:
                 why["invalid_bucketing"] = (
                     f"unknown bucketing {proposal.bucketing!r}; kept {bucketing!r} (one of {BUCKETING_MODES})"
                 )
+        return bucketing
 
-        switched = dtype != current.kv_dtype
+    def _record(self, knobs: Knobs, current: Knobs, level: int, why: dict[str, str], alerts: list[str],
+                now: float) -> Decision:
+        """The decision, counted: the dwell clock restarts on a dtype switch, and the
+        intervention and alert counters (the env's info, the gateway's /metrics) move."""
+        cfg = self.cfg
+        switched = knobs.kv_dtype != current.kv_dtype
         if switched:
             self.last_dtype_switch = now
         self.num_interventions.update(why.keys())
         self.num_alerts += len(alerts)
         return Decision(
-            knobs=Knobs(batch_cap=target, bucketing=bucketing, kv_dtype=dtype),
+            knobs=knobs,
             interventions=why,
-            predicted_memory_fraction=self.predicted_fraction(target, dtype),
+            predicted_memory_fraction=self.predicted_fraction(knobs.batch_cap, knobs.kv_dtype),
             breaker_level=level,
             alerts=alerts,
             shed_max_priority_kept=cfg.shed_max_priority_kept if level >= 2 else None,
