@@ -59,7 +59,7 @@ config (``EvalConfig.from_cfg``, the calibration's ``run_fit`` / ``run_report``,
 evaluation's ``_check``).
 
 ``VLLMEngineNode``, the ``...PolicyNode`` schemas and ``ServeNode`` are derived from their dataclass
-by ``batchpilot.config.node_schema`` (the
+by ``batchpilot.nodes.node_schema`` (the
 dataclass's fields, types and defaults, plus the keys that select the class, ``kind`` / ``name``,
 or that its caller reads, the vLLM engine's ``warmup``); PID's and AIMD's leave out ``slo_ms`` and
 ``tpot_slo_ms``, PPO's its served ``slo``, which ``build_controller`` fills from the top config's ``slo``. The objects
@@ -1475,7 +1475,7 @@ class ServeApp:
 def check_app(cls: type, cfg: Any) -> None:
     """Check a composed top config against its app schema ``cls`` again: the keys and types
     were checked at compose time, but a key added with ``+key=...`` gets through; this names
-    it (``batchpilot.config.ConfigError``, a ``ValueError``). Nothing is resolved or built."""
+    it (``batchpilot.nodes.ConfigError``, a ``ValueError``). Nothing is resolved or built."""
     # A plain container: merged as a config of the schema's own type, an added key would pass.
     data = OmegaConf.to_container(cfg, resolve=False) if isinstance(cfg, DictConfig) else dict(cfg)
     try:
