@@ -528,55 +528,22 @@ class SimEngine(Engine):
         return left, sched, preempted
 
     def _iterate(self, agg: StepResult) -> bool:
-        """Run one iteration into ``agg``; False when there is nothing to run."""
+        """Run one iteration into ``agg``; False when there is nothing to run.
+
+        The hot loop, in vLLM's order: schedule the running requests, admit waiting ones, charge
+        the step time, then apply prefill progress and decode finishes. Each phase is a method
+        called only when it has work (an empty queue, no prefill or no finish costs no call)."""
         if self._inbound:
             self._take_inbound()
-        running = self._running
-        if not running and not self._can_admit():
+        if not self._running and not self._can_admit():
             return False
-        bs = self._bs
-        pc = self._pc
         j = self._it
         self._pending_preempted = agg.preempted
         left, prefills, preempted = self._schedule_running(self._mnbt)
         n = self._n_dec  # decoders scheduled (after any preemption)
         # Admit waiting requests (not in an iteration that preempted).
-        if not preempted and not self._draining:
-            waiting, max_active = self._waiting, self._max_active
-            while waiting and left > 0 and len(running) < max_active:
-                seq = waiting[0]
-                if pc and seq.req.prefix_hashes:
-                    hits, chunk, short = self._admission_need(seq, left)
-                    if short > 0:
-                        break
-                else:  # ``_admission_need`` without prefix hits (computed and held are 0 here)
-                    hits = 0
-                    chunk = seq.prompt + seq.gen
-                    if chunk > left:
-                        chunk = left
-                    if -(-chunk // bs) > self._free + len(self._evictable) * self._bph:
-                        break
-                waiting.popleft()
-                running[seq.rid] = seq
-                if pc:
-                    self._pc_queries += seq.prompt + seq.gen
-                if hits:
-                    self._pc_hits += hits * 512
-                    ev, cache = self._evictable, self._cache
-                    for h in seq.req.prefix_hashes[:hits]:
-                        cache[h] += 1
-                        ev.pop(h, None)
-                    seq.shared = list(seq.req.prefix_hashes[:hits])
-                    seq.computed = hits * 512
-                    seq.held = hits * self._bph
-                new = -(-(seq.computed + chunk) // bs) - seq.held
-                if new <= self._free:
-                    self._free -= new
-                else:
-                    self._take_blocks(new)
-                seq.held += new
-                prefills.append((seq, chunk, seq.computed))
-                left -= chunk
+        if not preempted and not self._draining and self._waiting:
+            self._admit_waiting(left, prefills)
         if n == 0 and not prefills:
             return preempted  # everything was preempted: no time passes, the next call admits
         # Step time from aggregates.
@@ -589,8 +556,70 @@ class SimEngine(Engine):
             pctx += prior + c
         dt = self._st.step_time(ptok, pairs, pctx, n, self._sum_base + n * j, n + len(prefills))
         t = self._now + dt
-        # Apply prefill progress.
-        out_tokens = n
+        out_tokens = n + self._apply_prefills(prefills, j, t, agg) if prefills else n
+        heap = self._heap
+        if heap and heap[0][0] <= j:
+            self._finish_decoders(j, t, agg)
+        agg.num_iterations += 1
+        agg.num_prefill_tokens += ptok
+        agg.num_decode_tokens += n
+        agg.num_output_tokens += out_tokens
+        self._now = t
+        self._it = j + 1
+        return True
+
+    def _admit_waiting(self, left: int, prefills: list[tuple[_Seq, int, int]]) -> None:
+        """Admit waiting requests in queue order while the token budget ``left``, the running cap
+        and KV blocks allow, appending (seq, chunk, prior) to ``prefills`` (as vLLM's waiting
+        loop: the first request that does not fit stops admission)."""
+        bs, pc = self._bs, self._pc
+        running, waiting, max_active = self._running, self._waiting, self._max_active
+        while waiting and left > 0 and len(running) < max_active:
+            seq = waiting[0]
+            if pc and seq.req.prefix_hashes:
+                hits, chunk, short = self._admission_need(seq, left)
+                if short > 0:
+                    break
+            else:  # ``_admission_need`` without prefix hits (computed and held are 0 here)
+                hits = 0
+                chunk = seq.prompt + seq.gen
+                if chunk > left:
+                    chunk = left
+                if -(-chunk // bs) > self._free + len(self._evictable) * self._bph:
+                    break
+            waiting.popleft()
+            running[seq.rid] = seq
+            if pc:
+                self._pc_queries += seq.prompt + seq.gen
+            if hits:
+                self._share_hits(seq, hits)
+            new = -(-(seq.computed + chunk) // bs) - seq.held
+            if new <= self._free:
+                self._free -= new
+            else:
+                self._take_blocks(new)
+            seq.held += new
+            prefills.append((seq, chunk, seq.computed))
+            left -= chunk
+
+    def _share_hits(self, seq: _Seq, hits: int) -> None:
+        """Start ``seq`` on its first ``hits`` cached prefix blocks: referenced (so no longer
+        evictable), counted as computed and held, and as prefix-cache hits."""
+        self._pc_hits += hits * 512
+        ev, cache = self._evictable, self._cache
+        for h in seq.req.prefix_hashes[:hits]:
+            cache[h] += 1
+            ev.pop(h, None)
+        seq.shared = list(seq.req.prefix_hashes[:hits])
+        seq.computed = hits * 512
+        seq.held = hits * self._bph
+
+    def _apply_prefills(self, prefills: list[tuple[_Seq, int, int]], j: int, t: float, agg: StepResult) -> int:
+        """Apply this iteration's prefill chunks (ending at time ``t``): publish prefix blocks, keep
+        the unfinished chunk as the partial request, emit first tokens, finish one-token requests
+        and move the rest into the decode aggregates. Returns the output tokens produced."""
+        bs, pc = self._bs, self._pc
+        out_tokens = 0
         for seq, c, prior in prefills:
             seq.computed = prior + c
             if pc and seq.req.prefix_hashes and not seq.reg_done:
@@ -619,8 +648,12 @@ class SimEngine(Engine):
             self._cnt[seq.phase] += 1
             self._hseq += 1
             heappush(self._heap, (j + seq.out - seq.gen, self._hseq, seq.epoch, seq))
-        # Decoders: finishes at this iteration.
-        heap = self._heap
+        return out_tokens
+
+    def _finish_decoders(self, j: int, t: float, agg: StepResult) -> None:
+        """Finish the decoding requests whose last token is iteration ``j`` (heap entries of an
+        older epoch are stale: the request left the decode set since)."""
+        heap, bs = self._heap, self._bs
         while heap and heap[0][0] <= j:
             f, _, ep, seq = heappop(heap)
             if ep != seq.epoch:
@@ -633,13 +666,6 @@ class SimEngine(Engine):
             seq.epoch += 1
             seq.decoding = False
             self._finish(seq, -(-(seq.base + j) // bs), t, agg)
-        agg.num_iterations += 1
-        agg.num_prefill_tokens += ptok
-        agg.num_decode_tokens += n
-        agg.num_output_tokens += out_tokens
-        self._now = t
-        self._it = j + 1
-        return True
 
     def _finish(self, seq: _Seq, held: int, t: float, agg: StepResult) -> None:
         if seq.shared:

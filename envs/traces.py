@@ -378,6 +378,94 @@ def clip_lengths(
     return p, o, int(over.sum())
 
 
+@dataclass(slots=True)
+class _Rows:
+    """The parsed columns while ``read_trace`` shapes them; ``hashes`` (Mooncake's prefix
+    blocks, else None) follow every reorder and filter of the arrays."""
+
+    t: np.ndarray  # float64
+    prompt: np.ndarray  # int64
+    output: np.ndarray  # int64
+    hashes: list[tuple[int, ...]] | None
+
+    def reorder(self, order: np.ndarray) -> None:
+        self.t, self.prompt, self.output = self.t[order], self.prompt[order], self.output[order]
+        if self.hashes is not None:
+            self.hashes = [self.hashes[i] for i in order]
+
+    def keep(self, mask: np.ndarray) -> None:
+        """Keep the rows where ``mask`` is true (the times as they are)."""
+        self.t, self.prompt, self.output = self.t[mask], self.prompt[mask], self.output[mask]
+        if self.hashes is not None:
+            self.hashes = [h for h, k in zip(self.hashes, mask) if k]
+
+
+def _in_time_order(raw: _Raw, opts: TraceOptions, report: TraceReport) -> _Rows:
+    """The parsed rows sorted by time (stable; the report says when the file was not in order),
+    timed from the trace's first timestamp, quantised buckets spread when asked."""
+    rows = _Rows(np.asarray(raw.time_s, dtype=np.float64), np.asarray(raw.prompt, dtype=np.int64),
+                 np.asarray(raw.output, dtype=np.int64), raw.hashes)
+    if rows.t.size and np.any(np.diff(rows.t) < 0):
+        rows.reorder(np.argsort(rows.t, kind="stable"))
+        report.resorted = True
+    if rows.t.size:
+        rows.t = rows.t - raw.t0
+    if opts.spread_quantum_s is not None:
+        rows.t = spread_in_buckets(rows.t, opts.spread_quantum_s)
+    return rows
+
+
+def _window(rows: _Rows, opts: TraceOptions, skipped: Counter) -> None:
+    """Keep ``[start_s, start_s + duration_s)``, moved to 0 and divided by ``time_scale`` (the
+    replay clock); the rows outside are counted in ``skipped``."""
+    end = math.inf if opts.duration_s is None else opts.start_s + opts.duration_s
+    keep = (rows.t >= opts.start_s) & (rows.t < end)
+    if not keep.all():
+        skipped[SKIP_OUTSIDE_WINDOW] += int((~keep).sum())
+    rows.keep(keep)
+    rows.t = (rows.t - opts.start_s) / opts.time_scale
+
+
+def _fit_lengths(rows: _Rows, opts: TraceOptions, report: TraceReport, skipped: Counter) -> None:
+    """Raise zero token counts to 1, then clip or skip (``overflow``) what exceeds
+    ``max_model_len``; a clipped prompt keeps only the prefix blocks that still cover it."""
+    low = (rows.prompt < 1) | (rows.output < 1)
+    report.raised_to_one = int(low.sum())
+    rows.prompt = np.maximum(rows.prompt, 1)
+    rows.output = np.maximum(rows.output, 1)
+    if opts.max_model_len is None:
+        return
+    m = opts.max_model_len
+    over = rows.prompt + rows.output > m
+    if opts.overflow == "skip":
+        if over.any():
+            skipped[SKIP_TOO_LONG] += int(over.sum())
+        rows.keep(~over)
+        return
+    rows.prompt, rows.output, report.clipped = clip_lengths(rows.prompt, rows.output, m)
+    if rows.hashes is not None and over.any():
+        # Keep only the blocks that still cover part of the (shortened) prompt.
+        nblk = -(-rows.prompt // MOONCAKE_BLOCK_TOKENS)
+        rows.hashes = [h[: int(n)] for h, n in zip(rows.hashes, nblk)]
+
+
+def _describe(report: TraceReport, t: np.ndarray, format: str, opts: TraceOptions) -> None:
+    """Fill the report's span and longest gap (replay clock), and warn when a Mooncake trace
+    arrives implausibly fast (timestamps most likely in seconds, not milliseconds)."""
+    report.rows_kept = int(t.size)
+    report.span_s = float(t[-1] - t[0]) if t.size else 0.0
+    if t.size > 1:
+        gaps = np.diff(t)
+        i = int(np.argmax(gaps))
+        report.max_gap_s, report.max_gap_until_s = float(gaps[i]), float(t[i + 1])
+    rate = t.size / report.span_s * opts.time_scale if report.span_s > 0 else math.inf
+    if format == "mooncake" and t.size >= MIN_ROWS_FOR_RATE_CHECK and rate > MAX_PLAUSIBLE_RATE:
+        report.warnings.append(
+            f"{t.size} requests within {report.span_s * opts.time_scale:.3g} trace seconds "
+            f"({rate:,.0f} req/s): Mooncake timestamps are milliseconds; if this file's are "
+            f"seconds, set workload.time_scale=0.001")
+
+
 def read_trace(
     path: str | Path, format: str, options: TraceOptions | None = None
 ) -> TraceArrays:
@@ -398,75 +486,21 @@ def read_trace(
     raw = _READERS[format](p, opts)
     report = TraceReport(path=str(p), format=format, rows_read=raw.rows_read)
     skipped: Counter = Counter(raw.skipped)
-
-    t = np.asarray(raw.time_s, dtype=np.float64)
-    prompt = np.asarray(raw.prompt, dtype=np.int64)
-    output = np.asarray(raw.output, dtype=np.int64)
-    hashes = raw.hashes
-    if t.size and np.any(np.diff(t) < 0):
-        order = np.argsort(t, kind="stable")
-        t, prompt, output = t[order], prompt[order], output[order]
-        if hashes is not None:
-            hashes = [hashes[i] for i in order]
-        report.resorted = True
-    if t.size:
-        t = t - raw.t0
-    if opts.spread_quantum_s is not None:
-        t = spread_in_buckets(t, opts.spread_quantum_s)
-
-    end = math.inf if opts.duration_s is None else opts.start_s + opts.duration_s
-    keep = (t >= opts.start_s) & (t < end)
-    if not keep.all():
-        skipped[SKIP_OUTSIDE_WINDOW] += int((~keep).sum())
-    t = (t[keep] - opts.start_s) / opts.time_scale
-    prompt, output = prompt[keep], output[keep]
-    if hashes is not None:
-        hashes = [h for h, k in zip(hashes, keep) if k]
-
-    low = (prompt < 1) | (output < 1)
-    report.raised_to_one = int(low.sum())
-    prompt = np.maximum(prompt, 1)
-    output = np.maximum(output, 1)
-
-    if opts.max_model_len is not None:
-        m = opts.max_model_len
-        over = prompt + output > m
-        if opts.overflow == "skip":
-            if over.any():
-                skipped[SKIP_TOO_LONG] += int(over.sum())
-            ok = ~over
-            t, prompt, output = t[ok], prompt[ok], output[ok]
-            if hashes is not None:
-                hashes = [h for h, k in zip(hashes, ok) if k]
-        else:
-            prompt, output, report.clipped = clip_lengths(prompt, output, m)
-            if hashes is not None and over.any():
-                # Keep only the blocks that still cover part of the (shortened) prompt.
-                nblk = -(-prompt // MOONCAKE_BLOCK_TOKENS)
-                hashes = [h[: int(n)] for h, n in zip(hashes, nblk)]
-
-    report.rows_kept = int(t.size)
+    rows = _in_time_order(raw, opts, report)
+    _window(rows, opts, skipped)
+    _fit_lengths(rows, opts, report, skipped)
     report.skipped = dict(skipped)
-    report.span_s = float(t[-1] - t[0]) if t.size else 0.0
-    if t.size > 1:
-        gaps = np.diff(t)
-        i = int(np.argmax(gaps))
-        report.max_gap_s, report.max_gap_until_s = float(gaps[i]), float(t[i + 1])
-    rate = t.size / report.span_s * opts.time_scale if report.span_s > 0 else math.inf
-    if format == "mooncake" and t.size >= MIN_ROWS_FOR_RATE_CHECK and rate > MAX_PLAUSIBLE_RATE:
-        report.warnings.append(
-            f"{t.size} requests within {report.span_s * opts.time_scale:.3g} trace seconds "
-            f"({rate:,.0f} req/s): Mooncake timestamps are milliseconds; if this file's are "
-            f"seconds, set workload.time_scale=0.001")
+    t = rows.t
+    _describe(report, t, format, opts)
     if opts.duration_s is not None:
         duration = opts.duration_s / opts.time_scale
     else:
         duration = float(t[-1]) if t.size else 0.0
     return TraceArrays(
         arrival_s=t,
-        prompt_len=prompt,
-        output_len=output,
+        prompt_len=rows.prompt,
+        output_len=rows.output,
         report=report,
-        prefix_hashes=tuple(hashes) if hashes is not None else None,
+        prefix_hashes=tuple(rows.hashes) if rows.hashes is not None else None,
         duration_s=duration,
     )

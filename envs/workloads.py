@@ -658,6 +658,101 @@ def _randomized(
     return RequestStream(t, p, o, priority=pr, duration_s=duration, info=info, max_tokens=mt)
 
 
+def _check_max_model_len(max_model_len: Any) -> int:
+    """``max_model_len`` as an int, refused (``ValueError``) unless a whole number >= 2: a bool or
+    float from a hand-built config would otherwise size every request wrong."""
+    if (
+        isinstance(max_model_len, bool)
+        or not isinstance(max_model_len, numbers.Integral)
+        or max_model_len < 2
+    ):
+        raise ValueError(f"max_model_len must be an integer >= 2, got {max_model_len!r}")
+    return int(max_model_len)
+
+
+def _trace_stream(
+    wc: TraceWorkload, rng: np.random.Generator, max_model_len: int, scale: float, where: str
+) -> RequestStream:
+    """A trace replayed (``read_trace``, ``rate_scale`` folded into its time scale), with the
+    priorities and client ``max_tokens`` the workload draws for it."""
+    fmt = _check_format(where, wc.format)
+    try:
+        opts = TraceOptions(
+            time_scale=float(wc.time_scale) * scale,
+            start_s=float(wc.start_s),
+            duration_s=None if wc.duration_s is None else float(wc.duration_s),
+            max_model_len=max_model_len,
+            overflow=wc.overflow,  # type: ignore[arg-type]
+            spread_quantum_s=None if wc.spread_quantum_s is None else float(wc.spread_quantum_s),
+            model=wc.model,
+        )
+    except ValueError as e:
+        raise WorkloadConfigError(f"{where}: {e}") from e
+    tr = read_trace(_resolve_path(str(wc.path)), fmt, opts)
+    pr = sample_priorities(rng, wc.priorities, len(tr))
+    mt, out, capped = client_max_tokens(wc.max_tokens, rng, tr.prompt_len, tr.output_len, max_model_len)
+    return RequestStream(
+        tr.arrival_s, tr.prompt_len, out, priority=pr, duration_s=tr.duration_s,
+        prefix_hashes=tr.prefix_hashes, prefix_block_tokens=tr.prefix_block_tokens,
+        info={"kind": "trace", "report": tr.report, "max_tokens": _max_tokens_info(wc.max_tokens, capped)},
+        max_tokens=mt,
+    )
+
+
+def _mixture_stream(
+    wc: MixtureWorkload, rng: np.random.Generator, max_model_len: int, duration: float, scale: float,
+    where: str,
+) -> RequestStream:
+    """Each component built as a workload of its own (the mixture's duration, clients and
+    ``rate_scale`` unless it sets its own), then merged by arrival time."""
+    streams = []
+    for i, c in enumerate(wc.components):
+        sub = dict(c) if isinstance(c, Mapping) else c
+        if isinstance(sub, dict):
+            if sub.get("kind") == "mixture":
+                raise WorkloadConfigError(
+                    f"{where}.components[{i}]: a mixture cannot nest a mixture"
+                )
+            sub.setdefault("duration_s", duration)
+            # A component that declares no caps takes the mixture's clients'.
+            sub.setdefault("max_tokens", dataclasses.asdict(wc.max_tokens))
+            sub["rate_scale"] = float(sub.get("rate_scale", 1.0)) * scale
+        streams.append(
+            build_workload(sub, rng, max_model_len, where=f"{where}.components[{i}]")
+        )
+    return RequestStream.merge(
+        streams,
+        duration_s=duration,
+        info={"kind": "mixture", "components": [s.info for s in streams]},
+    )
+
+
+def _rate_curve(wc: Any, scale: float, duration: float, where: str) -> RateCurve:
+    """The arrival-rate curve of a synthetic workload (Poisson, gamma, on/off, ramp, diurnal),
+    its rates multiplied by ``rate_scale``; a curve the config cannot make is a
+    ``WorkloadConfigError`` naming ``where``."""
+    try:
+        if isinstance(wc, (PoissonWorkload, GammaWorkload)):
+            return ConstantRate(float(wc.rate) * scale)
+        if isinstance(wc, OnOffWorkload):
+            return OnOffRate(
+                float(wc.on_rate) * scale, float(wc.off_rate) * scale,
+                float(wc.on_s), float(wc.off_s), bool(wc.start_on),
+            )
+        if isinstance(wc, RampWorkload):
+            return RampRate(
+                float(wc.start_rate) * scale, float(wc.end_rate) * scale, float(wc.ramp_start_s),
+                duration if wc.ramp_end_s is None else float(wc.ramp_end_s),
+            )
+        assert isinstance(wc, DiurnalWorkload)
+        return DiurnalRate(
+            float(wc.mean_rate) * scale, float(wc.amplitude),
+            duration if wc.period_s is None else float(wc.period_s), float(wc.phase_s),
+        )
+    except ValueError as e:
+        raise WorkloadConfigError(f"{where}: {e}") from e
+
+
 def build_workload(
     cfg_workload: Any, rng: np.random.Generator, max_model_len: int, *, where: str = "workload"
 ) -> RequestStream:
@@ -669,87 +764,18 @@ def build_workload(
     range raise ``WorkloadConfigError`` naming them (``workload.rate``).
     """
     wc = workload_from_node(cfg_workload, where)
-    if (
-        isinstance(max_model_len, bool)
-        or not isinstance(max_model_len, numbers.Integral)
-        or max_model_len < 2
-    ):
-        raise ValueError(f"max_model_len must be an integer >= 2, got {max_model_len!r}")
-    max_model_len = int(max_model_len)
+    max_model_len = _check_max_model_len(max_model_len)
     scale = float(wc.rate_scale)
-
     if isinstance(wc, TraceWorkload):
-        fmt = _check_format(where, wc.format)
-        try:
-            opts = TraceOptions(
-                time_scale=float(wc.time_scale) * scale,
-                start_s=float(wc.start_s),
-                duration_s=None if wc.duration_s is None else float(wc.duration_s),
-                max_model_len=max_model_len,
-                overflow=wc.overflow,  # type: ignore[arg-type]
-                spread_quantum_s=None if wc.spread_quantum_s is None else float(wc.spread_quantum_s),
-                model=wc.model,
-            )
-        except ValueError as e:
-            raise WorkloadConfigError(f"{where}: {e}") from e
-        tr = read_trace(_resolve_path(str(wc.path)), fmt, opts)
-        pr = sample_priorities(rng, wc.priorities, len(tr))
-        mt, out, capped = client_max_tokens(wc.max_tokens, rng, tr.prompt_len, tr.output_len, max_model_len)
-        return RequestStream(
-            tr.arrival_s, tr.prompt_len, out, priority=pr, duration_s=tr.duration_s,
-            prefix_hashes=tr.prefix_hashes, prefix_block_tokens=tr.prefix_block_tokens,
-            info={"kind": "trace", "report": tr.report, "max_tokens": _max_tokens_info(wc.max_tokens, capped)},
-            max_tokens=mt,
-        )
-
+        return _trace_stream(wc, rng, max_model_len, scale, where)
     duration = float(wc.duration_s)
     if isinstance(wc, MixtureWorkload):
-        streams = []
-        for i, c in enumerate(wc.components):
-            sub = dict(c) if isinstance(c, Mapping) else c
-            if isinstance(sub, dict):
-                if sub.get("kind") == "mixture":
-                    raise WorkloadConfigError(
-                        f"{where}.components[{i}]: a mixture cannot nest a mixture"
-                    )
-                sub.setdefault("duration_s", duration)
-                # A component that declares no caps takes the mixture's clients'.
-                sub.setdefault("max_tokens", dataclasses.asdict(wc.max_tokens))
-                sub["rate_scale"] = float(sub.get("rate_scale", 1.0)) * scale
-            streams.append(
-                build_workload(sub, rng, max_model_len, where=f"{where}.components[{i}]")
-            )
-        return RequestStream.merge(
-            streams,
-            duration_s=duration,
-            info={"kind": "mixture", "components": [s.info for s in streams]},
-        )
+        return _mixture_stream(wc, rng, max_model_len, duration, scale, where)
     if isinstance(wc, RandomizedWorkload):
         return _randomized(wc, rng, max_model_len, duration, scale)
-
     # Poisson has no burstiness key (it is gamma with burstiness 1).
     burst = 1.0 if isinstance(wc, PoissonWorkload) else float(wc.burstiness)  # type: ignore[attr-defined]
-    try:
-        if isinstance(wc, (PoissonWorkload, GammaWorkload)):
-            curve: RateCurve = ConstantRate(float(wc.rate) * scale)
-        elif isinstance(wc, OnOffWorkload):
-            curve = OnOffRate(
-                float(wc.on_rate) * scale, float(wc.off_rate) * scale,
-                float(wc.on_s), float(wc.off_s), bool(wc.start_on),
-            )
-        elif isinstance(wc, RampWorkload):
-            curve = RampRate(
-                float(wc.start_rate) * scale, float(wc.end_rate) * scale, float(wc.ramp_start_s),
-                duration if wc.ramp_end_s is None else float(wc.ramp_end_s),
-            )
-        else:
-            assert isinstance(wc, DiurnalWorkload)
-            curve = DiurnalRate(
-                float(wc.mean_rate) * scale, float(wc.amplitude),
-                duration if wc.period_s is None else float(wc.period_s), float(wc.phase_s),
-            )
-    except ValueError as e:
-        raise WorkloadConfigError(f"{where}: {e}") from e
+    curve = _rate_curve(wc, scale, duration, where)
     lengths = _lengths(wc.lengths, f"{where}.lengths")  # type: ignore[attr-defined]
     info = {"kind": wc.kind, "curve": curve, "burstiness": burst}
     return _synthetic(wc, rng, max_model_len, curve, burst, lengths, duration, info)
