@@ -750,10 +750,7 @@ def evaluate(
     workload is recomposed from them and ``config_name`` (default: the Hydra app's
     ``--config-name``, else ``evaluate``). ``cfg.launcher`` says where the cells run. Returns
     the rows."""
-    import json
-
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from batchpilot.evaluation import report as rep
 
@@ -766,18 +763,45 @@ def evaluate(
     check_policies(plans, ecfg)
     matrix = _Matrix(plans, ecfg)
     cells = matrix.first_cells()
+    _log_plans(plans, console.log)
+    _run_matrix(plans, matrix, cells, ecfg, console)
+    rows, timelines = _write_matrix(matrix, ecfg)
+    out = ecfg.out_dir
+    table = rep.markdown_table(rows)
+    plots = _plot_matrix(rows, timelines, plans, ecfg) if ecfg.plots else []
+    wall = time.perf_counter() - t_start
+    run_cfg = {"eval": OmegaConf.to_container(cfg, resolve=False), "overrides": user, "wall_s": wall}
+    wandb_dir = rep.log_to_wandb(dict(cfg.get("logger") or {}), run_cfg, rows, table, plots, out)
+    print(table)
+    for line in rep.episode_comparison(rows):
+        console.log(line)
+    wrote = "results.json, results.csv, results.md" + (f", plots/ ({len(plots)})" if plots else "")
+    console.log(f"{len(rows)} rows in {wall:.1f} s → {out}: {wrote}" + (f"; W&B run in {wandb_dir}" if wandb_dir else ""))
+    return rows
+
+
+def _log_plans(plans: Sequence[WorkloadPlan], log: Callable[[str], None]) -> None:
+    """Each workload as planned (requests, episode length, model, hardware, engine, load, trace
+    windows, notes), before any cell runs: what a long matrix is about to spend its time on."""
     for plan in plans:
         win = (
             f", trace windows from {sorted(plan.windows.values())} s (seeds {sorted(plan.windows)})"
             if plan.windows else ""
         )
-        console.log(
+        log(
             f"workload {plan.name}: {plan.num_requests} requests over {plan.episode_s:.0f} s (first seed), "
             f"model {plan.model} on {plan.hardware}, engine {plan.cfg.engine.kind}, "
             f"load x{plan.rate_multiplier:.3g}{win}"
         )
         for note in plan.notes:
-            console.log(f"workload {plan.key}: {note}")
+            log(f"workload {plan.key}: {note}")
+
+
+def _run_matrix(plans: Sequence[WorkloadPlan], matrix: _Matrix, cells: list[Cell], ecfg: EvalConfig,
+                console: Any) -> None:
+    """``cells`` and every cell they release (the tuned baselines' later stages), serially or on
+    Ray (``ecfg.launcher``), a progress bar advanced per episode."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console, transient=False) as progress:
@@ -793,6 +817,14 @@ def evaluate(
         else:
             run_serial(plans, cells, on_done)
 
+
+def _write_matrix(matrix: _Matrix, ecfg: EvalConfig) -> tuple[list[dict[str, Any]], dict]:
+    """results.json/csv, timelines.json, each tuned baseline's search and results.md into
+    ``ecfg.out_dir``; returns the rows and the timelines (the plots read them)."""
+    import json
+
+    from batchpilot.evaluation import report as rep
+
     rows = matrix.rows()
     timelines = matrix.timelines()
     search = matrix.search()
@@ -806,23 +838,22 @@ def evaluate(
             (out / f"{name}_search.json").write_text(json.dumps(rep.jsonable(matrix.search(name)), indent=1) + "\n")
             md += "\n" + "\n".join(matrix.picks(name)) + "\n"
     (out / "results.md").write_text(md)
-    table = rep.markdown_table(rows)
-    plots: list[Path] = []
-    if ecfg.plots:
-        slo_ttft = plans[0].cfg.slo.get("ttft_ms")
-        first = ecfg.timeline_seeds[0]
-        plotted = {(wl, pol): tl for (wl, pol, seed), tl in timelines.items() if seed == first}
-        plots = rep.plot_timelines(plotted, out / "plots", None if slo_ttft is None else float(slo_ttft), first)
-        plots.append(rep.plot_goodput_vs_slo(rows, out / "plots"))
-        per_episode = rep.plot_episode_ratios(rows, out / "plots")
-        if per_episode is not None:
-            plots.append(per_episode)
-    wall = time.perf_counter() - t_start
-    run_cfg = {"eval": OmegaConf.to_container(cfg, resolve=False), "overrides": user, "wall_s": wall}
-    wandb_dir = rep.log_to_wandb(dict(cfg.get("logger") or {}), run_cfg, rows, table, plots, out)
-    print(table)
-    for line in rep.episode_comparison(rows):
-        console.log(line)
-    wrote = "results.json, results.csv, results.md" + (f", plots/ ({len(plots)})" if plots else "")
-    console.log(f"{len(rows)} rows in {wall:.1f} s → {out}: {wrote}" + (f"; W&B run in {wandb_dir}" if wandb_dir else ""))
-    return rows
+    return rows, timelines
+
+
+def _plot_matrix(rows: Sequence[dict[str, Any]], timelines: Mapping[Any, Any], plans: Sequence[WorkloadPlan],
+                 ecfg: EvalConfig) -> list[Path]:
+    """plots/: the first timeline seed's timelines, goodput against the SLO, and the per-episode
+    ratios when there are any."""
+    from batchpilot.evaluation import report as rep
+
+    out = ecfg.out_dir
+    slo_ttft = plans[0].cfg.slo.get("ttft_ms")
+    first = ecfg.timeline_seeds[0]
+    plotted = {(wl, pol): tl for (wl, pol, seed), tl in timelines.items() if seed == first}
+    plots = rep.plot_timelines(plotted, out / "plots", None if slo_ttft is None else float(slo_ttft), first)
+    plots.append(rep.plot_goodput_vs_slo(rows, out / "plots"))
+    per_episode = rep.plot_episode_ratios(rows, out / "plots")
+    if per_episode is not None:
+        plots.append(per_episode)
+    return plots
