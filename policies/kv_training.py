@@ -23,6 +23,7 @@ import json
 import math
 import multiprocessing
 import time
+from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
@@ -235,81 +236,121 @@ def check_kv_config(kv: DictConfig) -> None:
                             f"{kv.n_envs} processes: it must be at least that many")
 
 
+def _kv_vec_env(cfg: DictConfig, seed: int) -> Any:
+    """The training envs, monitored and normalised (observations and rewards): ``kv.n_envs``
+    forked workers for PPO; one env for the counterfactual fit, which needs only its spaces."""
+    from stable_baselines3.common.vec_env import DummyVecEnv, SubprocVecEnv, VecMonitor, VecNormalize
+
+    kv = cfg.kv
+    n_workers = int(kv.n_envs) if kv.method == "ppo" else 1  # counterfactual: the env only gives the spaces
+    fns = [make_kv_env(cfg, list(kv.deployments), paired=bool(kv.paired)) for _ in range(n_workers)]
+    venv = SubprocVecEnv(fns, start_method="fork") if len(fns) > 1 else DummyVecEnv(fns)
+    venv.seed(seed)
+    return VecNormalize(VecMonitor(venv), norm_obs=True, norm_reward=True, clip_obs=10.0, gamma=float(kv.gamma))
+
+
+def _kv_model(kv: DictConfig, venv: Any, seed: int) -> Any:
+    """The agent: an SB3 PPO actor-critic (tanh MLP of ``kv.net_arch``, on the CPU), whichever
+    method trains it, so it exports in the batch policy's artifact format."""
+    import torch
+    from stable_baselines3 import PPO
+
+    return PPO(
+        "MlpPolicy", venv, learning_rate=float(kv.learning_rate), n_steps=int(kv.n_steps),
+        batch_size=int(kv.batch_size), n_epochs=int(kv.n_epochs), gamma=float(kv.gamma),
+        gae_lambda=float(kv.gae_lambda), ent_coef=float(kv.ent_coef), seed=seed, device="cpu",
+        policy_kwargs={"net_arch": {"pi": list(kv.net_arch), "vf": list(kv.net_arch)},
+                       "activation_fn": torch.nn.Tanh},
+    )
+
+
+def _fit_from_counterfactuals(cfg: DictConfig, seed: int, model: Any, venv: Any, out_dir: Path) -> dict[str, float]:
+    """``kv.method=counterfactual``: draw the samples in ``kv.n_envs`` forked processes (saved to
+    ``kv_samples.npz``), then fit the actor to them; returns the fit's figures."""
+    kv = cfg.kv
+    n_eps = int(kv.counterfactual_episodes)
+    with concurrent.futures.ProcessPoolExecutor(max_workers=int(kv.n_envs),
+                                                mp_context=multiprocessing.get_context("fork")) as pool:
+        plain = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))  # picklable
+        parts = list(pool.map(functools.partial(counterfactual_samples, plain),
+                              [seed * 1000 + i for i in range(int(kv.n_envs))],
+                              [n_eps // int(kv.n_envs)] * int(kv.n_envs)))
+    x = np.concatenate([p[0] for p in parts])
+    adv = np.concatenate([p[1] for p in parts])
+    np.savez(out_dir / "kv_samples.npz", obs=x, advantage=adv)
+    fit = fit_counterfactual(model, venv, x, adv, epochs=int(kv.fit_epochs), lr=float(kv.fit_lr),
+                             margin=float(kv.switch_margin))
+    print(f"[train_kv] counterfactual fit: {fit}")
+    return fit
+
+
+def _learn_kv(cfg: DictConfig, seed: int, model: Any, venv: Any, out_dir: Path, lc: LoggerConfig) -> dict[str, float]:
+    """Train ``model`` by ``kv.method``; returns the counterfactual fit's figures (empty for PPO)."""
+    import torch
+
+    kv = cfg.kv
+    if kv.method == "counterfactual":
+        return _fit_from_counterfactuals(cfg, seed, model, venv, out_dir)
+    if kv.method == "ppo":
+        # A fresh agent leans to "keep" (16-bit, as every engine starts): exploration tries a
+        # switch now and then instead of flapping at random.
+        with torch.no_grad():
+            model.policy.action_net.bias[0] += float(kv.keep_prior_logit)
+        model.set_logger(sb3_logger(out_dir, lc, verbose=False))
+        model.learn(total_timesteps=int(kv.total_timesteps), progress_bar=bool(kv.progress_bar))
+        return {}
+    raise ValueError(f"kv.method must be counterfactual or ppo, got {kv.method!r}")
+
+
+def _export_and_compare(cfg: DictConfig, model: Any, venv: Any, out_dir: Path, config_dict: dict[str, Any],
+                        train_s: float, fit: dict[str, float]) -> tuple[Path, float]:
+    """Export the agent to ``<run>/kv_agent``, compare it with the fixed choices on
+    ``kv.test_seeds`` and write ``kv_comparison.json``. Returns (policy dir, the agent's margin
+    over the better fixed choice, averaged over the deployments)."""
+    from batchpilot.policies.export import export_policy
+
+    kv = cfg.kv
+    venv.training = False
+    venv.norm_reward = False
+    policy_dir = export_policy(
+        model, venv, out_dir / KV_AGENT_SUBDIR, features=KV_FEATURE_NAMES,
+        shield=OmegaConf.to_container(cfg.shield, resolve=True),  # type: ignore[arg-type]
+        slo=OmegaConf.to_container(cfg.slo, resolve=True),  # type: ignore[arg-type]
+        train_config={**config_dict, "train_seconds": train_s},
+    )
+    seeds = [int(s) for s in kv.test_seeds]
+    rows = compare(cfg, model, venv, seeds)
+    md = print_rows(rows)
+    by = {(r["deployment"], r["controller"]): r["reward"] for r in rows}
+    deps = sorted({r["deployment"] for r in rows})
+    margin = float(np.mean([by[(d, "agent")] - max(by[(d, "never")], by[(d, "8bit_at_once")]) for d in deps]))
+    summary = {"rows": rows, "markdown": md, "test_seeds": seeds, "train_seconds": train_s,
+               "agent_minus_best_fixed": margin, "method": str(kv.method), "fit": fit}
+    (out_dir / "kv_comparison.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return policy_dir, margin
+
+
 def train_kv(cfg: DictConfig) -> float:
     """Train, export to ``<run>/kv_agent``, compare on held-out seeds; returns the agent's mean
     epoch reward minus the better fixed choice's, over the comparison (what a sweep maximises)."""
     import torch
-    from stable_baselines3 import PPO
     from stable_baselines3.common.utils import set_random_seed
-    from stable_baselines3.common.vec_env import DummyVecEnv, SubprocVecEnv, VecMonitor, VecNormalize
-
-    from batchpilot.policies.export import export_policy
 
     t0 = time.perf_counter()
-    kv = cfg.kv
-    check_kv_config(kv)
+    check_kv_config(cfg.kv)
     seed = int(cfg.seed)
     out_dir = run_output_dir()
     lc = LoggerConfig.from_cfg(cfg.logger)
     torch.set_num_threads(1)
     set_random_seed(seed)
-    n_workers = int(kv.n_envs) if kv.method == "ppo" else 1  # counterfactual: the env only gives the spaces
-    fns = [make_kv_env(cfg, list(kv.deployments), paired=bool(kv.paired)) for _ in range(n_workers)]
-    venv = SubprocVecEnv(fns, start_method="fork") if len(fns) > 1 else DummyVecEnv(fns)
-    venv.seed(seed)
-    venv = VecNormalize(VecMonitor(venv), norm_obs=True, norm_reward=True, clip_obs=10.0, gamma=float(kv.gamma))
+    venv = _kv_vec_env(cfg, seed)
     config_dict: dict[str, Any] = OmegaConf.to_container(cfg, resolve=True)  # type: ignore[assignment]
     run = start_wandb(lc, config_dict, out_dir)
     try:
-        model = PPO(
-            "MlpPolicy", venv, learning_rate=float(kv.learning_rate), n_steps=int(kv.n_steps),
-            batch_size=int(kv.batch_size), n_epochs=int(kv.n_epochs), gamma=float(kv.gamma),
-            gae_lambda=float(kv.gae_lambda), ent_coef=float(kv.ent_coef), seed=seed, device="cpu",
-            policy_kwargs={"net_arch": {"pi": list(kv.net_arch), "vf": list(kv.net_arch)},
-                           "activation_fn": torch.nn.Tanh},
-        )
-        fit: dict[str, float] = {}
-        if kv.method == "counterfactual":
-            n_eps = int(kv.counterfactual_episodes)
-            with concurrent.futures.ProcessPoolExecutor(max_workers=int(kv.n_envs),
-                                                        mp_context=multiprocessing.get_context("fork")) as pool:
-                plain = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))  # picklable
-                parts = list(pool.map(functools.partial(counterfactual_samples, plain),
-                                      [seed * 1000 + i for i in range(int(kv.n_envs))],
-                                      [n_eps // int(kv.n_envs)] * int(kv.n_envs)))
-            x = np.concatenate([p[0] for p in parts])
-            adv = np.concatenate([p[1] for p in parts])
-            np.savez(out_dir / "kv_samples.npz", obs=x, advantage=adv)
-            fit = fit_counterfactual(model, venv, x, adv, epochs=int(kv.fit_epochs), lr=float(kv.fit_lr),
-                                     margin=float(kv.switch_margin))
-            print(f"[train_kv] counterfactual fit: {fit}")
-        elif kv.method == "ppo":
-            # A fresh agent leans to "keep" (16-bit, as every engine starts): exploration tries a
-            # switch now and then instead of flapping at random.
-            with torch.no_grad():
-                model.policy.action_net.bias[0] += float(kv.keep_prior_logit)
-            model.set_logger(sb3_logger(out_dir, lc, verbose=False))
-            model.learn(total_timesteps=int(kv.total_timesteps), progress_bar=bool(kv.progress_bar))
-        else:
-            raise ValueError(f"kv.method must be counterfactual or ppo, got {kv.method!r}")
+        model = _kv_model(cfg.kv, venv, seed)
+        fit = _learn_kv(cfg, seed, model, venv, out_dir, lc)
         train_s = time.perf_counter() - t0
-        venv.training = False
-        venv.norm_reward = False
-        policy_dir = export_policy(
-            model, venv, out_dir / KV_AGENT_SUBDIR, features=KV_FEATURE_NAMES,
-            shield=OmegaConf.to_container(cfg.shield, resolve=True),  # type: ignore[arg-type]
-            slo=OmegaConf.to_container(cfg.slo, resolve=True),  # type: ignore[arg-type]
-            train_config={**config_dict, "train_seconds": train_s},
-        )
-        seeds = [int(s) for s in kv.test_seeds]
-        rows = compare(cfg, model, venv, seeds)
-        md = print_rows(rows)
-        by = {(r["deployment"], r["controller"]): r["reward"] for r in rows}
-        deps = sorted({r["deployment"] for r in rows})
-        margin = float(np.mean([by[(d, "agent")] - max(by[(d, "never")], by[(d, "8bit_at_once")]) for d in deps]))
-        summary = {"rows": rows, "markdown": md, "test_seeds": seeds, "train_seconds": train_s,
-                   "agent_minus_best_fixed": margin, "method": str(kv.method), "fit": fit}
-        (out_dir / "kv_comparison.json").write_text(json.dumps(summary, indent=2) + "\n")
+        policy_dir, margin = _export_and_compare(cfg, model, venv, out_dir, config_dict, train_s, fit)
         print(f"[train_kv] agent exported to {policy_dir}; {time.perf_counter() - t0:.0f}s total")
         if run is not None:
             run.summary.update({"agent_minus_best_fixed": margin, "train_seconds": train_s})
@@ -318,4 +359,3 @@ def train_kv(cfg: DictConfig) -> float:
         venv.close()
         if run is not None:
             run.finish()
-
