@@ -279,6 +279,9 @@ class EnvNode:
     drain_controlled: bool
     #: The start KV dtype counts as a switch at t=0 for the shield's dwell (``kv_start``).
     start_dtype_dwell: bool
+    #: false: no shield between the controller and the engine (vLLM as shipped: proposals pass
+    #: unchecked, no breaker, no fail-safe rules), by construction (``PassThroughShield``).
+    shielded: bool
     #: Deployment randomisation (training): "model/hardware" pairs an episode draws from; the
     #: workload's load is sized per deployment. Empty = the config's model and hardware.
     deployments: list[str]

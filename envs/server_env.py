@@ -4,8 +4,9 @@
 ``VllmServerEnv`` is a ``ServingEnv`` with nothing of batchpilot between the clients and the
 engine, by construction rather than by switching parts off afterwards:
 
-- no shield: proposals pass as they are (``PassThroughShield``: no breaker, no shedding, no step
-  or memory limit), and the environment never predicts memory to refuse a request;
+- no shield: ``env.shielded: false``, so proposals pass as they are (``PassThroughShield``: no
+  breaker, no shedding, no step or memory limit, no fail-safe), and the environment never
+  predicts memory to refuse a request;
 - no admission gate: every arrival reaches the engine at once, first come first served (the
   admission object only keeps the books of what is in flight); the engine's own waiting queue
   holds what cannot run, as ``vllm serve``'s does;
@@ -37,7 +38,7 @@ UNGATED = 2**31 - 1
 
 def server_config(cfg: DictConfig) -> DictConfig:
     """``cfg`` with admission reduced to book-keeping: no queue, wait, deadline, long-prompt,
-    prefill-backlog or per-request memory limit, and first come first served."""
+    prefill-backlog or per-request memory limit, first come first served, and no shield."""
     c = copy.deepcopy(cfg)
     with open_dict(c):
         a = c.env.admission
@@ -51,33 +52,9 @@ def server_config(cfg: DictConfig) -> DictConfig:
         a.first_token_margin = False
         a.adapt_boundaries = False
         c.env.memory_admission = False
+        c.env.shielded = False
         c.env.initial_bucketing = "fifo"
     return c
-
-
-class PassThroughShield:
-    """A shield that lets every proposal through as it is. It keeps the real shield's other
-    duties (memory predictions for telemetry) by delegating them."""
-
-    def __init__(self, shield: Any) -> None:
-        self._shield = shield
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._shield, name)
-
-    def apply(self, proposal: Any, current: Knobs, inputs: Any, now: float) -> Any:
-        from batchpilot.core.shield import Decision
-
-        knobs = Knobs(
-            batch_cap=current.batch_cap if proposal.batch_cap is None else int(proposal.batch_cap),
-            bucketing=proposal.bucketing or current.bucketing,
-            kv_dtype=proposal.kv_dtype or current.kv_dtype,
-        )
-        return Decision(
-            knobs=knobs,
-            predicted_memory_fraction=self._shield.predicted_fraction(knobs.batch_cap, knobs.kv_dtype),
-            dtype_switched=knobs.kv_dtype != current.kv_dtype,
-        )
 
 
 class _ServerPlant(EnginePlant):
@@ -129,7 +106,6 @@ class VllmServerEnv(ServingEnv):
             super()._init_episode_state()
         finally:
             shield_log.setLevel(level)
-        self.shield = PassThroughShield(self.shield)
         self._plant = _ServerPlant(self)
         self._plant.set_knobs(self.knobs)
 

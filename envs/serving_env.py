@@ -60,7 +60,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from batchpilot.config import load_config
 from batchpilot.core.actions import ACTION_NVEC, action_mask, action_to_proposal
 from batchpilot.core.admission import Admission, AdmissionConfig
-from batchpilot.core.control import guard
+from batchpilot.core.control import FailSafe, PassThroughShield, guard
 from batchpilot.core.engine import KV_DTYPES_8BIT, Engine, EngineError, RequestRejected, StepResult
 from batchpilot.core.knobs import Knobs, Proposal
 from batchpilot.core.plant import BreakerTrip, actuate
@@ -74,6 +74,7 @@ from batchpilot.envs.reward import RewardConfig, reward_terms
 from batchpilot.envs.workloads import RequestStream, build_workload
 from batchpilot.metrics import Offered, summarize
 from batchpilot.nodes import from_node
+from batchpilot.schemas import ControlConfig
 
 #: ``env.memory_utilization`` draws only budgets where the shield admits this many requests of
 #: its starting context: below it the deployment serves nothing (DeepSeek-V3 on an H200 at 0.7
@@ -177,6 +178,12 @@ class ServingEnv(gym.Env):
         self.admission_cfg = AdmissionConfig.from_cfg(e.admission)
         #: The config's shield; with a drawn deployment, ``shield_cfg`` takes its model's restart.
         self.base_shield_cfg = self.shield_cfg = ShieldConfig.from_cfg(cfg.shield)
+        #: ``env.shielded``: false = no shield (vLLM as shipped), built so rather than removed later.
+        self.shielded = bool(e.get("shielded", True))
+        #: The shield stage's rules for what a plant cannot see, as the gateway's (its
+        #: ``serve.control`` defaults): the simulator's counters are never stale and its memory
+        #: budget is always known, so they never bind here, but the step is the same code.
+        self.fail_safe = FailSafe.from_cfg(ControlConfig()) if self.shielded else None
         self.kv16_dtype, self.kv8_dtype = str(e.kv16_dtype), str(e.kv8_dtype)
         self.action_mode = str(e.get("action_mode", "absolute"))
         if self.action_mode not in ACTION_MODES:
@@ -236,7 +243,8 @@ class ServingEnv(gym.Env):
     def step_proposal(self, proposal: Proposal):
         """One control interval with a controller's proposal (PID, AIMD, static use this;
         ``step`` translates a policy action into a proposal first)."""
-        decision = guard(proposal, self._last_snapshot, self.knobs, self.shield, self.engine.now).decision
+        decision = guard(proposal, self._last_snapshot, self.knobs, self.shield, self.engine.now,
+                         fail_safe=self.fail_safe).decision
         if decision.interventions:
             self.telemetry.on_shield_intervention(len(decision.interventions))
         error = None
@@ -521,6 +529,8 @@ class ServingEnv(gym.Env):
         self.shield = Shield(self.shield_cfg, self.engine.memory_model(), self._caps, slo=self.slo, now=self.engine.now)
         if e.get("start_dtype_dwell", False):  # the start dtype was a choice: the dwell runs from it
             self.shield.last_dtype_switch = self.engine.now
+        if not self.shielded:  # kept for its memory predictions only
+            self.shield = PassThroughShield(self.shield)  # type: ignore[assignment]
         if self.cfg.env.get("memory_admission", True):  # per request: in flight + it within the ceiling
             why = self.shield.no_room_reason()
             if why is not None:

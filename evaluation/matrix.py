@@ -214,6 +214,7 @@ def episode_config(plan: WorkloadPlan, knobs: Knobs | None, as_shipped: bool = F
             c.env.admission.on_time_first = False  # vLLM's waiting queue is first come, first served
             c.env.admission.prefill_backlog_budgets = None  # and it takes every request at once
             c.env.memory_admission = False
+            c.env.shielded = False  # and no shield: the env is built without one
     return c
 
 
@@ -227,19 +228,19 @@ def run_episode(
     shielded: bool = True,
 ) -> Episode:
     """One episode: reset with ``seed`` (on the trace window starting at ``window_start_s``),
-    then decide → shield (passed through when not ``shielded``; a ``VllmServerEnv`` has none) →
-    one interval, until the
-    environment truncates (after draining) or the engine fails."""
+    then decide → shield → one interval, until the environment truncates (after draining) or the
+    engine fails. ``shielded`` is what the caller built the env for (``env.shielded``: false for
+    vLLM as shipped, ``episode_config(..., as_shipped=True)``); a mismatch is an error, never
+    mended by swapping the env's shield."""
     t0 = time.perf_counter()
     if window_start_s is not None:
         with open_dict(env.cfg):
             env.cfg.workload.start_s = float(window_start_s)
+    if bool(getattr(env, "shielded", True)) != shielded:
+        raise ValueError(f"run_episode(shielded={shielded}) on an env built with env.shielded="
+                         f"{getattr(env, 'shielded', True)}: build it from episode_config(..., as_shipped="
+                         f"{not shielded}) (or set env.shielded) instead")
     env.reset(seed=seed)
-    if not shielded:
-        from batchpilot.envs.server_env import PassThroughShield
-
-        if not isinstance(env.shield, PassThroughShield):
-            env.shield = PassThroughShield(env.shield)
     bind = getattr(controller, "bind", None)
     if bind is not None:  # a controller that tries its options on copies of the env (lookahead)
         bind(env)

@@ -6,6 +6,8 @@ now an interval without the engine's counters never raises the cap, and after
 from __future__ import annotations
 
 import asyncio
+import copy
+import dataclasses
 
 import numpy as np
 from test_control_parity import _gateway, _metrics_text, recorded_trace
@@ -313,6 +315,64 @@ def test_the_gateway_counts_and_shows_intervals_the_policy_hands_to_pid() -> Non
     st = loop.policies.status()["out_of_range"]
     assert st["intervals"] == 4 and st["last_features"]
     assert gw.metrics.policy_fallbacks.labels("out_of_range")._value.get() == before + 4
+
+
+def test_a_policy_that_fails_hands_the_same_interval_to_the_pid_kept_warm() -> None:
+    """The controller chain: while the policy acts, the fallback PID decides every interval too
+    (its state is a PID's that acted throughout); when the policy fails (broken weights: non-finite
+    outputs), that PID acts in the same interval, and the gateway says why."""
+    gw, loop = _gateway("policy", {"kind": "pid"})
+    lane = gw.lanes[0]
+    ctl = loop.lane_ctl[lane.index]
+    twin = copy.deepcopy(ctl.pid)  # a PID fed the same intervals by hand
+
+    async def metrics(timeout_s: float = 2.0) -> str:
+        return _full_engine_text(lane)
+
+    lane.upstream.metrics_text = metrics  # type: ignore[method-assign]
+    for i in range(3):
+        knobs = lane.knobs
+        asyncio.run(loop.tick(lane, now=3000.0 + i))
+        assert ctl.last_decision["acting"] == "policy"
+        twin.decide(ctl.last_snapshot, knobs)
+        assert vars(ctl.pid) == vars(twin), i  # integral, last error, output: a PID that acted
+    runtime = loop.policies.policy.for_lane(lane.index).runtime
+    runtime._w_out = np.full_like(runtime._w_out, np.nan)  # the weights broke
+    knobs = lane.knobs
+    asyncio.run(loop.tick(lane, now=3003.0))
+    twin_proposal = twin.decide(ctl.last_snapshot, knobs)
+    assert ctl.last_decision["acting"] == "pid" and ctl.last_decision["proposal"] == str(twin_proposal)
+    st = loop.status()
+    assert st["acting"] == "pid" and "non-finite" in st["fallback_reason"], st["fallback_reason"]
+    assert gw.metrics.policy_fallbacks.labels("bad_output")._value.get() >= 1
+
+
+def test_the_shield_stage_rules_are_core_code_the_env_runs_too() -> None:
+    """``FailSafe`` (stale telemetry, unknown memory) is part of ``core.control.guard``, the step
+    ``ServingEnv.step_proposal`` takes: the same proposal through the same shield is held the
+    same way, with nothing applied after the shield stage."""
+    from batchpilot.core.control import FailSafe, guard
+    from batchpilot.envs.serving_env import ServingEnv
+
+    env = ServingEnv(overrides=["model=tiny_llama", "hardware=cpu_tiny", "engine=sim"])
+    env.reset(seed=0)
+    assert env.fail_safe == FailSafe.from_cfg(_gateway("pid", {"kind": "pid"})[0].cfg.control)
+    snap, knobs = env.snapshot, env.knobs
+    # Nothing runs yet: without this the shield would hold the cap around the running batch.
+    env.shield.cfg = dataclasses.replace(env.shield.cfg, step_around_running=False)
+    grow = Proposal(batch_cap=knobs.batch_cap + 4)
+    fresh = copy.deepcopy(env.shield)
+    assert guard(grow, snap, knobs, copy.deepcopy(fresh), snap.time, fail_safe=env.fail_safe).decision.knobs == \
+        knobs.with_(batch_cap=knobs.batch_cap + 4)  # counters in, memory known: the rules do not bind
+    held = guard(grow, snap, knobs, copy.deepcopy(fresh), snap.time, fail_safe=env.fail_safe, stale_intervals=1)
+    assert held.decision.knobs.batch_cap == knobs.batch_cap and "stale_telemetry" in held.decision.interventions
+    down = guard(grow, snap, knobs, copy.deepcopy(fresh), snap.time, fail_safe=env.fail_safe,
+                 stale_intervals=env.fail_safe.stale_limit)
+    assert down.decision.knobs.batch_cap == max(env.fail_safe.safe_batch_cap,
+                                                knobs.batch_cap - fresh.max_step(knobs.batch_cap))
+    assert len(down.decision.alerts) == 1 and "lost for" in down.decision.alerts[0]
+    _, _, _, _, info = env.step_proposal(grow)  # the env's own step: the same stage, the same answer
+    assert env.knobs.batch_cap == knobs.batch_cap + 4 and info["shield"] == {}
 
 
 def test_an_engine_that_keeps_failing_walks_the_breaker_to_one_restart() -> None:

@@ -1,31 +1,37 @@
-"""What trains is what serves: one recorded request trace (arrivals, first tokens, finishes and
-the engine's counters per interval) driven through the gateway's control loop (its ``tick``,
-with a fake upstream answering ``/metrics``; no vLLM) and through the decision path the
-environment and the evaluation take (``Telemetry.snapshot`` -> ``control_step``, with the
-controller built as the evaluation builds it) gives the same snapshots, observations, decisions
-and knobs, interval by interval, for PID, static and the shipped policy.
+"""What trains is what serves: a ``ServingEnv`` (simulated tiny deployment, bursty load that
+makes the shield and the breaker act) is run as the evaluation runs it (controller -> the env's
+own ``step_proposal``: shield stage -> ``actuate``) while a recorder notes what its telemetry saw
+each interval (request events, the engine's counters, admission's queues). Those intervals are
+then replayed into the gateway's control loop (its ``tick``: the events into the lane's
+telemetry, the counters as a fake upstream's ``/metrics``, the queues as the lane admission's;
+no vLLM), and the gateway must see the same snapshots (and, for the policy, observations), take
+the same proposals and let the same knobs and interventions through, interval by interval, for
+PID, static and the shipped policy. ``ServingEnv`` is the reference itself, so if its decision
+path drifts from the gateway's this test fails.
 
-It caught two drifts: the gateway normalised the policy's observation with its own
-``max_model_len`` (2,048) where the policy was trained at 8,192, and its fallback PID was built
-from dataclass defaults that differed from ``conf/policy/pid.yaml``."""
+It caught two drifts (against an earlier hand-written copy of the env path): the gateway
+normalised the policy's observation with its own ``max_model_len`` (2,048) where the policy was
+trained at 8,192, and its fallback PID was built from dataclass defaults that differed from
+``conf/policy/pid.yaml``."""
 
 from __future__ import annotations
 
 import asyncio
-from dataclasses import asdict
+from dataclasses import dataclass, field
+from typing import Any, Sequence
 
 import numpy as np
 import pytest
 
 from batchpilot.config import load_config
-from batchpilot.core.admission import depths_padded
-from batchpilot.core.control import control_step
-from batchpilot.core.knobs import Knobs
+from batchpilot.core.admission import Admission
+from batchpilot.core.knobs import Knobs, Proposal
 from batchpilot.core.shield import Shield, ShieldConfig
-from batchpilot.core.telemetry import SLO, Telemetry
+from batchpilot.core.telemetry import SLO, Snapshot, Telemetry
+from batchpilot.envs.serving_env import ServingEnv
 from batchpilot.policies.controllers import build_controller
 from batchpilot.policies.ppo_controller import PPOController
-from batchpilot.serving.control_loop import ControlLoop, upstream_engine_model
+from batchpilot.serving.control_loop import ControlLoop
 from batchpilot.serving.gateway import AppSettings, Gateway
 from batchpilot.serving.upstream import EngineInfo
 
@@ -82,9 +88,9 @@ def _feed(tel: Telemetry, iv: dict) -> None:
         tel.on_finished(rid, t, f, p, e)
 
 
-def _gateway(mode: str, policy: dict) -> tuple[Gateway, ControlLoop]:
+def _gateway(mode: str, policy: dict, overrides: Sequence[str] = ()) -> tuple[Gateway, ControlLoop]:
     cfg = load_config(["serve.upstreams=[http://127.0.0.1:9]", f"serve.control.mode={mode}",
-                       f"serve.max_num_seqs={MAX_NUM_SEQS}", "serve.control.initial_batch_cap=64"],
+                       f"serve.max_num_seqs={MAX_NUM_SEQS}", "serve.control.initial_batch_cap=64", *overrides],
                       config_name="serve_app")
     settings = AppSettings.from_cfg(cfg)
     settings.policy = policy
@@ -95,73 +101,209 @@ def _gateway(mode: str, policy: dict) -> tuple[Gateway, ControlLoop]:
     return gw, ControlLoop(gw)
 
 
+#: The simulated deployment and load the env runs: the tiny model on its CPU profile, bursts
+#: well past its capacity (the cap moves, the step limit and the breaker's shedding act).
+ENV_OVERRIDES = ["model=tiny_llama", "hardware=cpu_tiny", "engine=sim", "workload=bursty",
+                 "workload.duration_s=60", "env.episode_s=60", "workload.on_rate=150", "workload.off_rate=10",
+                 "workload.on_s=6", "workload.off_s=10", "workload.lengths.prompt_mean=800",
+                 "workload.lengths.output_mean=150"]
+STEPS = 30
+#: Telemetry events the replay gives the gateway's telemetry as its own request handling would.
+#: Not replayed: preemptions (the gateway counts them from vLLM's counter), shield interventions
+#: (each side's control step counts its own), KV switches (each side's plant).
+REPLAYED = ("on_arrival", "on_first_token", "on_output_tokens", "on_finished", "on_rejected", "on_abandoned")
+
+
+@dataclass
+class Interval:
+    """What the env's telemetry saw up to one snapshot: the events, and what was read beside
+    them (the engine's counters, admission's queues) as ``Telemetry.snapshot`` was given them."""
+
+    time: float
+    reads: dict[str, Any]
+    events: list[tuple[str, tuple, dict]] = field(default_factory=list)
+    preemptions: int = 0
+    output_tokens: int = 0
+
+
+class TelemetryRecorder:
+    """Stands in front of the env's ``Telemetry``: every call goes through unchanged, and each
+    ``snapshot`` closes one ``Interval`` of what came before it."""
+
+    def __init__(self, telemetry: Telemetry, first: Interval) -> None:
+        self._tel = telemetry
+        self.intervals = [first]
+        self._open = Interval(0.0, {})
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._tel, name)
+        if not name.startswith("on_"):
+            return attr
+
+        def recorded(*args: Any, **kwargs: Any) -> Any:
+            if name in REPLAYED:
+                self._open.events.append((name, args, kwargs))
+            if name == "on_preemptions":
+                self._open.preemptions += int(args[0])
+            if name == "on_output_tokens":
+                self._open.output_tokens += int(args[0])
+            return attr(*args, **kwargs)
+
+        return recorded
+
+    def snapshot(self, now: float, **reads: Any) -> Snapshot:
+        self._open.time, self._open.reads = now, reads
+        self.intervals.append(self._open)
+        self._open = Interval(0.0, {})
+        return self._tel.snapshot(now, **reads)
+
+
+def _env_controller(mode: str, env: ServingEnv, loop: ControlLoop) -> Any:
+    """The controller as the evaluation builds it, from the same configs the gateway was given."""
+    slo, knobs = env.slo, env.knobs
+    if mode == "policy":  # the shipped policy, for the engine the gateway's policy was loaded for
+        pm = loop.policies
+        return PPOController.from_dir(None, max_num_seqs=pm.max_num_seqs, kv_runnable=pm.kv_runnable,
+                                      kv_restart_s=pm.kv_restart_s, slo=pm.slo)
+    if mode == "static":
+        return build_controller({"kind": "static", "batch_cap": knobs.batch_cap, "bucketing": knobs.bucketing,
+                                 "kv_dtype": knobs.kv_dtype}, env._max_num_seqs)
+    slo_ms = {"ttft": slo.ttft_ms, "tpot": slo.tpot_ms, "e2el": slo.e2el_ms}
+    return build_controller(dict(env.cfg.policy), env._max_num_seqs, slo_ms)
+
+
+def _run_env(mode: str, env: ServingEnv, controller: Any) -> tuple[list[Interval], list[tuple[Snapshot, Proposal, dict]]]:
+    """``STEPS`` intervals of the env as ``evaluation.matrix.run_episode`` runs them; per step the
+    snapshot the controller saw, its proposal and the env's info (knobs after, interventions)."""
+    env.reset(seed=3)
+    s0 = env.snapshot
+    first = Interval(s0.time, {"queue_depth": s0.queue_depth, "num_running": s0.num_running,
+                               "num_waiting_engine": s0.num_waiting_engine, "kv_cache_usage": s0.kv_cache_usage,
+                               "num_late_waiting": s0.num_late_waiting})
+    rec = env.telemetry = TelemetryRecorder(env.telemetry, first)  # type: ignore[assignment]
+    controller.reset(env.knobs)
+    steps = []
+    for _ in range(STEPS):
+        snap = env.snapshot
+        proposal = controller.decide(snap, env.knobs)
+        _, _, terminated, truncated, info = env.step_proposal(proposal)
+        assert not (terminated or truncated), info.get("error")
+        steps.append((snap, proposal, info))
+    return rec.intervals, steps
+
+
+def _metrics_of(totals: dict[str, float], iv: Interval) -> str:
+    """vLLM's /metrics at the end of ``iv``: the engine's gauges and its running counters."""
+    r = iv.reads
+    totals["preempt"] += iv.preemptions
+    totals["gen"] += iv.output_tokens
+    return (f'vllm:num_requests_running{{engine="0",model_name="m"}} {r["num_running"]}\n'
+            f'vllm:num_requests_waiting{{engine="0",model_name="m"}} {r["num_waiting_engine"]}\n'
+            f'vllm:kv_cache_usage_perc{{engine="0",model_name="m"}} {float(r["kv_cache_usage"])!r}\n'
+            f'vllm:num_preemptions_total{{engine="0",model_name="m"}} {totals["preempt"]}\n'
+            f'vllm:generation_tokens_total{{engine="0",model_name="m"}} {totals["gen"]}\n')
+
+
+def _replay_admission(lane: Any) -> dict[str, Any]:
+    """The lane's admission reports the env's queues (the replay sets ``reads`` per interval)."""
+    reads: dict[str, Any] = {}
+
+    class Replayed(type(lane.admission)):  # type: ignore[misc]
+        queue_depths = property(lambda self: tuple(reads["queue_depth"]))
+        num_late_waiting = property(lambda self: int(reads.get("num_late_waiting", 0)))
+
+    assert isinstance(lane.admission, Admission)
+    lane.admission.__class__ = Replayed
+    return reads
+
+
 @pytest.mark.parametrize("mode", ["pid", "static", "policy"])
-def test_gateway_tick_decides_as_the_env_path_does(mode: str) -> None:
-    policy_node = {**load_config(["policy=pid"]).policy} if mode != "static" else {"kind": "pid"}
-    gw, loop = _gateway(mode, dict(policy_node))
+def test_gateway_tick_decides_as_the_serving_env_does(mode: str) -> None:
+    cfg = load_config([*ENV_OVERRIDES, "policy=pid"])
+    env = ServingEnv(cfg=cfg)
+    e = cfg.env
+    policy_node = dict(cfg.policy) if mode != "static" else {"kind": "pid"}
+    gw, loop = _gateway(mode, policy_node, [
+        f"serve.max_num_seqs={env._max_num_seqs}", f"serve.max_model_len={env._caps.max_model_len}",
+        f"serve.control.initial_batch_cap={e.initial_batch_cap}", f"serve.control.initial_bucketing={e.initial_bucketing}",
+        f"serve.control.window_s={e.telemetry_window_s}", f"serve.control.interval_s={e.interval_s}",
+        f"serve.control.rate_scale={e.rate_scale}", f"serve.control.token_rate_scale={e.token_rate_scale}",
+        # The served breaker shrinks by 20 % (conf/serve_app.yaml), training's by 30 %; a KV
+        # switch costs the deployment's restart time (the env's; the gateway's once measured).
+        f"shield.breaker_shrink={env.shield_cfg.breaker_shrink}", f"shield.dtype_restart_s={env.shield_cfg.dtype_restart_s}"])
     lane = gw.lanes[0]
-    trace = recorded_trace()
-
-    # The reference: the decision path of ServingEnv.step_proposal / evaluation.run_episode,
-    # from the same configs (SLO, shield, memory model, knobs) the gateway was given.
-    s = gw.settings
-    slo = SLO(ttft_ms=s.slo.ttft_ms, tpot_ms=s.slo.tpot_ms, e2el_ms=s.slo.e2el_ms)
-    mem, caps = upstream_engine_model(lane, MAX_NUM_SEQS, managed=False)
-    start = trace[0]["end"] - INTERVAL_S
-    shield = Shield(ShieldConfig.from_cfg(s.shield), mem, caps, slo, now=start)
-    tel = Telemetry(slo, num_buckets=3, window_s=gw.cfg.control.window_s, max_num_seqs=MAX_NUM_SEQS,
-                    max_model_len=gw.cfg.max_model_len)
-    tel.reset(start)
-    lane.telemetry.reset(start)
-    loop.lane_ctl[lane.index].shield = Shield(ShieldConfig.from_cfg(s.shield), mem, caps, slo, now=start)
-    knobs = lane.knobs
+    ctl = loop.lane_ctl[lane.index]
+    assert gw.settings.slo == env.slo and ctl.shield.cfg == env.shield_cfg, "the gateway runs other configs"
+    controller = _env_controller(mode, env, loop)
     if mode == "policy":
-        controller = PPOController.from_dir(None, max_num_seqs=MAX_NUM_SEQS,
-                                             kv_runnable={d: caps.can_run(d) for d in caps.kv_dtypes})
         assert loop.policies.acting() == "policy"
-    elif mode == "static":
-        controller = build_controller({"kind": "static", "batch_cap": knobs.batch_cap, "bucketing": knobs.bucketing,
-                                       "kv_dtype": knobs.kv_dtype}, MAX_NUM_SEQS)
-    else:
-        slo_ms = {"ttft": slo.ttft_ms, "tpot": slo.tpot_ms, "e2el": slo.e2el_ms}
-        controller = build_controller(policy_node, MAX_NUM_SEQS, slo_ms)
-        controller.reset(knobs)  # the gateway's PID starts from the serve's initial cap too
-        loop.lane_ctl[lane.index].pid.reset(knobs)
+    intervals, steps = _run_env(mode, env, controller)
 
-    texts = iter([_metrics_text(iv) for iv in trace])
+    # The upstream is the env's engine: its memory model and limits (as it would report them).
+    start = intervals[0].time
+    ctl.shield = Shield(ShieldConfig.from_cfg(gw.settings.shield), env.engine.memory_model(), env._caps,
+                        gw.settings.slo, now=start)
+    assert lane.knobs == steps[0][0].knobs
+    ctl.pid.reset(lane.knobs)  # as the env's controller was, at the episode's start
+    lane.telemetry.reset(start)
+    reads = _replay_admission(lane)
+    totals = {"preempt": 0, "gen": 0}
+    texts: list[str] = []
 
     async def fake_metrics(timeout_s: float = 2.0) -> str:
-        return next(texts)
+        return texts.pop()
 
     lane.upstream.metrics_text = fake_metrics  # type: ignore[method-assign]
-    moved = 0
-    last_pre = 0
-    for iv in trace:
-        _feed(tel, iv)
-        _feed(lane.telemetry, iv)
-        tel.on_preemptions(iv["preemptions_total"] - last_pre)
-        last_pre = iv["preemptions_total"]
-        snap = tel.snapshot(iv["end"], queue_depth=depths_padded(lane.admission.queue_depths),
-                            num_running=iv["num_running"], num_waiting_engine=iv["num_waiting"],
-                            kv_cache_usage=iv["kv_usage"], knobs=knobs)
-        step = control_step(controller, snap, knobs, shield, iv["end"])
-        if step.decision.interventions:  # as ServingEnv.step_proposal counts them
-            tel.on_shield_intervention(len(step.decision.interventions))
-        asyncio.run(loop.tick(lane, now=iv["end"]))
-        got = loop.lane_ctl[lane.index].last_decision
-        assert got["ttft_p99_ms"] == snap.ttft_p99_ms and got["goodput"] == snap.request_goodput
-        assert got["acting"] == (mode if mode != "policy" else "policy")
-        assert got["proposal"] == str(step.proposal), (iv["end"], got["proposal"], step.proposal)
-        assert got["interventions"] == step.decision.interventions
-        assert got["breaker_level"] == step.decision.breaker_level
-        assert lane.knobs == step.decision.knobs, (iv["end"], lane.knobs, step.decision.knobs)
+    moved = intervened = 0
+    for k, (snap, proposal, info) in enumerate(steps):
+        iv = intervals[k]
+        for name, args, kwargs in iv.events:
+            getattr(lane.telemetry, name)(*args, **kwargs)
+        reads.clear()
+        reads.update(iv.reads)
+        texts.append(_metrics_of(totals, iv))
+        before = lane.knobs
+        asyncio.run(loop.tick(lane, now=iv.time))
+        got = ctl.last_decision
+        assert ctl.last_snapshot == snap, (k, ctl.last_snapshot, snap)
         if mode == "policy":
-            np.testing.assert_array_equal(loop.policies.policy.observation(snap), controller.observation(snap))
-        moved += step.decision.knobs != knobs
-        knobs = step.decision.knobs
+            np.testing.assert_array_equal(loop.policies.policy.observation(ctl.last_snapshot),
+                                          controller.observation(snap))
+        assert got["acting"] == mode
+        assert got["proposal"] == str(proposal), (k, got["proposal"], proposal)
+        assert got["interventions"] == info["shield"], (k, got["interventions"], info["shield"])
+        assert lane.knobs.as_dict() == info["knobs"], (k, lane.knobs, info["knobs"])
+        moved += lane.knobs != before
+        intervened += bool(info["shield"])
+    assert intervened >= 3, "the load should make the shield act"
     if mode != "static":
-        assert moved >= 3, "the trace should make the controller move the knobs"
-    assert asdict(knobs) == asdict(lane.knobs)
+        assert moved >= 3, "the load should make the controller move the knobs"
+
+
+def test_a_plant_without_a_shield_is_built_so_from_configuration() -> None:
+    """``env.shielded: false`` (what the evaluation's ``episode_config`` sets for a policy run as
+    shipped, vllm_default): the env is built with no shield, so a proposal passes as it is; the
+    evaluation's episode loop refuses an env built for the other case instead of swapping its
+    shield."""
+    from batchpilot.core.control import PassThroughShield
+    from batchpilot.evaluation.matrix import run_episode
+
+    bare = ServingEnv(cfg=load_config([*ENV_OVERRIDES, "env.shielded=false"]))
+    shielded = ServingEnv(cfg=load_config(ENV_OVERRIDES))
+    for env in (bare, shielded):
+        env.reset(seed=0)
+    assert isinstance(bare.shield, PassThroughShield) and bare.fail_safe is None
+    assert isinstance(shielded.shield, Shield) and shielded.fail_safe is not None
+    jump = Proposal(batch_cap=200)  # +212 %: far past the 30 % step
+    _, _, _, _, info = bare.step_proposal(jump)
+    assert bare.knobs.batch_cap == 200 and info["shield"] == {}
+    _, _, _, _, info = shielded.step_proposal(jump)
+    assert shielded.knobs.batch_cap < 200 and "step_limit" in info["shield"]
+    pid = build_controller({"kind": "pid"}, bare._max_num_seqs)
+    with pytest.raises(ValueError, match="env.shielded"):
+        run_episode(bare, pid, 0)  # asked for a shielded episode on an env built without one
+    with pytest.raises(ValueError, match="env.shielded"):
+        run_episode(shielded, pid, 0, shielded=False)
 
 
 def test_the_gateway_policy_sees_the_training_scales() -> None:

@@ -159,8 +159,9 @@ def test_max_num_active_seqs_caps_the_running_batch_whatever_set_max_active_asks
 def test_server_env_has_no_gate_no_shield_and_counts_refusals_as_rejections() -> None:
     """vLLM alone: every arrival reaches the engine at once (admission never holds one), the
     shield never intervenes, and each 503 of the API server is a rejected request."""
+    from batchpilot.core.control import PassThroughShield
     from batchpilot.core.knobs import Proposal
-    from batchpilot.envs.server_env import PassThroughShield, VllmServerEnv
+    from batchpilot.envs.server_env import VllmServerEnv
 
     cfg = load_config(["workload=poisson", "workload.duration_s=20", "workload.rate=60", "env.episode_s=20",
                        "env.drain_on_truncate=true"])
