@@ -9,6 +9,9 @@ it happens in front of one upstream ``vllm serve``:
   advised (log + ``batchpilot:kv_dtype_recommended``); the quality guard's block on 8-bit wins.
   Every restart onto another dtype (the controller's, the quality guard's fallback, the
   operator's) is ``restart_onto``, which starts the shield's dwell again once it is in force;
+* the quality guard's veto: knobs put in force at 8-bit KV while the guard blocks 8-bit send a
+  managed upstream back to 16-bit (a background restart), inside ``set_knobs``, so it is part of
+  ``actuate`` and no step of the control loop comes after it;
 * a breaker restart (level 3) restarts a managed upstream (core requests stay queued); an
   unmanaged one is advised in the log and the events.
 """
@@ -55,7 +58,15 @@ class LanePlant:
         return self._shield().capabilities
 
     def set_knobs(self, knobs: Knobs) -> None:
-        self.lane.set_knobs(knobs)
+        """Put ``knobs`` in force on the lane; the quality guard vetoes 8-bit KV (see the module
+        docstring)."""
+        lane, guard = self.lane, self.gw.quality
+        lane.set_knobs(knobs)
+        if guard is not None and guard.blocks_8bit and lane.knobs.kv_dtype in KV_DTYPES_8BIT \
+                and lane.upstream.managed is not None and not lane.upstream.restarting:
+            self._note(f"quality guard: output-diff rate {guard.diff_rate:.1%} above threshold; "
+                       f"{lane.name} back to 16-bit KV")
+            self.gw.supervisor.spawn(self.restart_onto("auto", "quality"), "batchpilot-restart")
 
     def shed(self, max_priority_kept: int) -> int:
         n = self.lane.shed_queued(max_priority_kept)

@@ -6,7 +6,8 @@ The decision itself is the core's one control step (``batchpilot.core.control``)
 environment and the evaluation take. Which controller acts (the policy, its canary, PID,
 static; shadow) is ``PolicyManager``'s call; restarts are the supervisor's. What stays here:
 reading the interval (telemetry + the upstream's counters) and carrying the decision out on
-the lane (knobs, breaker levels 2 and 3, KV dtype switches, the quality guard's fallback).
+the lane (knobs, breaker levels 2 and 3, KV dtype switches; the quality guard's fallback is the
+lane plant's veto inside ``actuate``).
 
 KV dtype: a switch the shield lets through restarts a managed upstream (drained first, one at a
 time, by the supervisor); for an unmanaged upstream it is only recommended (log + metric).
@@ -632,13 +633,6 @@ class ControlLoop:
         if done.restart == "advised" and not ctl.shield.cfg.breaker_restart:
             self._note(f"breaker level 3 on {lane.name}: restart recommended (shield.breaker_restart is off)")
         mt.breaker_level.labels(lane.name).set(dec.breaker_level)
-        # The quality guard's fallback to 16-bit.
-        guard = self.gw.quality
-        if guard is not None and guard.blocks_8bit and lane.knobs.kv_dtype in KV_DTYPES_8BIT \
-                and lane.upstream.managed is not None and not lane.upstream.restarting:
-            self._note(f"quality guard: output-diff rate {guard.diff_rate:.1%} above threshold; "
-                       f"{lane.name} back to 16-bit KV")
-            self.gw.supervisor.spawn(plant.restart_onto("auto", "quality"), "batchpilot-restart")
 
     def decisions(self, since: int = 0) -> list[dict[str, Any]]:
         """The kept decision records whose tick is after ``since`` (oldest first)."""
