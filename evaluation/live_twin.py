@@ -16,6 +16,9 @@ iteration or more later, not in the very next one), under the same SLO, and on t
 
 - ``vllm_direct`` ≙ the ``vllm_default`` controller as shipped (no shield, breaker or
   batchpilot admission; ``policy_overrides.vllm_default.as_shipped``);
+- ``vllm_tuned`` ≙ the server the live run started with vLLM's own flags (its sweep's pick or
+  the given ones, ``meta.vllm_tuned.chosen``): vLLM alone with those flags and its API server's
+  503s (``envs/server_env.py``), as the matrix's ``vllm_tuned`` runs a grid point; not swept again;
 - ``static`` / ``pid`` / ``ppo``: the controllers behind the shield, started from the
   gateway's start-up knobs (``conf/serve/default.yaml`` ``control``: batch cap 64, FIFO) with the
   gateway's breaker (``shield.breaker_shrink`` 0.8, ``conf/serve_app.yaml``); requests carry the
@@ -26,6 +29,10 @@ answered (``env.drain_controlled``), as the gateway's loop runs on while the cli
 
 The simulator is deterministic, so one episode per path. Goodput is ``summarize``'s (good
 requests / run duration, as the client's ``--goodput``).
+
+``ranking`` compares the order of the paths by goodput in the twin with the order live (issue 53:
+the simulator must rank as the engine does) and names each pair that flips, and whether the live
+difference of that pair is clear of its paired interval.
 
 ``survival`` turns a simulated gain and the live paired gain into the share that survives
 live, and says "no simulated gain to survive" instead of dividing by ~0.
@@ -49,8 +56,14 @@ from batchpilot.envs.workloads import RequestStream
 from batchpilot.evaluation.live_window import scenario_trace, sized_window
 from batchpilot.evaluation.report import _fmt, mean_ci
 
-#: Live path -> the simulator's controller (``conf/policy/<name>.yaml``).
-TWIN_POLICY = {"vllm_direct": "vllm_default", "static": "static", "pid": "pid", "ppo": "ppo"}
+#: Live path -> the simulator's controller (``conf/policy/<name>.yaml``; vllm_tuned: the live
+#: run's chosen flags as one grid point, ``tuned_point``).
+TWIN_POLICY = {"vllm_direct": "vllm_default", "vllm_tuned": "vllm_tuned", "static": "static", "pid": "pid",
+               "ppo": "ppo"}
+#: The live path of vLLM with its own flags (run straight at vLLM, as vllm_direct).
+TUNED_PATH = "vllm_tuned"
+#: The paths whose order the twin must reproduce (issue 53), where the run has them.
+RANKED_PATHS: tuple[str, ...] = ("vllm_tuned", "static", "pid", "ppo")
 #: The gains the report follows: (path, over).
 GAINS: tuple[tuple[str, str], ...] = (("ppo", "vllm_direct"), ("ppo", "pid"))
 #: A simulated gain below this share of the reference path's simulated goodput counts as none.
@@ -183,26 +196,51 @@ def _merge_overrides(base: Sequence[str], extra: Sequence[str]) -> list[str]:
 
 # --- running it -------------------------------------------------------------------------------
 def _replay_env(cfg: DictConfig, records: Sequence[Mapping[str, Any]], chunk_tokens: int, priority: int,
-                duration_s: float):
+                duration_s: float, engine: Mapping[str, Any] | None = None):
     """A ``ServingEnv`` whose every episode replays exactly ``records`` (a fresh stream per
-    reset), instead of the stream its ``workload`` config would build."""
+    reset), instead of the stream its ``workload`` config would build. ``engine``: a server's own
+    flags (vllm_tuned), run as ``VllmServerEnv`` runs them."""
+    from batchpilot.envs.server_env import VllmServerEnv
     from batchpilot.envs.serving_env import ServingEnv, _shift_stream
 
-    class ReplayEnv(ServingEnv):
+    base: type[ServingEnv] = VllmServerEnv if engine is not None else ServingEnv
+
+    class ReplayEnv(base):  # type: ignore[valid-type,misc]
         def reset(self, *, seed: int | None = None, options: dict | None = None):
             out = super().reset(seed=seed, options=options)
             stream = stream_from_records(records, chunk_tokens, priority=priority, duration_s=duration_s)
             self.stream = _shift_stream(stream, self._episode_start) if self._episode_start > 0 else stream
             return out
 
-    return ReplayEnv(cfg=cfg)
+    return ReplayEnv(cfg, engine=engine) if engine is not None else ReplayEnv(cfg=cfg)
+
+
+def tuned_point(flags: Mapping[str, Any], vllm_args: Sequence[Any] = ()) -> dict[str, Any]:
+    """The matrix's policy for one ``vllm serve`` setting (a static cap, run as shipped, with the
+    server's flags as ``engine``) from the live run's chosen vllm_tuned flags; a flag it did not
+    set is the live engine's own (``vllm_args``, else vLLM's defaults the twin models)."""
+    from batchpilot.evaluation.vllm_tuned import EngineGridPoint
+
+    def flag(name: str, default: int | None) -> int | None:
+        v = flags.get(name)
+        return default if v is None else int(v)
+
+    seqs = flag("max_num_seqs", _vllm_arg(vllm_args, "--max-num-seqs") or 256)
+    tokens = flag("max_num_batched_tokens", _vllm_arg(vllm_args, "--max-num-batched-tokens") or 2048)
+    assert seqs is not None and tokens is not None
+    point = EngineGridPoint(max_num_seqs=seqs, max_num_batched_tokens=tokens,
+                            max_num_queued_tokens=flag("max_num_queued_tokens", None),
+                            max_num_queued_reqs=flag("max_num_queued_reqs", None),
+                            max_num_active_seqs=flag("max_num_active_seqs", None))
+    return point.policy(TUNED_PATH)
 
 
 def run_twin(tf: TimedTraceFile, scenario: Mapping[str, Any], slo: Mapping[str, Any], *,
              paths: Sequence[str] = tuple(TWIN_POLICY), vllm_args: Sequence[Any] = (), priority: int | None = None,
              seed: int = 0, extra_overrides: Sequence[str] = (), policy_overrides: Mapping[str, Any] | None = None,
              policy_dirs: Mapping[str, str] | None = None, slowdown: float = 1.0,
-             ingress_latency_s: float = 0.0, hardware: str = TWIN_HARDWARE, log: Any = print) -> list[dict[str, Any]]:
+             ingress_latency_s: float = 0.0, hardware: str = TWIN_HARDWARE, tuned_flags: Mapping[str, Any] | None = None,
+             log: Any = print) -> list[dict[str, Any]]:
     """One simulated episode per live path on the records of ``tf``; one row per path.
     ``policy_dirs``: more paths, each an exported policy folder run as the ``ppo`` controller
     (the live evaluation's ``policies``, e.g. a fine-tuned policy beside the shipped one).
@@ -212,16 +250,18 @@ def run_twin(tf: TimedTraceFile, scenario: Mapping[str, Any], slo: Mapping[str, 
     profile (``conf/hardware``) of the served path on the live run's machine."""
     run = _twin_runner(tf, scenario, slo, paths=paths, vllm_args=vllm_args, priority=priority, seed=seed,
                        extra_overrides=extra_overrides, policy_overrides=policy_overrides, policy_dirs=policy_dirs,
-                       ingress_latency_s=ingress_latency_s, hardware=hardware)
+                       ingress_latency_s=ingress_latency_s, hardware=hardware, tuned_flags=tuned_flags)
     return [run(path, slowdown, log) for path in paths]
 
 
 def _twin_runner(tf: TimedTraceFile, scenario: Mapping[str, Any], slo: Mapping[str, Any], *, paths: Sequence[str],
                  vllm_args: Sequence[Any], priority: int | None, seed: int, extra_overrides: Sequence[str] = (),
                  policy_overrides: Mapping[str, Any] | None = None, policy_dirs: Mapping[str, str] | None = None,
-                 ingress_latency_s: float = 0.0, hardware: str = TWIN_HARDWARE) -> Callable[[str, float, Any], dict[str, Any]]:
+                 ingress_latency_s: float = 0.0, hardware: str = TWIN_HARDWARE,
+                 tuned_flags: Mapping[str, Any] | None = None) -> Callable[[str, float, Any], dict[str, Any]]:
     """Compose the twin's config once (Hydra's compose is most of a short twin's time); the
-    returned ``run(path, slowdown, log)`` plays one path's episode and gives its row."""
+    returned ``run(path, slowdown, log)`` plays one path's episode and gives its row.
+    ``tuned_flags``: the live run's vllm_tuned flags (needed for that path)."""
     from batchpilot.evaluation.matrix import (
         AS_SHIPPED_KEY,
         episode_config,
@@ -236,11 +276,14 @@ def _twin_runner(tf: TimedTraceFile, scenario: Mapping[str, Any], slo: Mapping[s
     bad = [p for p in paths if p not in TWIN_POLICY and p not in extra]
     if bad:
         raise ValueError(f"paths must be among {(*TWIN_POLICY, *extra)}, got {list(paths)}")
+    if TUNED_PATH in paths and not tuned_flags:
+        raise ValueError(f"path {TUNED_PATH}: the twin runs the live run's chosen flags, and none were given")
     sd = _serve_defaults()
     prio = sd["default_priority"] if priority is None else int(priority)
     names = {p: TWIN_POLICY.get(p, "ppo") for p in paths}
+    composed = [n for p, n in names.items() if p != TUNED_PATH] or ["static"]  # vllm_tuned: built below
     overrides = [*twin_overrides(scenario, slo, vllm_args, extra_overrides, ingress_latency_s, hardware),
-                 f"policies=[{','.join(dict.fromkeys(names.values()))}]",
+                 f"policies=[{','.join(dict.fromkeys(composed))}]",
                  f"seeds=[{int(seed)}]"]
     cfg, _ = compose_eval(overrides)
     ecfg = EvalConfig.from_cfg(cfg)
@@ -250,7 +293,7 @@ def _twin_runner(tf: TimedTraceFile, scenario: Mapping[str, Any], slo: Mapping[s
 
     def run(path: str, slowdown: float, log: Any) -> dict[str, Any]:
         name = names[path]
-        pol = policy_config(name, ecfg, plan)
+        pol = tuned_point(tuned_flags or {}, vllm_args) if path == TUNED_PATH else policy_config(name, ecfg, plan)
         if name == "pid":  # the gateway's PID starts from its start-up cap, not pid.yaml's
             pol["initial_batch_cap"] = int(sd["control"]["initial_batch_cap"])
         pol.update((policy_overrides or {}).get(path, {}))
@@ -261,7 +304,7 @@ def _twin_runner(tf: TimedTraceFile, scenario: Mapping[str, Any], slo: Mapping[s
         as_shipped = bool(pol.get(AS_SHIPPED_KEY, False))
         ep_cfg = episode_config(plan, knobs, as_shipped)
         ep_cfg.hardware.slowdown = float(slowdown)
-        env = _replay_env(ep_cfg, tf.records, tf.chunk_tokens, prio, duration)
+        env = _replay_env(ep_cfg, tf.records, tf.chunk_tokens, prio, duration, engine=pol.get("engine"))
         try:
             ep = run_episode(env, make_controller(pol, plan, name), int(seed), shielded=not as_shipped, record=True)
         finally:
@@ -386,6 +429,7 @@ def twin_of_rows(tf: TimedTraceFile, scenario: Mapping[str, Any], slo: Mapping[s
                  seed: int = 0, policy_dirs: Mapping[str, str] | None = None,
                  gateway_overrides: Sequence[str] = (), speed: Mapping[str, Any] | None = None,
                  ingress_latency_s: float = 0.0, hardware: str = TWIN_HARDWARE,
+                 tuned_flags: Mapping[str, Any] | None = None,
                  log: Any = print) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
     """The twin of a live evaluation's rows: with ``match``, its speed first matched to the live
     reference path(s) (``match_slowdown``; ``match_gateway``: the gateway paths' factor too), or
@@ -397,7 +441,7 @@ def twin_of_rows(tf: TimedTraceFile, scenario: Mapping[str, Any], slo: Mapping[s
     run = _twin_runner(tf, scenario, slo, paths=[*dict.fromkeys([*paths, *refs])],
                        vllm_args=vllm_args, priority=priority, seed=seed, policy_dirs=policy_dirs,
                        extra_overrides=twin_gateway_overrides(gateway_overrides), ingress_latency_s=ingress_latency_s,
-                       hardware=hardware)
+                       hardware=hardware, tuned_flags=tuned_flags)
     if match:
         m: dict[str, Any] | None = match_slowdown(tf, scenario, slo, live_rows, seed=seed, run=run,
                                                   gateway=match_gateway, log=log)
@@ -405,7 +449,8 @@ def twin_of_rows(tf: TimedTraceFile, scenario: Mapping[str, Any], slo: Mapping[s
         m = dict(speed) if speed is not None else None
     k = float(m["slowdown"]) if m else 1.0
     g = float(m.get("gateway_factor", 1.0)) if m else 1.0
-    return [run(path, k if path == MATCH_PATH else k * g, log) for path in paths], m
+    # vLLM straight (as shipped, or with its own flags) at the engine's speed; through the gateway x g.
+    return [run(path, k if path in (MATCH_PATH, TUNED_PATH) else k * g, log) for path in paths], m
 
 
 # --- the share that survives ------------------------------------------------------------------
@@ -479,13 +524,49 @@ def twin_summary(sim_rows: Sequence[Mapping[str, Any]], live_rows: Sequence[Mapp
     def live_mean(key: str, p: str) -> float:
         return mean_ci([_num(r.get(key)) for r in live_rows if r["path"] == p])[0]
 
-    return {"paths": {p: {"sim": sim[p], "live_mean": live.get(p, (math.nan,))[0],
+    return {"ranking": ranking(sim_rows, live_rows),
+            "paths": {p: {"sim": sim[p], "live_mean": live.get(p, (math.nan,))[0],
                           "live_ci": live.get(p, (math.nan, math.nan))[1],
                           "live_mean_tpot_ms": live_mean("mean_tpot_ms", p),
                           "live_mean_batch_cap": live_mean("mean_batch_cap", p),
                           **{f"live_{k}": live_mean(k, p) for k in ENGINE_KEYS}}
                       for p in sim},
             "gains": gains}
+
+
+def ranking(sim_rows: Sequence[Mapping[str, Any]], live_rows: Sequence[Mapping[str, Any]],
+            paths: Sequence[str] = RANKED_PATHS) -> dict[str, Any]:
+    """The order of ``paths`` (those the run has) by goodput in the twin (over the run, as the
+    client measures) and live (the mean over rounds), and every pair whose order flips, with the
+    live paired difference: a flip whose live interval includes 0 is within the noise."""
+    sim = {r["path"]: _num(r.get("request_goodput_run", r.get("request_goodput"))) for r in sim_rows}
+    live = _live_means(live_rows)
+    common = [p for p in paths if p in sim and p in live]
+    by_sim = sorted(common, key=lambda p: -sim[p])
+    by_live = sorted(common, key=lambda p: -live[p][0])
+    flips = []
+    for i, a in enumerate(by_sim):
+        for b in by_sim[i + 1:]:
+            if live[a][0] < live[b][0]:  # the twin puts a ahead, live puts b ahead
+                d, ci, n = live_paired(live_rows, b, a)
+                flips.append({"ahead_in_sim": a, "ahead_live": b, "sim_diff": sim[a] - sim[b], "live_diff": d,
+                              "live_ci": ci, "live_rounds": n,
+                              "clear": bool(math.isfinite(d) and math.isfinite(ci) and d - ci > 0)})
+    return {"sim": by_sim, "live": by_live, "same": by_sim == by_live, "flips": flips}
+
+
+def ranking_markdown(rank: Mapping[str, Any]) -> str:
+    """One paragraph: both orders, and each flip with its live paired difference."""
+    if len(rank.get("sim", [])) < 2:
+        return "Ranking: fewer than two of " + ", ".join(RANKED_PATHS) + " ran, nothing to order."
+    text = (f"Ranking by goodput: twin {' > '.join(rank['sim'])}; live {' > '.join(rank['live'])}"
+            f" — {'the same order' if rank['same'] else 'not the same order'}.")
+    for f in rank["flips"]:
+        ci = _num(f["live_ci"])
+        live = f"{_num(f['live_diff']):+.3f}" + (f" ± {ci:.3f}" if math.isfinite(ci) else "")
+        text += (f" {f['ahead_live']} − {f['ahead_in_sim']}: twin {-_num(f['sim_diff']):+.3f} req/s, live {live} "
+                 f"({'clear of the noise' if f['clear'] else 'within the noise'}).")
+    return text
 
 
 def speed_of(run_dir: str | Path) -> dict[str, Any]:
@@ -562,6 +643,8 @@ def twin_markdown(sim_rows: Sequence[Mapping[str, Any]], summary: Mapping[str, A
         lv = summary["paths"].get(r["path"], {})
         lines.append(f"| {r['path']} | " + " | ".join(
             f"{_fmt(_num(r.get(k)))} / {_fmt(_num(lv.get(f'live_{k}')))}" for k in ENGINE_KEYS) + " |")
+    if summary.get("ranking"):
+        lines += ["", ranking_markdown(summary["ranking"])]
     if not summary["gains"]:  # one line, not a table's header with no rows
         return "\n".join([*lines, "", no_gain_note([str(r["path"]) for r in sim_rows])]) + "\n"
     lines += ["", "| gain | simulated (req/s) | live, paired (req/s, 95 % CI) | share that survives live |",
@@ -685,8 +768,10 @@ def twin_of(out_dir: str | Path, log: Any = print, speed_from: str | Path | None
                          f"{res['meta'].get('requests_per_run')}")
     assert isinstance(slo, dict)
     assert isinstance(sc, dict)
+    tuned_flags = ((res["meta"].get("vllm_tuned") or {}).get("chosen") or {}).get("setting")
     rows, m = twin_of_rows(tf, sc, slo, res["rows"], match=match, match_gateway=match_gateway,
-                           paths=[p for p in TWIN_POLICY if any(r["path"] == p for r in res["rows"])],
+                           paths=[p for p in TWIN_POLICY if any(r["path"] == p for r in res["rows"])
+                                  and (p != TUNED_PATH or tuned_flags)], tuned_flags=tuned_flags,
                            vllm_args=vargs, priority=header_priority(headers, _serve_defaults()["default_priority"]),
                            seed=seed, gateway_overrides=gw_over, log=log,
                            speed=speed_of(speed_from) if speed_from else None, ingress_latency_s=ingress_latency_s,
@@ -696,7 +781,8 @@ def twin_of(out_dir: str | Path, log: Any = print, speed_from: str | Path | None
 
 
 __all__ = [
-    "GAINS", "TARGET_SHARE", "TWIN_POLICY", "header_priority", "live_paired", "match_slowdown", "run_twin", "speed_of",
+    "GAINS", "RANKED_PATHS", "TARGET_SHARE", "TUNED_PATH", "TWIN_POLICY", "header_priority", "live_paired",
+    "match_slowdown", "ranking", "ranking_markdown", "run_twin", "speed_of", "tuned_point",
     "stream_from_records", "survival", "twin_gateway_overrides", "twin_markdown", "twin_of", "twin_of_rows",
     "twin_overrides", "twin_summary", "write_twin",
 ]

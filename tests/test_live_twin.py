@@ -17,6 +17,8 @@ from batchpilot.evaluation.live_twin import (
     SECTION,
     header_priority,
     match_slowdown,
+    ranking,
+    ranking_markdown,
     run_twin,
     stream_from_records,
     survival,
@@ -176,6 +178,42 @@ def test_survival_share() -> None:
     s = survival(-0.5, 2.0, 0.4, 0.1)
     assert s["share"] is None and "predicts a loss" in s["verdict"]
     assert survival(math.nan, 2.0, 0.4, 0.1)["verdict"] == "no simulated result"
+
+
+def test_the_twin_runs_vllm_tuned_at_the_flags_the_live_run_chose() -> None:
+    """vllm_tuned in the twin is vLLM alone with the live run's chosen flags: a tight
+    queued-tokens limit refuses at arrival (vLLM's API server's 503), no limit refuses nothing;
+    without the flags the path is refused, naming them."""
+    sc = _scenario(n=16)
+    tf = scenario_trace(OmegaConf.create(sc))
+    quiet = lambda m: None  # noqa: E731
+    tight, loose = (run_twin(tf, sc, SLO, paths=["vllm_tuned"], vllm_args=sc["vllm_args"], log=quiet,
+                             tuned_flags=flags)[0]
+                    for flags in ({"max_num_seqs": 1, "max_num_queued_tokens": 1}, {"max_num_seqs": 64}))
+    for r in (tight, loose):
+        assert r["controller"] == "vllm_tuned (as shipped)" and r["accounted"] and r["error"] == ""
+    assert tight["rejected"] > 0 and loose["rejected"] == 0
+    with pytest.raises(ValueError, match="vllm_tuned: the twin runs the live run's chosen flags"):
+        run_twin(tf, sc, SLO, paths=["vllm_tuned"], log=quiet)
+
+
+def test_ranking_names_the_pairs_that_flip_and_whether_live_is_clear_of_the_noise() -> None:
+    sim = [{"path": "vllm_tuned", "request_goodput_run": 1.0}, {"path": "pid", "request_goodput_run": 2.0},
+           {"path": "ppo", "request_goodput_run": 2.1}, {"path": "vllm_direct", "request_goodput_run": 0.1}]
+    live = [{"path": p, "round": r, "request_goodput": g}
+            for r, gs in enumerate([(5.0, 4.0, 3.0), (5.5, 4.2, 6.0), (5.2, 4.1, 3.5)])
+            for p, g in zip(("vllm_tuned", "pid", "ppo"), gs)]
+    rank = ranking(sim, live)
+    assert rank["sim"] == ["ppo", "pid", "vllm_tuned"] and rank["live"] == ["vllm_tuned", "ppo", "pid"]
+    assert not rank["same"]
+    flips = {(f["ahead_in_sim"], f["ahead_live"]): f for f in rank["flips"]}
+    assert set(flips) == {("ppo", "vllm_tuned"), ("pid", "vllm_tuned")}  # ppo > pid holds in both
+    assert flips[("pid", "vllm_tuned")]["clear"]  # +1.0, +1.3, +1.1 every round
+    assert not flips[("ppo", "vllm_tuned")]["clear"]  # +2.0, -0.5, +1.7: within the noise
+    text = ranking_markdown(rank)
+    assert "not the same order" in text and "clear of the noise" in text and "within the noise" in text
+    agree = ranking(sim, [dict(r, request_goodput=-r["request_goodput"]) for r in live if r["path"] != "ppo"])
+    assert agree["sim"] == agree["live"] == ["pid", "vllm_tuned"] and agree["same"] and agree["flips"] == []
 
 
 def test_summary_pairs_live_rounds() -> None:
