@@ -43,7 +43,7 @@ def plain(node: Any) -> dict[str, Any]:
 
 
 def schema_node(cls: type) -> DictConfig:
-    """Dataclass ``cls`` as a structured config (``batchpilot/schemas.py`` stores these), writable
+    """Dataclass ``cls`` as a structured config (``batchpilot/schemas/`` stores these), writable
     even for a frozen dataclass: a composed config may be edited in code (``cfg.train.n_envs = 1``);
     the object built from it stays frozen."""
     node = OmegaConf.structured(cls)

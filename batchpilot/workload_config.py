@@ -1,7 +1,7 @@
 """The ``workload`` group's settings: one dataclass per workload kind, the one declaration of
 its keys, types and defaults.
 
-``batchpilot/schemas.py`` stores each as ``workload/schema_<kind>`` and every
+``batchpilot/schemas/`` stores each as ``workload/schema_<kind>`` and every
 ``conf/workload/*.yaml`` extends its kind's (``defaults: [schema_<kind>, _self_]``), so a
 mistyped key or a value of the wrong type fails at compose time naming ``workload.<key>``.
 ``envs/workloads.py build_workload`` (which re-exports these) builds a stream from a node with
@@ -9,8 +9,8 @@ mistyped key or a value of the wrong type fails at compose time naming ``workloa
 a mixture's components, a validation workload get the same key and type checks) and the domain
 checks (ranges) run, each naming the full key (``workload.rate: must be >= 0, got -2``).
 
-Declared here, at the top of ``batchpilot/`` beside ``schemas.py``, because ``schemas.py`` may
-not import ``envs/`` (tests/test_imports.py).
+Declared here, at the top of ``batchpilot/`` beside the ``schemas/`` package, because
+``schemas/`` may not import ``envs/`` (tests/test_imports.py).
 
 Ranges (``randomized``) are lists ``[low, high]``: OmegaConf's typed nodes cannot hold a
 number-or-list union, so a fixed value is ``[x, x]``. The lengths node is one dataclass for the
@@ -397,7 +397,7 @@ class MixtureWorkload(WorkloadBase):
                 f"{where}.components: must be a non-empty list of workload configs, got {self.components!r}")
 
 
-#: kind -> its dataclass; ``batchpilot/schemas.py`` stores each as ``workload/schema_<kind>``.
+#: kind -> its dataclass; ``batchpilot/schemas/`` stores each as ``workload/schema_<kind>``.
 WORKLOAD_SCHEMAS: dict[str, type[WorkloadBase]] = {
     "poisson": PoissonWorkload, "gamma": GammaWorkload, "onoff": OnOffWorkload, "ramp": RampWorkload,
     "diurnal": DiurnalWorkload, "trace": TraceWorkload, "randomized": RandomizedWorkload,

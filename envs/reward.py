@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 
 from batchpilot.core.telemetry import SLO, Snapshot
-from batchpilot.schemas import RewardConfig
+from batchpilot.schemas.env import RewardConfig
 
 __all__ = ["RewardConfig", "reward_terms"]
 

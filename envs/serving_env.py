@@ -74,7 +74,7 @@ from batchpilot.envs.reward import RewardConfig, reward_terms
 from batchpilot.envs.workloads import RequestStream, build_workload
 from batchpilot.metrics import Offered, summarize
 from batchpilot.nodes import from_node
-from batchpilot.schemas import ControlConfig
+from batchpilot.schemas.serve import ControlConfig
 
 #: ``env.memory_utilization`` draws only budgets where the shield admits this many requests of
 #: its starting context: below it the deployment serves nothing (DeepSeek-V3 on an H200 at 0.7

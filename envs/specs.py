@@ -1,5 +1,5 @@
 """``HardwareSpec`` and ``ModelSpec`` (declared in ``batchpilot.core.specs``, where
-``batchpilot/schemas.py`` can store them as the ``hardware`` and ``model`` groups' schemas)."""
+``batchpilot/schemas/`` can store them as the ``hardware`` and ``model`` groups' schemas)."""
 
 from __future__ import annotations
 

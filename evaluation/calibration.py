@@ -46,11 +46,11 @@ import numpy as np
 from batchpilot.core.engine import Engine, IterationShape, Request
 from batchpilot.envs.specs import HardwareSpec, ModelSpec
 from batchpilot.envs.step_time import StepTimeModel
-from batchpilot.schemas import (  # Grid, StateProbe: declared there (calibrate.yaml)
+from batchpilot.schemas import check_app
+from batchpilot.schemas.calibrate import (  # Grid, StateProbe: declared there (calibrate.yaml)
     CalibrateApp,
     Grid,
     StateProbe,
-    check_app,
 )
 
 #: Features of one iteration, in the order of ``IterationSample.features`` / the fit.

@@ -83,7 +83,8 @@ from batchpilot.evaluation.live_tuned import (
 from batchpilot.evaluation.live_window import scenario_label, scenario_trace, sized_window
 from batchpilot.evaluation.plan import override_key
 from batchpilot.nodes import from_node
-from batchpilot.schemas import LiveEvaluateApp, LiveScenarioConfig, check_app
+from batchpilot.schemas import check_app
+from batchpilot.schemas.live import LiveEvaluateApp, LiveScenarioConfig
 from batchpilot.serving.upstream import free_port
 
 log = logging.getLogger(__name__)

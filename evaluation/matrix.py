@@ -69,7 +69,8 @@ from batchpilot.evaluation.plan import (
 from batchpilot.evaluation.report import ROW_KEYS, Timeline
 from batchpilot.nodes import ConfigError
 from batchpilot.policies.controllers import CONTROLLER_BUILDERS, Controller, build_controller
-from batchpilot.schemas import BestStaticConfig, LauncherConfig
+from batchpilot.schemas.evaluate import BestStaticConfig
+from batchpilot.schemas.launcher import LauncherConfig
 
 #: The grid's best point on the scored seeds themselves: an upper bound, not a baseline.
 HINDSIGHT = "best_static_hindsight"

@@ -29,7 +29,9 @@ from batchpilot.core.engine import EngineCapabilities
 from batchpilot.envs.engines import build_engine
 from batchpilot.envs.workloads import build_workload
 from batchpilot.nodes import from_node
-from batchpilot.schemas import BestStaticConfig, EvaluateApp, LauncherConfig, LoadConfig, check_app
+from batchpilot.schemas import check_app
+from batchpilot.schemas.evaluate import BestStaticConfig, EvaluateApp, LoadConfig
+from batchpilot.schemas.launcher import LauncherConfig
 
 BEST_STATIC = "best_static"
 #: The policy kind of vLLM tuned with its own flags (``conf/policy/vllm_tuned.yaml``): like

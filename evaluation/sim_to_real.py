@@ -26,7 +26,8 @@ from batchpilot.core.engine import IterationShape
 from batchpilot.envs.specs import HardwareSpec, ModelSpec
 from batchpilot.envs.step_time import StepTimeModel
 from batchpilot.evaluation.calibration import CalibrationError, EngineSpeed, StateMeter, fmt_number, run_until_idle
-from batchpilot.schemas import CalibrateApp, StateProbe, check_app
+from batchpilot.schemas import check_app
+from batchpilot.schemas.calibrate import CalibrateApp, StateProbe
 
 #: Metrics compared, in table order; the first three carry the issue's targets.
 REPORT_METRICS: tuple[str, ...] = (

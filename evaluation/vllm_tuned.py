@@ -28,7 +28,7 @@ from omegaconf import open_dict
 from batchpilot.core.engine import RequestRejected
 from batchpilot.evaluation.plan import EvaluationError, WorkloadPlan
 from batchpilot.nodes import from_node
-from batchpilot.schemas import VllmTunedConfig
+from batchpilot.schemas.policy import VllmTunedConfig
 
 #: The policy keys ``from_node`` must not pass to ``VllmTunedConfig`` (they select the class),
 #: and the evaluation's own (``policy_overrides`` may carry ``as_shipped``: vLLM tuned is

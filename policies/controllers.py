@@ -25,7 +25,7 @@ from batchpilot.core.pid import (  # noqa: F401  (re-exported: the baselines liv
 )
 from batchpilot.core.telemetry import Snapshot
 from batchpilot.nodes import from_node, plain
-from batchpilot.schemas import AIMDConfig, StaticConfig  # declared there (policy/schema_aimd, schema_static)
+from batchpilot.schemas.policy import AIMDConfig, StaticConfig  # declared there (policy/schema_aimd, schema_static)
 
 
 def _node(cfg: Any) -> dict[str, Any]:

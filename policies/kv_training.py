@@ -36,7 +36,7 @@ from batchpilot.envs.serving_env import ServingEnv
 from batchpilot.policies.kv_agent import KV_AGENT_SUBDIR
 from batchpilot.policies.ppo_controller import PPOController
 from batchpilot.policies.training import run_output_dir, sb3_logger, start_wandb
-from batchpilot.schemas import LoggerConfig
+from batchpilot.schemas.train import LoggerConfig
 
 
 def fast_controller(fast_path: str | None, env: ServingEnv) -> Controller:

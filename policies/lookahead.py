@@ -44,7 +44,7 @@ from batchpilot.core.residual import RESIDUAL_FACTORS, ResidualPID, residual_pid
 from batchpilot.core.telemetry import SLO, Snapshot
 from batchpilot.envs.workloads import RequestStream
 from batchpilot.nodes import from_node
-from batchpilot.schemas import LookaheadConfig
+from batchpilot.schemas.policy import LookaheadConfig
 
 #: ``arrivals``: what a copy is fed.
 ARRIVALS = ("future", "recent")

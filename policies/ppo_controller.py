@@ -38,7 +38,7 @@ from batchpilot.nodes import from_node
 from batchpilot.policies.artifact import PolicyLoadError
 from batchpilot.policies.kv_agent import KV_AGENT_SUBDIR, KVAgent
 from batchpilot.policies.runtime import PolicyRuntime
-from batchpilot.schemas import PPOPolicyConfig
+from batchpilot.schemas.policy import PPOPolicyConfig
 
 #: The shipped default policy (what ``policy=ppo`` means when no path is given).
 PRETRAINED_DIR = Path(__file__).resolve().parent / "pretrained"

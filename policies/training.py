@@ -56,11 +56,11 @@ from batchpilot.policies.callbacks import (
     mean_over_workloads,
     slo_deficit,
 )
-from batchpilot.schemas import LoggerConfig, TrainConfig
+from batchpilot.schemas.train import LoggerConfig, TrainConfig
 
 # --- configuration -------------------------------------------------------------------------
 # TrainConfig (conf/train) and LoggerConfig (conf/logger) are declared with their structured-config
-# schemas in batchpilot/schemas.py.
+# schemas in batchpilot/schemas/train.py.
 
 
 # --- run folder and loggers ----------------------------------------------------------------

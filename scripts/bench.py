@@ -180,7 +180,8 @@ TARGETS: dict[str, Callable[[DictConfig], dict[str, Any]]] = {
 
 @hydra.main(config_path="../conf", config_name="bench", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    from batchpilot.schemas import BenchApp, check_app
+    from batchpilot.schemas import check_app
+    from batchpilot.schemas.bench import BenchApp
 
     check_app(BenchApp, cfg)  # a key added with +key=... (the rest was checked at compose)
     if cfg.target not in TARGETS:

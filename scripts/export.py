@@ -72,7 +72,8 @@ def _check_normalization(cfg: DictConfig, train_cfg: dict[str, Any]) -> None:
 def export(cfg: DictConfig) -> Path:
     from batchpilot.core.telemetry import FEATURE_NAMES
     from batchpilot.policies.export import export_policy, load_sb3
-    from batchpilot.schemas import ExportApp, check_app
+    from batchpilot.schemas import check_app
+    from batchpilot.schemas.export import ExportApp
 
     check_app(ExportApp, cfg)  # a key added with +key=... (the rest was checked at compose)
     if int(cfg.parity_samples) < 1:

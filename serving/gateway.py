@@ -1078,7 +1078,8 @@ def serve(cfg: Any) -> None:
     import uvicorn
 
     from batchpilot.core.shield import ShieldConfig
-    from batchpilot.schemas import ServeApp, check_app
+    from batchpilot.schemas import check_app
+    from batchpilot.schemas.serve import ServeApp
 
     try:  # everything checkable before a port is bound or an engine starts
         check_app(ServeApp, cfg)  # a key added with +key=... (the rest was checked at compose)

@@ -1,6 +1,6 @@
 """The apps' top configs (conf/evaluate.yaml, evaluate_matrix.yaml, calibrate.yaml,
 live_evaluate.yaml, export.yaml, bench.yaml, serve_app.yaml) extend their schema
-(``/schema/<app>@_here_``; batchpilot/schemas.py ``EvaluateApp``, ``CalibrateApp``, ...): a
+(``/schema/<app>@_here_``; batchpilot/schemas/ ``EvaluateApp``, ``CalibrateApp``, ...): a
 mistyped top-level key or a value of the wrong type, in the file or on the command line, fails at
 compose time naming the key, as in the groups (tests/test_config_schemas.py). A key added with
 Hydra's ``+key=...`` passes compose; the apps that read their top config name it when they do."""
@@ -20,26 +20,14 @@ from param_sweeps import sweep
 
 from batchpilot.config import CONF_DIR, load_config
 from batchpilot.nodes import ConfigError, from_node
-from batchpilot.schemas import (
-    SCHEMAS,
-    BenchApp,
-    BestStaticConfig,
-    CalibrateApp,
-    EngineWarmupConfig,
-    EnvBenchNode,
-    EvaluateApp,
-    ExportApp,
-    Grid,
-    LiveClientNode,
-    LiveEvaluateApp,
-    LiveGatewayNode,
-    LiveWarmupNode,
-    LoadConfig,
-    PolicyBenchNode,
-    ServeApp,
-    SimBenchNode,
-    check_app,
-)
+from batchpilot.schemas import SCHEMAS, check_app
+from batchpilot.schemas.bench import BenchApp, EnvBenchNode, PolicyBenchNode, SimBenchNode
+from batchpilot.schemas.calibrate import CalibrateApp, Grid
+from batchpilot.schemas.engine import EngineWarmupConfig
+from batchpilot.schemas.evaluate import BestStaticConfig, EvaluateApp, LoadConfig
+from batchpilot.schemas.export import ExportApp
+from batchpilot.schemas.live import LiveClientNode, LiveEvaluateApp, LiveGatewayNode, LiveWarmupNode
+from batchpilot.schemas.serve import ServeApp
 
 #: App config -> its schema.
 APPS = {

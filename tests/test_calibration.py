@@ -231,7 +231,7 @@ class _BusyHost(SimEngine):
 
 
 def _probe_grid():
-    from batchpilot.schemas import Grid
+    from batchpilot.schemas.calibrate import Grid
 
     return Grid(batch_sizes=(1, 2, 4, 8, 16, 32), contexts=(16, 128), context_spread=0.5, max_decode_tokens=8192,
                 decode_steps=6, mixed_batches=(8,), mixed_chunks=(256,), mixed_repeats=2,
@@ -264,7 +264,7 @@ def test_the_state_probe_retakes_or_sets_aside_points_measured_on_a_busy_host(st
     host's measurements; if it never passes they carry their slow state and the fit leaves them
     out."""
     from batchpilot.evaluation.calibration import StateMeter, fit_set, measure_grid
-    from batchpilot.schemas import StateProbe
+    from batchpilot.schemas.calibrate import StateProbe
 
     grid = _probe_grid()
     quiet = measure_grid(_cpu_tiny(), grid, 32)
@@ -311,7 +311,7 @@ def test_the_fast_state_is_anchored_on_a_quantile_of_the_probes() -> None:
     fast state is that quantile of the probes; 0 keeps the fastest; the report's floor (the
     profile's own prediction of the probe) still wins when it is faster."""
     from batchpilot.evaluation.calibration import StateMeter
-    from batchpilot.schemas import StateProbe
+    from batchpilot.schemas.calibrate import StateProbe
 
     kw = dict(enabled=True, batch=8, context=64, steps=4, tolerance=0.2, retries=2, max_runs=6)
     probes = [2.4, *[3.0 + 0.01 * i for i in range(18)], 6.0]  # one outlier, the host's usual ~3 ms, one slow

@@ -1,4 +1,4 @@
-"""Structured-config schemas (batchpilot/schemas.py): a group file that extends its schema is
+"""Structured-config schemas (batchpilot/schemas/): a group file that extends its schema is
 checked at compose time, so a mistyped key or a value of the wrong type in YAML fails before
 anything runs, with Hydra's message naming the key."""
 
@@ -28,23 +28,14 @@ from batchpilot.envs.workloads import WORKLOAD_SCHEMAS, WorkloadConfigError, bui
 from batchpilot.nodes import ConfigError, from_node, plain
 from batchpilot.policies.callbacks import validation_cfg
 from batchpilot.policies.controllers import build_controller
-from batchpilot.schemas import (
-    SCHEMAS,
-    AIMDConfig,
-    ClientBenchConfig,
-    EngineWarmupConfig,
-    GatewayBenchConfig,
-    LauncherConfig,
-    LiveScenarioConfig,
-    LoggerConfig,
-    LookaheadConfig,
-    PPOPolicyConfig,
-    RewardConfig,
-    SimEngineConfig,
-    StaticConfig,
-    TrainConfig,
-    VLLMEngineConfig,
-)
+from batchpilot.schemas import SCHEMAS
+from batchpilot.schemas.bench import ClientBenchConfig, GatewayBenchConfig
+from batchpilot.schemas.engine import EngineWarmupConfig, SimEngineConfig, VLLMEngineConfig
+from batchpilot.schemas.env import RewardConfig
+from batchpilot.schemas.launcher import LauncherConfig
+from batchpilot.schemas.live import LiveScenarioConfig
+from batchpilot.schemas.policy import AIMDConfig, LookaheadConfig, PPOPolicyConfig, StaticConfig
+from batchpilot.schemas.train import LoggerConfig, TrainConfig
 from batchpilot.serving.settings import ServeConfig
 
 #: (file under conf/, config to compose (name, or (name, overrides)), line as shipped, its

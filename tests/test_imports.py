@@ -14,7 +14,7 @@ from batchpilot.config import REPO_ROOT
 #: Folder -> the package name it is imported as (``batchpilot`` alone: its own *.py files).
 FOLDERS = {"batchpilot/core": "core", "batchpilot/platform": "platform", "envs": "envs",
            "policies": "policies", "serving": "serving", "evaluation": "evaluation",
-           "batchpilot": "top"}
+           "batchpilot/schemas": "top", "batchpilot": "top"}
 #: Single modules that form a level of their own (their folder's level otherwise).
 #: ``batchpilot/nodes.py`` (config node -> dataclass) imports nothing of batchpilot: the core's
 #: ``from_cfg`` constructors use it without importing ``config`` (which registers the schemas,
@@ -24,10 +24,10 @@ MODULES = {"batchpilot/nodes.py": "nodes"}
 PREFIXES = {"batchpilot/core": "batchpilot.core", "batchpilot/platform": "batchpilot.platform",
             "envs": "batchpilot.envs", "policies": "batchpilot.policies",
             "serving": "batchpilot.serving", "evaluation": "batchpilot.evaluation",
-            "batchpilot": "batchpilot"}
-#: What each package may import (besides itself). ``top`` is batchpilot/*.py (config, schemas,
-#: metrics, workload_config) but ``nodes``; ``platform`` is the CPU vLLM build and the tiny
-#: local model. One way: nodes <- core <- top <- the rest.
+            "batchpilot/schemas": "batchpilot.schemas", "batchpilot": "batchpilot"}
+#: What each package may import (besides itself). ``top`` is batchpilot/*.py (config, metrics,
+#: workload_config) but ``nodes``, and the batchpilot/schemas/ package; ``platform`` is the CPU
+#: vLLM build and the tiny local model. One way: nodes <- core <- top <- the rest.
 ALLOWED = {
     "nodes": set(),
     "core": {"nodes"},

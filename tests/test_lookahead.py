@@ -26,7 +26,7 @@ from batchpilot.policies.lookahead import (
     apply_admission,
     recent_arrivals,
 )
-from batchpilot.schemas import LookaheadConfig
+from batchpilot.schemas.policy import LookaheadConfig
 
 #: A bursty minute on Llama-3-8B/H100, loaded enough that the options differ (clients capped at
 #: 1024 tokens: with the workload's own caps, some sending none, admission's memory check holds

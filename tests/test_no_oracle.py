@@ -282,7 +282,7 @@ def _gateway_with_admission(admission: dict):
 
     from starlette.requests import Request as StarletteRequest
 
-    from batchpilot.schemas import ServeConfig
+    from batchpilot.schemas.serve import ServeConfig
     from batchpilot.serving.gateway import AppSettings, Gateway
     from batchpilot.serving.upstream import EngineInfo
 

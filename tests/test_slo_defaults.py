@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 from batchpilot.config import CONF_DIR, load_config
 from batchpilot.core.pid import PIDConfig
 from batchpilot.core.telemetry import DEFAULT_TPOT_MS, DEFAULT_TTFT_MS, SLO
-from batchpilot.schemas import AIMDConfig
+from batchpilot.schemas.policy import AIMDConfig
 
 
 def test_the_slo_yaml_leaves_the_defaults_to_the_dataclass() -> None:

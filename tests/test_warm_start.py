@@ -23,7 +23,7 @@ from batchpilot.policies.export import torch_logits  # noqa: E402
 from batchpilot.policies.ppo_controller import PRETRAINED_DIR  # noqa: E402
 from batchpilot.policies.runtime import PolicyRuntime  # noqa: E402
 from batchpilot.policies.training import build_model, build_train_env, validation_base_cfg  # noqa: E402
-from batchpilot.schemas import TrainConfig  # noqa: E402
+from batchpilot.schemas.train import TrainConfig  # noqa: E402
 
 
 def _probs(logits: np.ndarray) -> list[np.ndarray]:

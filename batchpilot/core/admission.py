@@ -270,7 +270,7 @@ class AdmissionConfig:
     @classmethod
     def from_cfg(cls, node: Any) -> "AdmissionConfig":
         """From the ``admission`` node of the env or serve config (one dataclass for both, typed
-        there by ``env/schema`` and ``serve/schema`` in batchpilot/schemas.py) or a mapping; missing keys keep their
+        there by ``env/schema`` and ``serve/schema`` in batchpilot/schemas/) or a mapping; missing keys keep their
         defaults, an unknown key or a wrong type raises naming the key."""
         return from_node(cls, node)
 

@@ -2,7 +2,7 @@
 the Hydra ``hardware`` and ``model`` groups. The step-time model and the simulator read only
 these, so every number that shapes simulated timing or memory lives in ``conf/``.
 
-Declared in the core (re-exported by ``batchpilot.envs.specs``) so that ``batchpilot/schemas.py``
+Declared in the core (re-exported by ``batchpilot.envs.specs``) so that ``batchpilot/schemas/``
 can store them as the ``hardware/schema`` and ``model/schema`` structured configs: a mistyped
 key or a wrong type in ``conf/hardware/*.yaml`` / ``conf/model/*.yaml`` fails at compose time;
 the range checks below run when ``from_cfg`` builds the object."""
