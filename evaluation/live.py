@@ -923,15 +923,18 @@ def _run_rounds(runner: _RunDriver, prog: _Progress) -> None:
 
 def _write_twin(cfg: DictConfig, prog: _Progress, client_cfg: Mapping[str, Any],
                 speed: Mapping[str, Any] | None) -> Path:
-    """The runs' requests on the calibrated simulator, every path but vllm_tuned (twin.json)."""
+    """The runs' requests on the calibrated simulator, every path (vllm_tuned at the flags it ran
+    with), into twin.json."""
     from batchpilot.evaluation.live_twin import header_priority, twin_of_rows, write_twin
 
     scenario, tf = cfg.live_scenario, prog.tf
+    tuned_flags = (prog.tuned_meta.get("chosen") or {}).get("setting")
     sc = prog.sized or OmegaConf.to_container(scenario, resolve=True)  # the window the runs replayed
     assert isinstance(sc, dict)
     sc = {**sc, "trace": tf.source}  # the file read (the simulator resolves a relative one from the repo)
     twin, match = twin_of_rows(tf, sc, {"ttft_ms": cfg.slo.ttft_ms, "tpot_ms": cfg.slo.tpot_ms}, prog.rows,
-                               paths=[p for p in cfg.paths if p != TUNED], match=bool(cfg.twin_match),
+                               paths=[p for p in cfg.paths if p != TUNED or tuned_flags],
+                               tuned_flags=tuned_flags, match=bool(cfg.twin_match),
                                match_gateway=bool(cfg.twin_match_gateway),
                                vllm_args=[*cfg.gateway.extra_vllm_args, *scenario.vllm_args],
                                priority=header_priority(client_cfg.get("headers"), 1), seed=int(cfg.seed),

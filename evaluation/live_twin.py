@@ -62,8 +62,9 @@ TWIN_POLICY = {"vllm_direct": "vllm_default", "vllm_tuned": "vllm_tuned", "stati
                "ppo": "ppo"}
 #: The live path of vLLM with its own flags (run straight at vLLM, as vllm_direct).
 TUNED_PATH = "vllm_tuned"
-#: The paths whose order the twin must reproduce (issue 53), where the run has them.
-RANKED_PATHS: tuple[str, ...] = ("vllm_tuned", "static", "pid", "ppo")
+#: The paths whose order the twin must reproduce (issue 53: vllm_tuned, static, PID, PPO; and
+#: vLLM as shipped), where the run has them.
+RANKED_PATHS: tuple[str, ...] = ("vllm_tuned", "vllm_direct", "static", "pid", "ppo")
 #: The gains the report follows: (path, over).
 GAINS: tuple[tuple[str, str], ...] = (("ppo", "vllm_direct"), ("ppo", "pid"))
 #: A simulated gain below this share of the reference path's simulated goodput counts as none.
@@ -332,6 +333,11 @@ def _twin_runner(tf: TimedTraceFile, scenario: Mapping[str, Any], slo: Mapping[s
 #: The live path the twin's speed is matched to (vLLM as shipped: no controller, so how fast it
 #: runs is the engine's and the machine's alone) and the client metric matched.
 MATCH_PATH, MATCH_KEY = "vllm_direct", "mean_tpot_ms"
+#: ... unless the run has vllm_tuned (also vLLM straight, no controller of ours), whose
+#: concurrency (its --max-num-seqs, tens) is where the gateway paths run: one factor fitted at
+#: vllm_direct's ~256 sequences ran the twin's 16-64-sequence paths at 1.5-1.7x their live TPOT
+#: (2026-12-06: three runs, the twin's order of vllm_tuned against the gateway paths wrong on two).
+TUNED_MATCH_PATH = "vllm_tuned"
 #: The gateway path the gateway paths' extra factor is matched to: fixed knobs, no feedback, so
 #: its speed is the engine's behind the gateway (the gateway shares the cores and proxies every
 #: token), and the controlled paths' results stay predictions.
@@ -374,11 +380,12 @@ def _bisect(sim: Callable[[float], float], target: float, bounds: tuple[float, f
 def match_slowdown(tf: TimedTraceFile, scenario: Mapping[str, Any], slo: Mapping[str, Any],
                    live_rows: Sequence[Mapping[str, Any]], *, vllm_args: Sequence[Any] = (), seed: int = 0,
                    rel_tol: float = 0.02, max_iter: int = 24, run: Any = None, gateway: bool = False,
-                   log: Any = print) -> dict[str, Any]:
+                   path: str = MATCH_PATH, log: Any = print) -> dict[str, Any]:
     """The one factor by which the live engine ran slower (or faster) than the profile during
-    this evaluation: the ``slowdown`` at which the twin's ``vllm_direct`` has the live
-    ``vllm_direct`` runs' median mean TPOT (bisection in log space). Only that path's live rows
-    are read, so the controlled paths' twin results stay predictions. Why: the profile is fitted
+    this evaluation: the ``slowdown`` at which the twin's ``path`` (``vllm_direct``, or
+    ``vllm_tuned``: ``TUNED_MATCH_PATH``) has that path's live runs' median mean TPOT (bisection
+    in log space). Only that path's live rows are read, so the controlled paths' twin results
+    stay predictions. Why: the profile is fitted
     on a quiet engine; during a live evaluation the client, the gateway and other jobs share the
     cores, and under overload the gap compounds (slower steps, more running, slower steps).
 
@@ -388,24 +395,24 @@ def match_slowdown(tf: TimedTraceFile, scenario: Mapping[str, Any], slo: Mapping
     TPOT was 1.7x the vllm_direct-matched twin's, and a twin that fast let PID grow its cap
     twice as fast as it did live (cap_timeline.png).
     ``run``: a ``_twin_runner`` of the same twin, to skip composing its config again."""
-    live, target = _live_target(live_rows, MATCH_PATH)
-    out: dict[str, Any] = {"path": MATCH_PATH, "key": MATCH_KEY, "live_runs": len(live), "slowdown": 1.0,
+    live, target = _live_target(live_rows, path)
+    out: dict[str, Any] = {"path": path, "key": MATCH_KEY, "live_runs": len(live), "slowdown": 1.0,
                            "matched": False, "gateway_factor": 1.0}
     if target is None:
-        out["reason"] = f"no live {MATCH_PATH} run with {MATCH_KEY}: the profile's speed is used"
+        out["reason"] = f"no live {path} run with {MATCH_KEY}: the profile's speed is used"
         return out
     if run is None:
-        paths = [MATCH_PATH, GATEWAY_MATCH_PATH] if gateway else [MATCH_PATH]
+        paths = [path, GATEWAY_MATCH_PATH] if gateway else [path]
         run = _twin_runner(tf, scenario, slo, paths=paths, vllm_args=vllm_args, priority=None, seed=seed)
 
     def sim(path: str, k: float) -> float:
         return float(run(path, k, lambda *_: None)[MATCH_KEY])
 
-    out.update(target_ms=target, profile_ms=sim(MATCH_PATH, 1.0))
-    m = _bisect(lambda k: sim(MATCH_PATH, k), target, SLOWDOWN_RANGE, rel_tol, max_iter)
+    out.update(target_ms=target, profile_ms=sim(path, 1.0))
+    m = _bisect(lambda k: sim(path, k), target, SLOWDOWN_RANGE, rel_tol, max_iter)
     k = m.pop("factor")
     out.update(slowdown=k, **m)
-    log(f"sim twin: slowdown {k:.3g} ({MATCH_PATH} {MATCH_KEY}: live median {target:.3g} ms, twin {m['sim_ms']:.3g} ms, "
+    log(f"sim twin: slowdown {k:.3g} ({path} {MATCH_KEY}: live median {target:.3g} ms, twin {m['sim_ms']:.3g} ms, "
         f"profile alone {out['profile_ms']:.3g} ms)")
     if gateway:
         g_live, g_target = _live_target(live_rows, GATEWAY_MATCH_PATH)
@@ -437,14 +444,15 @@ def twin_of_rows(tf: TimedTraceFile, scenario: Mapping[str, Any], slo: Mapping[s
     gateway's shield and admission overrides, with the served round trip ``ingress_latency_s``.
     Returns rows and the match."""
     match = match and speed is None  # a given speed is not matched again
-    refs = [MATCH_PATH, GATEWAY_MATCH_PATH] if match and match_gateway else [MATCH_PATH]
+    ref = TUNED_MATCH_PATH if tuned_flags and any(r["path"] == TUNED_MATCH_PATH for r in live_rows) else MATCH_PATH
+    refs = [ref, GATEWAY_MATCH_PATH] if match and match_gateway else [ref]
     run = _twin_runner(tf, scenario, slo, paths=[*dict.fromkeys([*paths, *refs])],
                        vllm_args=vllm_args, priority=priority, seed=seed, policy_dirs=policy_dirs,
                        extra_overrides=twin_gateway_overrides(gateway_overrides), ingress_latency_s=ingress_latency_s,
                        hardware=hardware, tuned_flags=tuned_flags)
     if match:
         m: dict[str, Any] | None = match_slowdown(tf, scenario, slo, live_rows, seed=seed, run=run,
-                                                  gateway=match_gateway, log=log)
+                                                  gateway=match_gateway, path=ref, log=log)
     else:
         m = dict(speed) if speed is not None else None
     k = float(m["slowdown"]) if m else 1.0

@@ -224,7 +224,7 @@ def test_vllm_tuned_live_with_fixed_flags_counts_refusals(tmp_path: Path, tiny_m
     from batchpilot.evaluation.live import live_evaluate
 
     cfg = load_config(["rounds=1", "paths=[vllm_direct,vllm_tuned]", "live_scenario.max_requests=24",
-                       "live_scenario.time_scale=20", "warmup.requests=4", "sim_twin=false", "plots=false",
+                       "live_scenario.time_scale=20", "warmup.requests=4", "plots=false",
                        "vllm_tuned.flags.max_num_seqs=2", "vllm_tuned.flags.max_num_queued_reqs=2",
                        f"out_dir={tmp_path}"], config_name="live_evaluate")
     out = live_evaluate(cfg, model_dir=tiny_model_path)
@@ -251,3 +251,10 @@ def test_vllm_tuned_live_with_fixed_flags_counts_refusals(tmp_path: Path, tiny_m
     tuned_logs = list(tmp_path.glob("vllm_tuned-*.log"))  # its own engine's log, kept beside the others
     assert len(tuned_logs) == 1 and "max_num_queued_reqs" in tuned_logs[0].read_text()
     assert not list((tmp_path / "runs").glob("*vllm_tuned.decisions.jsonl"))
+    # The twin runs the path at the flags it ran with, and its speed is matched there.
+    twin = json.loads((tmp_path / "twin.json").read_text())
+    sim = {r["path"]: r for r in twin["rows"]}
+    assert set(sim) == {"vllm_direct", TUNED} and sim[TUNED]["controller"] == "vllm_tuned (as shipped)"
+    assert sim[TUNED]["accounted"] and sim[TUNED]["rejected"] > 0  # 2 in flight at most: the burst is refused in part
+    assert twin["match"]["path"] == TUNED
+    assert "Ranking by goodput" in (tmp_path / "results.md").read_text()

@@ -197,6 +197,26 @@ def test_the_twin_runs_vllm_tuned_at_the_flags_the_live_run_chose() -> None:
         run_twin(tf, sc, SLO, paths=["vllm_tuned"], log=quiet)
 
 
+def test_a_run_with_vllm_tuned_matches_the_speed_there() -> None:
+    """With vllm_tuned runs (vLLM straight, at the concurrency the gateway paths run) the twin's
+    speed is fitted on them, not on vllm_direct's (whose live TPOT is never read then)."""
+    sc = _scenario(n=16)
+    tf = scenario_trace(OmegaConf.create(sc))
+    flags = {"max_num_seqs": 8}
+    tuned = run_twin(tf, sc, SLO, paths=["vllm_tuned"], vllm_args=sc["vllm_args"], slowdown=3.0, tuned_flags=flags,
+                     log=lambda m: None)[0]
+    live = [{"path": "vllm_tuned", "round": r, "mean_tpot_ms": tuned["mean_tpot_ms"]} for r in range(3)]
+    live += [{"path": "vllm_direct", "round": r, "mean_tpot_ms": 1e6} for r in range(3)]  # never read
+    rows, m = twin_of_rows(tf, sc, SLO, live, paths=["vllm_direct", "vllm_tuned"], vllm_args=sc["vllm_args"],
+                           match_gateway=False, tuned_flags=flags, log=lambda msg: None)
+    assert m is not None and m["matched"] and m["path"] == "vllm_tuned" and m["live_runs"] == 3
+    assert m["slowdown"] == pytest.approx(3.0, rel=0.15)
+    assert rows[1]["mean_tpot_ms"] == pytest.approx(tuned["mean_tpot_ms"], rel=0.02)
+    _, m_direct = twin_of_rows(tf, sc, SLO, live, paths=["vllm_direct"], vllm_args=sc["vllm_args"],
+                               match_gateway=False, log=lambda msg: None)  # no flags: vllm_direct's, as before
+    assert m_direct is not None and m_direct["path"] == "vllm_direct"
+
+
 def test_ranking_names_the_pairs_that_flip_and_whether_live_is_clear_of_the_noise() -> None:
     sim = [{"path": "vllm_tuned", "request_goodput_run": 1.0}, {"path": "pid", "request_goodput_run": 2.0},
            {"path": "ppo", "request_goodput_run": 2.1}, {"path": "vllm_direct", "request_goodput_run": 0.1}]
