@@ -569,7 +569,7 @@ def check_client(client: Mapping[str, Any]) -> None:
 
 def _check(cfg: DictConfig) -> list[str]:
     """The run's paths. The keys and types were checked against ``schema/live_evaluate``
-    (``batchpilot.schemas.LiveEvaluateApp``) at compose time; again here for a key added with
+    (``batchpilot.schemas.live.LiveEvaluateApp``) at compose time; again here for a key added with
     ``+key=...``; then what a type cannot say (known, distinct paths; at least one round; the
     client's headers and concurrency; gateway overrides that would replace the evaluation's own)."""
     try:

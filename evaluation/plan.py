@@ -80,7 +80,7 @@ class Deployment:
 class EvalConfig:
     """The run-wide settings of ``conf/evaluate.yaml`` (the groups are composed per workload).
     Built by ``from_cfg`` from the composed config, whose keys and types ``schema/evaluate``
-    (``batchpilot.schemas.EvaluateApp``) checked at compose time; the values are the file's."""
+    (``batchpilot.schemas.evaluate.EvaluateApp``) checked at compose time; the values are the file's."""
 
     policies: tuple[str, ...]
     seeds: tuple[int, ...]
