@@ -396,9 +396,6 @@ class Admission:
         self.first_token_s: float | None = None
         #: The TTFT objective in seconds (``use_slo``; None: none): what early refusal counts in.
         self.ttft_s: float | None = None
-        #: Prompt tokens of the waiting requests not (yet) late: the queue a new request waits
-        #: behind (``early_refusal``; all waiting requests without ``on_time_first``).
-        self.waiting_on_time_tokens = 0
         # The drain rate (``drain_rate``): (prompt tokens, seconds of backlog since the previous
         # first token) of the last first tokens, their running sums, and since when the current
         # backlog's clock runs (None: idle, nothing waiting and no prefill in flight).
@@ -489,6 +486,12 @@ class Admission:
         return tuple(b.num_waiting for b in self._buckets)
 
     @property
+    def waiting_on_time_tokens(self) -> int:
+        """Prompt tokens of the waiting requests not (yet) late: the queue a new request waits
+        behind (``early_refusal``; all waiting requests without ``on_time_first``)."""
+        return sum(b.on_time_tokens for b in self._buckets)
+
+    @property
     def num_late_waiting(self) -> int:
         """Waiting requests past their TTFT objective (``on_time_first``; as of the last
         ``admit``): a backlog the served requests' TTFT does not show, since they go last."""
@@ -540,9 +543,6 @@ class Admission:
         if sum(self.queue_depths) != self.num_waiting:
             raise AssertionError(f"queue depths {self.queue_depths} do not sum to {self.num_waiting}")
         late = sum(e.late for e in self._waiting.values())
-        on_time = sum(e.request.prompt_len for e in self._waiting.values() if not e.late)
-        if self.waiting_on_time_tokens != on_time:
-            raise AssertionError(f"on-time queue {self.waiting_on_time_tokens} tokens != {on_time} waiting on time")
         per_bucket = [0] * len(self._buckets)
         for e in self._waiting.values():
             per_bucket[e.bucket] += 0 if e.late else e.request.prompt_len
@@ -603,7 +603,6 @@ class Admission:
         self._seq = seq + 1
         queue.push(e)
         waiting[rid] = e
-        self.waiting_on_time_tokens += prompt_len
         if self._busy_since is None:
             self._busy_since = now  # a backlog starts: the drain rate's clock runs
         arrival = req.arrival_time
@@ -711,8 +710,6 @@ class Admission:
                 continue
             bucket, req = e.bucket, e.request
             self._buckets[bucket].pop(e)
-            if not e.late:
-                self.waiting_on_time_tokens -= req.prompt_len
             self._vtime = self._pass[bucket]
             self._pass[bucket] += self._stride[bucket]
             e.alive = False
@@ -951,8 +948,6 @@ class Admission:
         """Take a waiting entry out (lazily from the heaps; at once from the counts)."""
         e.alive = False
         self._buckets[e.bucket].pop(e)
-        if not e.late:
-            self.waiting_on_time_tokens -= e.request.prompt_len
         if not self._waiting and not self.prefill_tokens_in_flight:
             self._busy_since = None  # the backlog is gone (refused or cancelled)
         del self._waiting[e.request.request_id]
@@ -967,7 +962,6 @@ class Admission:
             _, _, e = heappop(heap)
             if e.alive:
                 self._buckets[e.bucket].mark_late(e)
-                self.waiting_on_time_tokens -= e.request.prompt_len
 
     def _choose(self, allow_long: bool, now: float) -> _Entry | None:
         buckets = self._buckets
