@@ -36,10 +36,10 @@ from batchpilot.core.telemetry import Snapshot
 from batchpilot.metrics import parse_vllm_metrics
 from batchpilot.platform.vllm_cpu import cpu_kv8_unavailable_reason, engines_run_on_cpu
 from batchpilot.policies.controllers import build_controller
+from batchpilot.schemas.serve import ServeConfig
 from batchpilot.serving.actuation import LanePlant, LaneServices
 from batchpilot.serving.lanes import Lane
 from batchpilot.serving.policy_manager import PolicyManager
-from batchpilot.serving.settings import ServeConfig
 from batchpilot.serving.upstream import UpstreamDown
 
 log = logging.getLogger(__name__)

@@ -37,13 +37,13 @@ from starlette.requests import ClientDisconnect
 from batchpilot.core.engine import Request as EngineRequest
 from batchpilot.core.knobs import Knobs
 from batchpilot.core.telemetry import SLO, Telemetry
+from batchpilot.schemas.serve import ServeConfig
 from batchpilot.serving.errors import BadRequest, ClientGone, GatewayError, Refused
 from batchpilot.serving.http1 import Http1Error, Http1Response
 from batchpilot.serving.http_server import GatewayServer, with_head_timeout
 from batchpilot.serving.lanes import Lane
 from batchpilot.serving.prom import CONTENT_TYPE, GatewayMetrics, bucket_name
 from batchpilot.serving.request_body import OFF_LOOP_BYTES, BodyInspector, BodyLimits, with_model
-from batchpilot.serving.settings import ServeConfig
 from batchpilot.serving.tokens import PromptCounter, PromptTooLong
 from batchpilot.serving.upstream import ManagedVLLM, Upstream, UpstreamDown, cpu_core_groups, free_port
 

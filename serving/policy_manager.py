@@ -28,9 +28,10 @@ from typing import Any, Callable, Mapping
 
 from batchpilot.core.knobs import Knobs, Proposal
 from batchpilot.core.telemetry import SLO, Snapshot
-from batchpilot.policies.ppo_controller import PRETRAINED_DIR, PolicyLoadError, PPOController
+from batchpilot.policies.artifact import PolicyLoadError
+from batchpilot.policies.ppo_controller import PRETRAINED_DIR, PPOController
+from batchpilot.schemas.serve import CONTROL_MODES, ControlConfig
 from batchpilot.serving.prom import GatewayMetrics
-from batchpilot.serving.settings import CONTROL_MODES, ControlConfig
 
 log = logging.getLogger(__name__)
 

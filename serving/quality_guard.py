@@ -24,9 +24,9 @@ from typing import TYPE_CHECKING, Any
 import httpx
 
 from batchpilot.core.engine import KV_DTYPES_8BIT, Request
+from batchpilot.schemas.serve import QualityGuardConfig
 from batchpilot.serving.errors import GatewayError
 from batchpilot.serving.prom import GatewayMetrics
-from batchpilot.serving.settings import QualityGuardConfig
 from batchpilot.serving.upstream import auth_headers
 
 if TYPE_CHECKING:

@@ -23,9 +23,9 @@ from typing import Any, Coroutine
 
 import httpx
 
+from batchpilot.schemas.serve import ServeConfig
 from batchpilot.serving.lanes import Lane
 from batchpilot.serving.prom import GatewayMetrics
-from batchpilot.serving.settings import ServeConfig
 
 log = logging.getLogger(__name__)
 

@@ -58,9 +58,9 @@ def test_no_verdict_until_both_sides_served_requests() -> None:
 def test_the_manager_counts_requests_from_the_snapshot_refusals_as_misses() -> None:
     """``PolicyManager.record`` reads the interval's finished requests, those within the SLO
     and the refused ones (a canary that sheds its traffic does not look better for it)."""
+    from batchpilot.schemas.serve import ControlConfig
     from batchpilot.serving.policy_manager import PolicyManager
     from batchpilot.serving.prom import GatewayMetrics
-    from batchpilot.serving.settings import ControlConfig
 
     pm = PolicyManager(ControlConfig(mode="pid", canary_min_intervals=1), GatewayMetrics(), max_num_seqs=256,
                        kv_runnable={"auto": True}, note=lambda _m: None)
@@ -93,9 +93,9 @@ def test_no_verdict_on_a_handful_of_requests() -> None:
 
 def test_the_gateways_policy_steers_on_the_gateways_slo() -> None:
     """The served policy observes and steers on the SLO the gateway's PID and shield use."""
+    from batchpilot.schemas.serve import ControlConfig
     from batchpilot.serving.policy_manager import PolicyManager
     from batchpilot.serving.prom import GatewayMetrics
-    from batchpilot.serving.settings import ControlConfig
 
     slo = SLO(ttft_ms=800.0, tpot_ms=30.0)
     pm = PolicyManager(ControlConfig(mode="policy"), GatewayMetrics(), max_num_seqs=256,

@@ -12,7 +12,7 @@ import pytest
 
 from batchpilot.cli import COMMANDS, SCRIPTS_DIR, UsageError, main, resolve, usage
 from batchpilot.config import load_config
-from batchpilot.serving.settings import ControlConfig, ServeConfig
+from batchpilot.schemas.serve import ControlConfig, ServeConfig
 
 
 def test_every_command_names_a_script_of_the_repository() -> None:

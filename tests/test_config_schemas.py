@@ -35,8 +35,8 @@ from batchpilot.schemas.env import RewardConfig
 from batchpilot.schemas.launcher import LauncherConfig
 from batchpilot.schemas.live import LiveScenarioConfig
 from batchpilot.schemas.policy import AIMDConfig, LookaheadConfig, PPOPolicyConfig, StaticConfig
+from batchpilot.schemas.serve import ServeConfig
 from batchpilot.schemas.train import LoggerConfig, TrainConfig
-from batchpilot.serving.settings import ServeConfig
 
 #: (file under conf/, config to compose (name, or (name, overrides)), line as shipped, its
 #: mistyped-key and wrong-type versions, the node the key lives in).

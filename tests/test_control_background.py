@@ -15,10 +15,10 @@ from test_control_parity import _gateway
 from batchpilot.core.admission import AdmissionConfig
 from batchpilot.core.knobs import Knobs
 from batchpilot.core.telemetry import SLO, Telemetry
+from batchpilot.schemas.serve import QualityGuardConfig, ServeConfig
 from batchpilot.serving.lanes import Lane
 from batchpilot.serving.prom import GatewayMetrics
 from batchpilot.serving.quality_guard import QualityGuard, Sample
-from batchpilot.serving.settings import QualityGuardConfig, ServeConfig
 from batchpilot.serving.supervisor import Supervisor
 from batchpilot.serving.upstream import EngineInfo, Upstream
 

@@ -197,8 +197,8 @@ def test_an_operator_8bit_switch_is_refused_while_the_quality_guard_blocks_it() 
 
     import pytest
 
+    from batchpilot.schemas.serve import QualityGuardConfig
     from batchpilot.serving.quality_guard import QualityGuard
-    from batchpilot.serving.settings import QualityGuardConfig
 
     gw, loop = _gateway("pid", {"kind": "pid"})
     lane = gw.lanes[0]
@@ -540,8 +540,8 @@ def test_the_quality_guards_fallback_restart_starts_the_kv_dwell() -> None:
     import time
     from types import SimpleNamespace
 
+    from batchpilot.schemas.serve import QualityGuardConfig
     from batchpilot.serving.quality_guard import QualityGuard
-    from batchpilot.serving.settings import QualityGuardConfig
 
     gw, loop = _gateway("pid", {"kind": "pid"})
     lane = gw.lanes[0]

@@ -67,11 +67,11 @@ import batchpilot.serving.supervisor as supervisor_mod
 from batchpilot.config import load_config
 from batchpilot.core.engine import KV_DTYPES_8BIT, Request
 from batchpilot.core.knobs import BUCKETING_MODES, Knobs, Proposal
+from batchpilot.schemas.serve import QualityGuardConfig
 from batchpilot.serving.control_loop import ControlLoop, upstream_engine_model
 from batchpilot.serving.errors import Refused
 from batchpilot.serving.gateway import AppSettings, Gateway
 from batchpilot.serving.quality_guard import QualityGuard
-from batchpilot.serving.settings import QualityGuardConfig
 from batchpilot.serving.upstream import EngineInfo, UpstreamDown
 
 pytestmark = pytest.mark.slow  # >= 10,000 control decisions: ~1-2 min on a shared 2-core machine

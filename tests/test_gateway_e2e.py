@@ -256,9 +256,9 @@ def test_metrics_exported(gw: RunningGateway) -> None:
 def test_quality_guard_replay_agrees_on_identical_servers(gw: RunningGateway) -> None:
     """The guard's comparison on a real server: greedy replays of one prompt on the same
     16-bit engine agree token for token (so a diff on 8-bit vs 16-bit is the KV dtype's)."""
+    from batchpilot.schemas.serve import QualityGuardConfig
     from batchpilot.serving.prom import GatewayMetrics
     from batchpilot.serving.quality_guard import QualityGuard
-    from batchpilot.serving.settings import QualityGuardConfig
 
     [up] = gw.status()["upstreams"].values()
 

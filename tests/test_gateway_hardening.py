@@ -339,8 +339,8 @@ def test_every_status_is_counted_and_none_is_a_500(gw: RunningGateway) -> None:
 
 def _admin_routes() -> list[tuple[str, str]]:
     """(method, path) of every ``/admin/*`` route, read from the app (new ones are covered)."""
+    from batchpilot.schemas.serve import ServeConfig
     from batchpilot.serving.gateway import AppSettings, build_app
-    from batchpilot.serving.settings import ServeConfig
 
     app = build_app(AppSettings(serve=ServeConfig.from_cfg({"managed": True})))
     out = [(m, r.path) for r in app.routes if getattr(r, "path", "").startswith("/admin")

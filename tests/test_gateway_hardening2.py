@@ -314,10 +314,10 @@ def test_an_unresponsive_upstream_stops_admitting_and_its_queue_is_refused() -> 
     from batchpilot.core.engine import Request as EngineRequest
     from batchpilot.core.knobs import Knobs
     from batchpilot.core.telemetry import SLO, Telemetry
+    from batchpilot.schemas.serve import ServeConfig
     from batchpilot.serving.errors import Refused
     from batchpilot.serving.lanes import Lane
     from batchpilot.serving.prom import GatewayMetrics
-    from batchpilot.serving.settings import ServeConfig
     from batchpilot.serving.supervisor import Supervisor
 
     async def scenario() -> None:

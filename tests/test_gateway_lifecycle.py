@@ -125,7 +125,7 @@ def test_a_negative_drain_is_refused_in_one_line(tmp_path: Path) -> None:
     assert done.returncode == 2, done.stderr[-3000:]
     assert done.stderr.strip() == ("serve: error: serve.drain_s must be a number of seconds >= 0 (how long requests in "
                                    "flight get to finish at a stop; 0 = end them at once), got -1.0"), done.stderr[-3000:]
-    from batchpilot.serving.settings import ServeConfig
+    from batchpilot.schemas.serve import ServeConfig
 
     for bad in (float("nan"), float("inf")):
         with pytest.raises(ValueError, match="serve.drain_s must be a number of seconds >= 0"):
@@ -214,8 +214,8 @@ async def test_a_body_not_sent_as_json_is_refused_as_vllm_refuses_it(
         content_type: str | None, monkeypatch: pytest.MonkeyPatch) -> None:
     """vLLM answers 400 "Unsupported Media Type" unless the media type is application/json; the
     gateway answers the same before the request takes a slot (the upstream is never called)."""
+    from batchpilot.schemas.serve import ServeConfig
     from batchpilot.serving.gateway import AppSettings, Gateway, build_app
-    from batchpilot.serving.settings import ServeConfig
     from batchpilot.serving.upstream import EngineInfo
 
     settings = AppSettings(serve=ServeConfig.from_cfg({"upstreams": ["http://127.0.0.1:9"], "tokenizer": "chars"}))
@@ -422,8 +422,8 @@ def test_a_second_ctrl_c_kills_the_engines_being_stopped(tmp_path: Path) -> None
     """The gateway's stop gives each engine 10 s of vLLM's own shutdown before SIGKILL; after a
     second Ctrl-C (``Gateway.hurry``) a stop under way kills the group at once, and a stop yet
     to come does not wait at all. A running engine that is not being stopped is left alone."""
+    from batchpilot.schemas.serve import ServeConfig
     from batchpilot.serving.gateway import AppSettings, Gateway
-    from batchpilot.serving.settings import ServeConfig
     from batchpilot.serving.upstream import ManagedVLLM as Real
 
     gw = Gateway(AppSettings(serve=ServeConfig.from_cfg({"managed": True, "num_managed": 2, "model": str(tmp_path),

@@ -30,11 +30,11 @@ import httpx
 import pytest
 from gateway_helpers import FakeVLLM, stop_process
 
+from batchpilot.schemas.serve import ServeConfig
 from batchpilot.serving import request_body
 from batchpilot.serving.errors import BadRequest
 from batchpilot.serving.gateway import AppSettings, Gateway, build_app
 from batchpilot.serving.request_body import BodyInspector
-from batchpilot.serving.settings import ServeConfig
 from batchpilot.serving.upstream import EngineInfo, _open_log, free_port
 
 TOKEN = "in-process-admin-token"

@@ -13,9 +13,9 @@ from typing import AsyncIterator
 
 import pytest
 
+from batchpilot.schemas.serve import QualityGuardConfig, ServeConfig
 from batchpilot.serving.prom import GatewayMetrics
 from batchpilot.serving.quality_guard import QualityGuard, token_agreement
-from batchpilot.serving.settings import QualityGuardConfig, ServeConfig
 
 
 def test_serve_config_validates_with_clear_errors() -> None:

@@ -59,9 +59,9 @@ def test_the_quality_guards_reference_gets_the_key_too(gw: RunningGateway) -> No
     on every sample and the guard would never compare anything)."""
     import asyncio
 
+    from batchpilot.schemas.serve import QualityGuardConfig
     from batchpilot.serving.prom import GatewayMetrics
     from batchpilot.serving.quality_guard import QualityGuard
-    from batchpilot.serving.settings import QualityGuardConfig
 
     url = _vllm_url(gw)
     body = {"model": "tiny-llama", "prompt": "compare me", "max_tokens": 8, "temperature": 0.0, "return_token_ids": True}

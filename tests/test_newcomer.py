@@ -25,7 +25,7 @@ import pytest
 from gateway_helpers import AUTH, TOKEN, stop_process, wait_ready, wait_until
 
 from batchpilot.config import REPO_ROOT, load_config
-from batchpilot.serving.settings import ServeConfig
+from batchpilot.schemas.serve import ServeConfig
 from batchpilot.serving.upstream import ManagedVLLM, free_port
 
 README = REPO_ROOT / "README.md"

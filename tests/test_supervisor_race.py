@@ -15,9 +15,9 @@ import pytest
 from batchpilot.core.admission import AdmissionConfig
 from batchpilot.core.knobs import Knobs
 from batchpilot.core.telemetry import SLO, Telemetry
+from batchpilot.schemas.serve import ServeConfig
 from batchpilot.serving.lanes import Lane
 from batchpilot.serving.prom import GatewayMetrics
-from batchpilot.serving.settings import ServeConfig
 from batchpilot.serving.supervisor import Supervisor
 
 pytestmark = pytest.mark.anyio
