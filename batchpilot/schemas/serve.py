@@ -1,6 +1,6 @@
 """The gateway's settings: the ``serve`` group (``conf/serve/default.yaml``: ``ServeConfig`` with
 its control loop, quality guard and warm-up) and ``scripts/serve.py``'s top config (``ServeApp``,
-``conf/serve_app.yaml``). ``serving/settings.py`` and ``serving/gateway.py`` read them."""
+``conf/serve_app.yaml``). ``serving/gateway.py`` and the gateway's parts import them from here."""
 
 from __future__ import annotations
 
