@@ -20,9 +20,9 @@ import numpy as np
 
 from batchpilot.core.actions import ACTION_NVEC
 from batchpilot.core.telemetry import FEATURE_NAMES, OBS_HIGH, OBS_LOW
-from batchpilot.policies.artifact import Artifact, PolicyLoadError, read_artifact
+from batchpilot.policies.artifact import Artifact, read_artifact
 
-__all__ = ["PolicyRuntime", "PolicyLoadError", "benchmark_runtime"]
+__all__ = ["PolicyRuntime", "benchmark_runtime"]
 
 
 class PolicyRuntime:

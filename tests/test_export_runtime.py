@@ -15,8 +15,8 @@ import pytest
 
 from batchpilot.core.actions import ACTION_NVEC
 from batchpilot.core.telemetry import FEATURE_NAMES
-from batchpilot.policies.artifact import FORMAT_VERSION, MANIFEST_FILE, WEIGHTS_FILE, config_sha256
-from batchpilot.policies.runtime import PolicyLoadError, PolicyRuntime, benchmark_runtime
+from batchpilot.policies.artifact import FORMAT_VERSION, MANIFEST_FILE, WEIGHTS_FILE, PolicyLoadError, config_sha256
+from batchpilot.policies.runtime import PolicyRuntime, benchmark_runtime
 
 sb3 = pytest.importorskip("stable_baselines3")
 sb3c = pytest.importorskip("sb3_contrib")
