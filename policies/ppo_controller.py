@@ -43,7 +43,7 @@ from batchpilot.schemas.policy import PPOPolicyConfig
 #: The shipped default policy (what ``policy=ppo`` means when no path is given).
 PRETRAINED_DIR = Path(__file__).resolve().parent / "pretrained"
 
-__all__ = ["PPOController", "PolicyLoadError", "PRETRAINED_DIR", "build_ppo_controller"]
+__all__ = ["PPOController", "PRETRAINED_DIR", "build_ppo_controller"]
 
 
 def _scales(manifest: Mapping[str, Any], path: Path) -> dict[str, Any]:
