@@ -56,6 +56,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
 from batchpilot.config import group_file, group_names, load_group_file
+from batchpilot.core.controller import Controller
 from batchpilot.core.knobs import Knobs
 from batchpilot.evaluation.plan import (
     BEST_STATIC,
@@ -68,7 +69,7 @@ from batchpilot.evaluation.plan import (
 )
 from batchpilot.evaluation.report import ROW_KEYS, Timeline
 from batchpilot.nodes import ConfigError
-from batchpilot.policies.controllers import CONTROLLER_BUILDERS, Controller, build_controller
+from batchpilot.policies.controllers import CONTROLLER_BUILDERS, build_controller
 from batchpilot.schemas.evaluate import BestStaticConfig
 from batchpilot.schemas.launcher import LauncherConfig
 

@@ -27,9 +27,10 @@ from stable_baselines3.common.callbacks import BaseCallback
 from stable_baselines3.common.logger import KVWriter
 
 from batchpilot.config import config_dirs, group_file, group_names
+from batchpilot.core.controller import Controller
 from batchpilot.envs.serving_env import ServingEnv
 from batchpilot.nodes import plain
-from batchpilot.policies.controllers import Controller, build_controller
+from batchpilot.policies.controllers import build_controller
 from batchpilot.workload_config import workload_from_node
 
 if TYPE_CHECKING:  # pragma: no cover

@@ -14,12 +14,9 @@ from typing import Any, Callable
 
 from batchpilot.core.controller import Controller
 from batchpilot.core.knobs import Knobs, Proposal
-from batchpilot.core.pid import (  # noqa: F401  (re-exported: the baselines live together here)
-    LATENCY_METRICS,
+from batchpilot.core.pid import (
     PIDConfig,
     PIDController,
-    backlog,
-    check_common,
     p99_ms,
     steering_metric,
 )

@@ -8,19 +8,18 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
+from batchpilot.core.controller import Controller
 from batchpilot.core.knobs import Knobs, Proposal
+from batchpilot.core.pid import PIDConfig, PIDController
 from batchpilot.core.telemetry import Snapshot
 from batchpilot.policies.controllers import (
-    AIMDConfig,
     AIMDController,
-    Controller,
-    PIDConfig,
-    PIDController,
     StaticController,
     build_controller,
     initial_knobs,
     register_controller,
 )
+from batchpilot.schemas.policy import AIMDConfig
 
 POLICY_DIR = Path(__file__).resolve().parent.parent / "conf" / "policy"
 
