@@ -20,10 +20,10 @@ import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
 import batchpilot.schemas  # noqa: E402,F401  (stores the config schemas before Hydra composes)
-from batchpilot.evaluation.live import (  # noqa: E402
+from batchpilot.evaluation.live import live_evaluate  # noqa: E402
+from batchpilot.evaluation.live_errors import (  # noqa: E402
     LiveEvaluationError,
     LiveEvaluationInterrupted,
-    live_evaluate,
 )
 
 

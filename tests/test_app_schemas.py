@@ -173,7 +173,8 @@ def test_a_top_level_key_added_with_plus_is_named_when_the_app_reads_its_config(
     from rich.console import Console
 
     from batchpilot.evaluation.calibration import run_fit
-    from batchpilot.evaluation.live import LiveEvaluationError, _check
+    from batchpilot.evaluation.live import _check
+    from batchpilot.evaluation.live_errors import LiveEvaluationError
     from batchpilot.evaluation.plan import EvalConfig, EvaluationError, compose_eval
     from batchpilot.evaluation.sim_to_real import run_report
 

@@ -20,7 +20,9 @@ from batchpilot.envs.timed_trace import (
     write_timed_trace,
 )
 from batchpilot.envs.traces import TraceFormatError, TraceOptions
-from batchpilot.evaluation.live import LiveEvaluationError, _check, row_from_result, schedule
+from batchpilot.evaluation.live import _check, schedule
+from batchpilot.evaluation.live_client import row_from_result
+from batchpilot.evaluation.live_errors import LiveEvaluationError
 from batchpilot.evaluation.live_metrics import ENGINE_COUNTERS, GATEWAY_COUNTERS, engine_row_fields, prom_values
 from batchpilot.evaluation.live_results import LIVE_ROW_KEYS, paired_differences, write_results
 
@@ -208,7 +210,7 @@ def test_a_given_capacity_replays_another_runs_load_without_a_probe() -> None:
     """Two runs of a sized scenario compare one setting only if they replay the same load: a
     run's ``load.capacity_req_s`` given back sizes the window exactly as its probe did, and no
     probe runs; the probed path sizes on what the probe measured."""
-    from batchpilot.evaluation.live import machine_load
+    from batchpilot.evaluation.live_probes import machine_load
     from batchpilot.evaluation.live_window import scenario_trace
 
     cfg = load_config(["live_scenario=code", "out_dir=/tmp/x"], config_name="live_evaluate")

@@ -21,14 +21,10 @@ import pytest
 from batchpilot.config import REPO_ROOT, load_config
 from batchpilot.envs.timed_trace import TimedTraceOptions, convert_trace
 from batchpilot.envs.traces import TraceOptions, read_trace
-from batchpilot.evaluation.live import (
-    LiveEvaluationError,
-    _check,
-    check_out_dir,
-    live_evaluate,
-    row_from_result,
-    wait_until,
-)
+from batchpilot.evaluation.live import _check, live_evaluate
+from batchpilot.evaluation.live_checks import check_out_dir
+from batchpilot.evaluation.live_client import row_from_result
+from batchpilot.evaluation.live_errors import LiveEvaluationError, wait_until
 from batchpilot.evaluation.live_results import write_results
 from batchpilot.evaluation.live_window import resolve_trace_path
 from batchpilot.policies.ppo_controller import PRETRAINED_DIR

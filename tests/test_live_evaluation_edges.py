@@ -18,16 +18,15 @@ import pytest
 from omegaconf import OmegaConf
 
 from batchpilot.config import REPO_ROOT, load_config
-from batchpilot.evaluation.live import (
-    LiveEvaluationError,
-    _check,
-    check_out_dir,
+from batchpilot.evaluation.live import _check
+from batchpilot.evaluation.live_checks import check_out_dir
+from batchpilot.evaluation.live_client import (
     error_bodies_in_client,
     error_message,
     row_from_result,
-    wait_until,
     with_error_bodies,
 )
+from batchpilot.evaluation.live_errors import LiveEvaluationError, wait_until
 from batchpilot.evaluation.live_results import write_results
 from batchpilot.evaluation.live_window import scenario_trace
 

@@ -14,7 +14,11 @@ import pytest
 from omegaconf import OmegaConf
 
 from batchpilot.config import load_config
-from batchpilot.evaluation.live import LiveEvaluationError, _check, check_tuned, row_from_result, tune_flags
+from batchpilot.evaluation.live import _check
+from batchpilot.evaluation.live_checks import check_tuned
+from batchpilot.evaluation.live_client import row_from_result
+from batchpilot.evaluation.live_errors import LiveEvaluationError
+from batchpilot.evaluation.live_probes import tune_flags
 from batchpilot.evaluation.live_results import LIVE_ROW_KEYS, write_results
 from batchpilot.evaluation.live_tuned import (
     TUNED,

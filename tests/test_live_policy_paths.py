@@ -12,7 +12,10 @@ import pytest
 from omegaconf import OmegaConf
 
 from batchpilot.config import REPO_ROOT, load_config
-from batchpilot.evaluation.live import LiveEvaluationError, _check, policy_dirs, row_from_result
+from batchpilot.evaluation.live import _check
+from batchpilot.evaluation.live_checks import policy_dirs
+from batchpilot.evaluation.live_client import row_from_result
+from batchpilot.evaluation.live_errors import LiveEvaluationError
 from batchpilot.evaluation.live_results import write_results
 from batchpilot.evaluation.live_twin import run_twin
 from batchpilot.evaluation.live_window import scenario_trace
