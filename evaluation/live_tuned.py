@@ -14,7 +14,7 @@ attainment reaches the floor kept. A queued-tokens value ``slo`` is vLLM's docs'
 the TTFT objective x the prefill throughput measured here.
 
 This module holds what can be decided without vLLM (the grid, the windows, the choice) and the
-engine's start and stop; ``evaluation/live.py`` runs the replays.
+engine's start and stop; ``evaluation/live_probes.py`` runs the sweep's replays (``tune_flags``).
 """
 
 from __future__ import annotations
