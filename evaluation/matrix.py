@@ -58,6 +58,7 @@ from omegaconf.errors import OmegaConfBaseException
 from batchpilot.config import group_file, group_names, load_group_file
 from batchpilot.core.controller import Controller
 from batchpilot.core.knobs import Knobs
+from batchpilot.core.telemetry import SLO
 from batchpilot.evaluation.plan import (
     BEST_STATIC,
     VLLM_TUNED_KIND,
@@ -135,14 +136,13 @@ def make_controller(policy: Mapping[str, Any], plan: WorkloadPlan, name: str | N
     kind = str(policy.get("kind"))
     name = name or str(policy.get("name", kind))
     _ensure_kind(kind, name)
-    slo = plan.cfg.slo
-    slo_ms = {"ttft": slo.get("ttft_ms"), "tpot": slo.get("tpot_ms"), "e2el": slo.get("e2el_ms")}
+    slo = SLO.from_mapping(plan.cfg.slo)
     if kind == VLLM_TUNED_KIND:
         raise EvaluationError(f"policy {name!r} is a sweep of vLLM's flags: the evaluation tunes it (its grid points "
                               f"are static settings), it is no controller to build")
     d = {k: v for k, v in policy.items() if k not in (AS_SHIPPED_KEY, ENGINE_KEY)}
     try:
-        return build_controller(d, engine_max_num_seqs(policy, plan), slo_ms=slo_ms)
+        return build_controller(d, engine_max_num_seqs(policy, plan), slo=slo)
     except (ImportError, ValueError) as e:
         hint = (
             " Ship/train one (scripts/train.py, scripts/export.py), point policy_overrides.ppo.path=DIR "

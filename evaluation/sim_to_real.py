@@ -331,10 +331,10 @@ def compared_runs(states: Sequence[float], tolerance: float, runs: int) -> list[
 
 def _controller(cfg: Any, env: Any) -> Any:
     """The controller ``cfg.policy`` names, sized to ``env``'s engine, under ``cfg``'s SLO."""
+    from batchpilot.core.telemetry import SLO
     from batchpilot.policies.controllers import build_controller
 
-    slo = {k: cfg.slo.get(f"{k}_ms") for k in ("ttft", "tpot", "e2el")}
-    return build_controller(cfg.policy, env.engine.capabilities().max_num_seqs, slo_ms=slo)
+    return build_controller(cfg.policy, env.engine.capabilities().max_num_seqs, slo=SLO.from_mapping(cfg.slo))
 
 
 def _simulate(cfg: Any, seed: int) -> dict[str, float]:

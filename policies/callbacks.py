@@ -28,6 +28,7 @@ from stable_baselines3.common.logger import KVWriter
 
 from batchpilot.config import config_dirs, group_file, group_names
 from batchpilot.core.controller import Controller
+from batchpilot.core.telemetry import SLO
 from batchpilot.envs.serving_env import ServingEnv
 from batchpilot.nodes import plain
 from batchpilot.policies.controllers import build_controller
@@ -170,11 +171,11 @@ def validation_cfg(base_cfg: DictConfig, group: str, overrides: Mapping[str, Any
     return cfg
 
 
-def baseline_factory(policy_cfg: Any, slo_ms: dict[str, float | None]) -> Callable[[ServingEnv], Controller]:
-    """A fresh baseline controller per episode, bounded by that env's engine."""
+def baseline_factory(policy_cfg: Any, slo: SLO) -> Callable[[ServingEnv], Controller]:
+    """A fresh baseline controller per episode, bounded by that env's engine, steering on ``slo``."""
 
     def make(env: ServingEnv) -> Controller:
-        return build_controller(policy_cfg, env.engine.capabilities().max_num_seqs, slo_ms=slo_ms)
+        return build_controller(policy_cfg, env.engine.capabilities().max_num_seqs, slo=slo)
 
     return make
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 from batchpilot.core.controller import Controller
 from batchpilot.core.knobs import Knobs, Proposal
@@ -18,9 +18,10 @@ from batchpilot.core.pid import (
     PIDConfig,
     PIDController,
     p99_ms,
+    slo_setpoints,
     steering_metric,
 )
-from batchpilot.core.telemetry import Snapshot
+from batchpilot.core.telemetry import LATENCY_METRICS, SLO, Snapshot
 from batchpilot.nodes import from_node, plain
 from batchpilot.schemas.policy import AIMDConfig, StaticConfig  # declared there (policy/schema_aimd, schema_static)
 
@@ -135,22 +136,35 @@ def _build_lookahead(cfg: Any, max_num_seqs: int) -> Controller:
 register_controller("lookahead", _build_lookahead)
 
 
-def build_controller(cfg_policy: Any, max_num_seqs: int, slo_ms: dict[str, float | None] | None = None) -> Controller:
-    """The controller ``cfg_policy.kind`` names. ``slo_ms`` (``{"ttft": .., "tpot": .., "e2el": ..}``
-    from the top config) fills PID/AIMD ``slo_ms`` and PPO's served ``slo`` when the policy
-    config leaves them out."""
+def build_controller(
+    cfg_policy: Any,
+    max_num_seqs: int,
+    slo: SLO | Mapping[str, float | None] | None = None,
+    *,
+    slo_ms: Mapping[str, float | None] | None = None,
+) -> Controller:
+    """The controller ``cfg_policy.kind`` names. ``slo`` (the top config's, an ``SLO`` or its
+    metric-keyed form ``{"ttft": .., "tpot": .., "e2el": ..}``; ``slo_ms`` is the same, the
+    keyword's former name) fills PID/AIMD's setpoints (``slo_setpoints``) and PPO's served
+    ``slo`` where the policy config leaves them out."""
+    if slo_ms is not None:
+        if slo is not None:
+            raise ValueError("build_controller: give the SLO once, as slo (slo_ms is its former name)")
+        slo = slo_ms
+    if slo is not None and not isinstance(slo, SLO):
+        slo = SLO.from_metrics(slo) if slo else None  # an empty mapping fills nothing, as before
     d = _node(cfg_policy)
     kind = d.get("kind")
     if kind not in CONTROLLER_BUILDERS:
         raise ValueError(f"unknown policy kind {kind!r}; known: {sorted(CONTROLLER_BUILDERS)}")
-    if slo_ms and kind in ("ppo", "lookahead") and "slo" not in d:
-        d["slo"] = dict(slo_ms)
-    if slo_ms and kind in ("pid", "aimd"):
-        slo = slo_ms.get(d.get("metric", "ttft"))
-        if slo is not None and "slo_ms" not in d:
-            d["slo_ms"] = float(slo)
-        if "tpot_slo_ms" not in d:
-            d["tpot_slo_ms"] = slo_ms.get("tpot")
+    if slo is not None and kind in ("ppo", "lookahead") and "slo" not in d:
+        d["slo"] = slo.by_metric()
+    # A node without ``metric`` takes the TTFT objective (as it always has), though PIDConfig's
+    # own metric default is TPOT; an unknown metric is left to the config's check, which names it.
+    metric = d.get("metric", "ttft")
+    if slo is not None and kind in ("pid", "aimd") and metric in LATENCY_METRICS:
+        for key, value in slo_setpoints(slo, metric).items():
+            d.setdefault(key, value)
     return CONTROLLER_BUILDERS[kind](d, max_num_seqs)
 
 

@@ -279,6 +279,5 @@ def recent_arrivals(stream: RequestStream, now: float, span_s: float) -> Request
 def build_lookahead(cfg: Any, max_num_seqs: int) -> LookaheadController:
     """The controller a ``kind: lookahead`` policy file describes (``slo`` filled by the caller)."""
     lc = from_node(LookaheadConfig, cfg, drop=("kind", "name"))
-    slo = SLO() if lc.slo is None else SLO(ttft_ms=lc.slo.get("ttft"), tpot_ms=lc.slo.get("tpot"),
-                                           e2el_ms=lc.slo.get("e2el"))
+    slo = SLO() if lc.slo is None else SLO.from_metrics(lc.slo)
     return LookaheadController(lc, slo, max_num_seqs)

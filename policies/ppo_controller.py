@@ -252,6 +252,5 @@ def build_ppo_controller(cfg_policy: Any, max_num_seqs: int) -> PPOController:
         ood_margin=pc.ood_margin,
         kv_agent=pc.kv_agent,
         kv_restart_s=pc.kv_restart_s,
-        slo=None if pc.slo is None else SLO(ttft_ms=pc.slo.get("ttft"), tpot_ms=pc.slo.get("tpot"),
-                                            e2el_ms=pc.slo.get("e2el")),
+        slo=None if pc.slo is None else SLO.from_metrics(pc.slo),
     )

@@ -41,6 +41,7 @@ from typing import Any, Callable
 from omegaconf import DictConfig, OmegaConf
 
 from batchpilot.config import CONF_DIR, config_dirs, group_file, group_names, load_group_file
+from batchpilot.core.telemetry import SLO
 from batchpilot.envs.serving_env import ServingEnv
 from batchpilot.nodes import ConfigError
 from batchpilot.policies.callbacks import (
@@ -435,11 +436,11 @@ class _Baseline:
 
     name: str
     policy_cfg: Any
-    slo_ms: dict[str, Any]
+    slo: SLO
     results: Results
 
     def factory(self) -> Callable[[ServingEnv], Any]:
-        return baseline_factory(self.policy_cfg, self.slo_ms)
+        return baseline_factory(self.policy_cfg, self.slo)
 
 
 def _run_baseline(cfg: DictConfig, tc: TrainConfig, suite: ValidationSuite) -> _Baseline:
@@ -447,12 +448,12 @@ def _run_baseline(cfg: DictConfig, tc: TrainConfig, suite: ValidationSuite) -> _
     training is compared with these scores."""
     name = str(tc.validation.get("baseline", "pid"))
     policy_cfg = load_group_file("policy", name, config_dirs())  # checked by check_training_config
-    slo_ms = {"ttft": cfg.slo.ttft_ms, "tpot": cfg.slo.tpot_ms, "e2el": cfg.slo.e2el_ms}
+    slo = SLO.from_mapping(cfg.slo)
     t0 = time.perf_counter()
-    results = suite.run_controller(baseline_factory(policy_cfg, slo_ms))
+    results = suite.run_controller(baseline_factory(policy_cfg, slo))
     print(f"[train] baseline {name} on {suite.names}: {time.perf_counter() - t0:.1f}s, "
           f"mean request_goodput {mean_over_workloads(results, 'request_goodput'):.3f}/s")
-    return _Baseline(name=name, policy_cfg=policy_cfg, slo_ms=slo_ms, results=results)
+    return _Baseline(name=name, policy_cfg=policy_cfg, slo=slo, results=results)
 
 
 def _build_run_model(setup: _RunSetup, venv: Any) -> Any:

@@ -168,8 +168,7 @@ def _env_controller(mode: str, env: ServingEnv, loop: ControlLoop) -> Any:
     if mode == "static":
         return build_controller({"kind": "static", "batch_cap": knobs.batch_cap, "bucketing": knobs.bucketing,
                                  "kv_dtype": knobs.kv_dtype}, env._max_num_seqs)
-    slo_ms = {"ttft": slo.ttft_ms, "tpot": slo.tpot_ms, "e2el": slo.e2el_ms}
-    return build_controller(dict(env.cfg.policy), env._max_num_seqs, slo_ms)
+    return build_controller(dict(env.cfg.policy), env._max_num_seqs, slo)
 
 
 def _run_env(mode: str, env: ServingEnv, controller: Any) -> tuple[list[Interval], list[tuple[Snapshot, Proposal, dict]]]:

@@ -11,7 +11,7 @@ from omegaconf import OmegaConf
 from batchpilot.core.controller import Controller
 from batchpilot.core.knobs import Knobs, Proposal
 from batchpilot.core.pid import PIDConfig, PIDController
-from batchpilot.core.telemetry import Snapshot
+from batchpilot.core.telemetry import SLO, Snapshot
 from batchpilot.policies.controllers import (
     AIMDController,
     StaticController,
@@ -167,7 +167,7 @@ def test_configs_build_the_right_controllers():
     built = {}
     for name in ("pid", "aimd", "static", "vllm_default"):
         cfg = OmegaConf.load(POLICY_DIR / f"{name}.yaml")
-        built[name] = build_controller(cfg, max_num_seqs=256, slo_ms={"ttft": 1000.0, "tpot": 100.0, "e2el": None})
+        built[name] = build_controller(cfg, max_num_seqs=256, slo=SLO(ttft_ms=1000.0, tpot_ms=100.0, e2el_ms=None))
         assert isinstance(built[name], Controller)
     pid = built["pid"]
     assert isinstance(pid, PIDController)

@@ -16,7 +16,7 @@ from batchpilot.config import load_config
 from batchpilot.core.engine import KV_DTYPES_8BIT
 from batchpilot.core.knobs import Knobs
 from batchpilot.core.kv_epoch import KV_FEATURE_NAMES, KVEpoch, kv_target
-from batchpilot.core.telemetry import Snapshot
+from batchpilot.core.telemetry import SLO, Snapshot
 from batchpilot.envs.kv_env import KVPrecisionEnv
 from batchpilot.policies.artifact import PolicyLoadError
 from batchpilot.policies.controllers import build_controller
@@ -80,7 +80,7 @@ KV_BOUND = ["workload=poisson", "workload.rate=7.0", "workload.lengths.prompt_me
 
 def _pid(env):
     pid = build_controller(load_config(["policy=pid"]).policy, env.engine.capabilities().max_num_seqs,
-                           slo_ms={"ttft": 1000.0, "tpot": 100.0, "e2el": None})
+                           slo=SLO(ttft_ms=1000.0, tpot_ms=100.0, e2el_ms=None))
     return pid
 
 

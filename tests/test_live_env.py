@@ -26,6 +26,7 @@ from gymnasium.utils.env_checker import check_env  # noqa: E402
 import batchpilot.envs  # noqa: E402,F401  (registers the id)
 from batchpilot.config import load_config  # noqa: E402
 from batchpilot.core.engine import Request, RequestRejected  # noqa: E402
+from batchpilot.core.telemetry import SLO  # noqa: E402
 from batchpilot.envs import ENV_ID  # noqa: E402
 from batchpilot.envs.serving_env import ServingEnv  # noqa: E402
 from batchpilot.envs.vllm_engine import VLLMEngine  # noqa: E402
@@ -98,8 +99,8 @@ def test_passes_check_env(env: ServingEnv) -> None:
 
 def test_pid_episode_completes_real_requests(env: ServingEnv) -> None:
     cfg = env.cfg
-    slo = {k: cfg.slo.get(f"{k}_ms") for k in ("ttft", "tpot", "e2el")}
-    ctl = build_controller(load_config(["policy=pid"]).policy, env.engine.capabilities().max_num_seqs, slo_ms=slo)
+    ctl = build_controller(load_config(["policy=pid"]).policy, env.engine.capabilities().max_num_seqs,
+                           slo=SLO.from_mapping(cfg.slo))
     env.reset(seed=3)
     ctl.reset(env.knobs)
     steps = 0

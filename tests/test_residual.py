@@ -40,7 +40,7 @@ def test_factor_one_is_exactly_pid():
     res_env.reset(seed=3)
     pid_env.reset(seed=3)
     pid = build_controller(load_config(["policy=pid"]).policy, pid_env.engine.capabilities().max_num_seqs,
-                           slo_ms={"ttft": 1000.0, "tpot": 100.0, "e2el": None})
+                           slo=SLO(ttft_ms=1000.0, tpot_ms=100.0, e2el_ms=None))
     pid.reset(pid_env.knobs)
     caps = set()
     for _ in range(60):
@@ -104,7 +104,7 @@ def test_a_policy_serves_the_deployments_slo_not_the_one_it_was_trained_at():
     seqs = env.engine.capabilities().max_num_seqs
     node = load_config(["policy=ppo"]).policy
     trained = build_controller(node, seqs)
-    served = build_controller(node, seqs, slo_ms={"ttft": 500.0, "tpot": 25.0, "e2el": None})
+    served = build_controller(node, seqs, slo=SLO(ttft_ms=500.0, tpot_ms=25.0, e2el_ms=None))
     assert trained.slo == SLO(ttft_ms=1000.0, tpot_ms=100.0) == trained.trained_slo
     assert served.slo == SLO(ttft_ms=500.0, tpot_ms=25.0) and served.trained_slo == trained.slo
     tpot = FEATURE_NAMES.index("tpot_p99")

@@ -56,3 +56,33 @@ def test_the_gateway_reads_its_slo_and_bucket_count_from_its_config() -> None:
         assert lane.telemetry.slo is settings.slo
     finally:
         gw.lanes[0].upstream.pool.close()
+
+
+def test_the_slo_answers_for_each_metric_and_names_an_unknown_one() -> None:
+    """``SLO.for_metric`` is the one lookup from a metric to its objective (PID's setpoints, the
+    shield's breach limits, a residual policy's PID); ``from_metrics`` / ``by_metric`` are the
+    metric-keyed form a served policy's ``slo`` uses, both ways."""
+    slo = SLO(ttft_ms=500.0, tpot_ms=None, e2el_ms=9000.0)
+    assert [slo.for_metric(m) for m in ("ttft", "tpot", "e2el")] == [500.0, None, 9000.0]
+    with pytest.raises(ValueError, match=r"unknown latency metric 'itl'; choices: \['ttft', 'tpot', 'e2el'\]"):
+        slo.for_metric("itl")
+    assert SLO.from_metrics(slo.by_metric()) == slo
+    assert SLO.from_metrics({"tpot": 40.0}) == SLO(ttft_ms=None, tpot_ms=40.0, e2el_ms=None)  # left out: none
+    with pytest.raises(ValueError, match=r"unknown metric\(s\) \['ttft_ms'\]"):
+        SLO.from_metrics({"ttft_ms": 500.0})
+
+
+def test_pid_setpoints_come_from_the_slo_of_its_metric() -> None:
+    """A PID or AIMD built with an SLO steers at the objective of its own metric, TPOT for the
+    queue-aware switch; a metric without an objective keeps the config's own setpoint."""
+    from batchpilot.policies.controllers import build_controller
+
+    slo = SLO(ttft_ms=500.0, tpot_ms=40.0, e2el_ms=None)
+    for node, want in (({"kind": "pid", "metric": "ttft"}, 500.0), ({"kind": "pid", "metric": "tpot"}, 40.0),
+                       ({"kind": "aimd", "metric": "tpot"}, 40.0), ({"kind": "pid", "metric": "e2el"}, DEFAULT_TTFT_MS)):
+        cfg = build_controller(node, 256, slo).cfg  # type: ignore[attr-defined]
+        assert (cfg.slo_ms, cfg.tpot_slo_ms) == (want, 40.0), node
+    # The metric-keyed mapping is the same SLO (the gateway passes that form).
+    assert build_controller({"kind": "pid", "metric": "ttft"}, 256, slo.by_metric()).cfg.slo_ms == 500.0  # type: ignore[attr-defined]
+    with pytest.raises(ValueError, match="give the SLO once"):
+        build_controller({"kind": "pid"}, 256, slo, slo_ms=slo.by_metric())

@@ -9,9 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from batchpilot.core.knobs import BUCKETING_MODES, Knobs, Proposal
-from batchpilot.core.telemetry import DEFAULT_TPOT_MS, DEFAULT_TTFT_MS, Snapshot
-
-LATENCY_METRICS: tuple[str, ...] = ("ttft", "tpot", "e2el")
+from batchpilot.core.telemetry import DEFAULT_TPOT_MS, DEFAULT_TTFT_MS, LATENCY_METRICS, SLO, Snapshot
 
 
 def p99_ms(snap: Snapshot, metric: str) -> float:
@@ -33,6 +31,18 @@ def steering_metric(
     return metric, slo_ms
 
 
+def slo_setpoints(slo: SLO, metric: str) -> dict[str, float | None]:
+    """PID's (and AIMD's) setpoint fields filled from the SLO, read through ``SLO.for_metric``:
+    ``slo_ms`` = the objective on ``metric`` (left out where that metric has none, so the
+    config's own value stays), ``tpot_slo_ms`` = the TPOT objective (None: no queue-aware
+    switch). The one place a controller's setpoints come from the declared SLO."""
+    out: dict[str, float | None] = {"tpot_slo_ms": slo.for_metric("tpot")}
+    own = slo.for_metric(metric)
+    if own is not None:
+        out["slo_ms"] = float(own)
+    return out
+
+
 def check_common(kind: str, d: dict[str, Any]) -> None:
     if d.get("metric", "ttft") not in LATENCY_METRICS:
         raise ValueError(f"policy {kind}: metric must be one of {LATENCY_METRICS}, got {d['metric']!r}")
@@ -43,9 +53,16 @@ def check_common(kind: str, d: dict[str, Any]) -> None:
 # --- PID ---------------------------------------------------------------------------------
 @dataclass(slots=True)
 class PIDConfig:
-    """The guide's PID on the batch cap. These defaults are the ones ``conf/policy/pid.yaml``
-    spells out (a test keeps them equal), so a PID built without that file (the gateway's
-    fallback when it serves a policy) is the same PID the evaluation ran."""
+    """The guide's PID on the batch cap. ``conf/policy/pid.yaml`` extends these defaults (its
+    schema), so a PID built without that file (the gateway's fallback when it serves a policy)
+    is the same PID the evaluation ran.
+
+    The setpoints (``slo_ms``, ``tpot_slo_ms``) stay fields of their own rather than an ``SLO``:
+    they are the controller's parameters, which the SLO fills (``slo_setpoints``, from the one
+    declared SLO through ``SLO.for_metric``) but need not equal. A trained policy's manifest
+    records its PID with them (``controller.pid`` in ``policies/pretrained/manifest.json``), and
+    ``residual_pid_config`` moves each by the served / trained objective, so old artifacts load
+    and steer as before; a PID built with no SLO keeps the TTFT default (as it always has)."""
 
     #: Latency whose P99 is controlled.
     metric: str = "tpot"

@@ -18,16 +18,12 @@ import numpy as np
 
 from batchpilot.core.actions import BATCH_STEPS, kv_choice, parse_action
 from batchpilot.core.knobs import BUCKETING_MODES, Knobs, Proposal
-from batchpilot.core.pid import PIDConfig, PIDController
+from batchpilot.core.pid import PIDConfig, PIDController, slo_setpoints
 from batchpilot.core.telemetry import SLO, Snapshot
 
 ACTION_MODES: tuple[str, ...] = ("residual_pid", "absolute")
 #: Multipliers on PID's cap, one per batch sub-action.
 RESIDUAL_FACTORS: tuple[float, ...] = tuple(1.0 + s for s in BATCH_STEPS)
-
-
-def _slo_ms(slo: SLO, metric: str) -> float | None:
-    return {"ttft": slo.ttft_ms, "tpot": slo.tpot_ms, "e2el": slo.e2el_ms}[metric]
 
 
 def residual_pid_config(
@@ -44,15 +40,14 @@ def residual_pid_config(
     base = dataclasses.asdict(PIDConfig())
     d = dict(recorded or {})
     if not d:
-        slo_ms = _slo_ms(slo, base["metric"])
-        d = {"slo_ms": float(slo_ms if slo_ms is not None else base["slo_ms"]), "tpot_slo_ms": slo.tpot_ms}
+        d = slo_setpoints(slo, base["metric"])
     unknown = set(d) - set(base)
     if unknown:
         raise ValueError(f"residual PID config: unknown keys {sorted(unknown)}; known: {sorted(base)}")
     d = {**base, **d}
     if recorded and trained_slo is not None:
         for key, metric in (("slo_ms", d["metric"]), ("tpot_slo_ms", "tpot")):
-            now, then = _slo_ms(slo, metric), _slo_ms(trained_slo, metric)
+            now, then = slo.for_metric(metric), trained_slo.for_metric(metric)
             if d[key] is not None and now and then:
                 d[key] = float(d[key]) * now / then
     d["max_batch"] = min(int(d["max_batch"]), max_num_seqs)

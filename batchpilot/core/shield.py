@@ -695,12 +695,11 @@ class Shield:
             return f"engine out of memory ({self.oom_reason or 'reported by its engine'})", "failure"
         if inputs.preemptions >= self.cfg.preemption_storm:
             return f"preemption storm ({inputs.preemptions} >= {self.cfg.preemption_storm})", "failure"
-        slo_ms = {"ttft": self.slo.ttft_ms, "tpot": self.slo.tpot_ms, "e2el": self.slo.e2el_ms}
         seen = {"ttft": inputs.ttft_p99_ms, "tpot": inputs.tpot_p99_ms, "e2el": inputs.e2el_p99_ms}
         found: tuple[str, str] | None = None
         backlog = inputs.backlog
         for m in sorted(self.cfg.breach_metrics, key=lambda m: m != "tpot"):  # engine-side first
-            limit = slo_ms[m]
+            limit = self.slo.for_metric(m)
             if limit is None or not seen[m] > self.cfg.breach_factor * limit:
                 continue
             if m == "tpot" and self.cfg.tpot_breach_needs_present and self._tpot_now_ms(inputs) <= limit:

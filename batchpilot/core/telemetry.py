@@ -24,17 +24,25 @@ from batchpilot.core.knobs import BUCKETING_MODES, Knobs
 DEFAULT_TTFT_MS: float = 1000.0
 DEFAULT_TPOT_MS: float = 100.0
 
+#: The latency metrics an objective can be set on, each with its ``SLO`` field.
+_SLO_FIELDS: dict[str, str] = {"ttft": "ttft_ms", "tpot": "tpot_ms", "e2el": "e2el_ms"}
+LATENCY_METRICS: tuple[str, ...] = tuple(_SLO_FIELDS)
+
 
 @dataclass(slots=True)
 class SLO:
-    """Per-request objectives in milliseconds; ``None`` = no objective on that metric."""
+    """Per-request objectives in milliseconds; ``None`` = no objective on that metric.
+
+    The one place the objectives are declared (``conf/slo`` composes into it): a controller
+    that steers on a metric's objective reads it through ``for_metric``, not a field of its own
+    looked up by hand, so a new metric or a renamed field cannot leave one reader behind."""
 
     ttft_ms: float | None = DEFAULT_TTFT_MS
     tpot_ms: float | None = DEFAULT_TPOT_MS
     e2el_ms: float | None = None
 
     def __post_init__(self) -> None:
-        for key in ("ttft_ms", "tpot_ms", "e2el_ms"):
+        for key in _SLO_FIELDS.values():
             v = getattr(self, key)
             if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))
                                   or not math.isfinite(v) or v <= 0):
@@ -46,10 +54,32 @@ class SLO:
         a missing key keeps the default, a null value means no objective). An unknown key raises
         naming it, so a typo cannot leave the default SLO in force unnoticed."""
         d = dict(node or {})
-        unknown = sorted(set(d) - {"ttft_ms", "tpot_ms", "e2el_ms"})
+        unknown = sorted(set(d) - set(_SLO_FIELDS.values()))
         if unknown:
-            raise ValueError(f"slo: unknown key(s) {unknown}; expected ttft_ms, tpot_ms, e2el_ms")
+            raise ValueError(f"slo: unknown key(s) {unknown}; expected {', '.join(_SLO_FIELDS.values())}")
         return cls(**d)
+
+    @classmethod
+    def from_metrics(cls, node: Mapping[str, float | None]) -> "SLO":
+        """From the metric-keyed form ``{"ttft": ms, "tpot": ms, "e2el": ms}`` (a served
+        policy's ``slo`` in ``conf/policy``); a metric left out has no objective, as ``by_metric``
+        writes every one. An unknown metric raises naming it."""
+        unknown = sorted(set(node) - set(LATENCY_METRICS))
+        if unknown:
+            raise ValueError(f"slo: unknown metric(s) {unknown}; expected {list(LATENCY_METRICS)}")
+        return cls(**{key: node.get(m) for m, key in _SLO_FIELDS.items()})
+
+    def for_metric(self, metric: str) -> float | None:
+        """The objective in ms on latency ``metric`` (``"ttft"``, ``"tpot"`` or ``"e2el"``);
+        None = no objective there. An unknown metric raises naming it and the choices."""
+        key = _SLO_FIELDS.get(metric)
+        if key is None:
+            raise ValueError(f"SLO.for_metric: unknown latency metric {metric!r}; choices: {list(LATENCY_METRICS)}")
+        return getattr(self, key)
+
+    def by_metric(self) -> dict[str, float | None]:
+        """Every metric's objective, keyed by metric (the form ``from_metrics`` reads)."""
+        return {m: self.for_metric(m) for m in LATENCY_METRICS}
 
     @property
     def ttft_ref_ms(self) -> float:
