@@ -92,6 +92,15 @@ def _bounded(cls: type, d: dict[str, Any], max_num_seqs: int) -> dict[str, Any]:
     return d
 
 
+#: The kinds whose setpoints (``slo_ms``, ``tpot_slo_ms``) build_controller fills from the SLO.
+_SETPOINT_CONFIGS: dict[str, type] = {"pid": PIDConfig, "aimd": AIMDConfig}
+
+
+def _default(cls: type, name: str) -> Any:
+    """Dataclass ``cls``'s default for field ``name``."""
+    return next(f.default for f in dataclasses.fields(cls) if f.name == name)
+
+
 #: Policy-file keys that select or label the controller rather than configure it.
 _SELECTORS = ("kind", "name")
 
@@ -159,10 +168,12 @@ def build_controller(
         raise ValueError(f"unknown policy kind {kind!r}; known: {sorted(CONTROLLER_BUILDERS)}")
     if slo is not None and kind in ("ppo", "lookahead") and "slo" not in d:
         d["slo"] = slo.by_metric()
-    # A node without ``metric`` takes the TTFT objective (as it always has), though PIDConfig's
-    # own metric default is TPOT; an unknown metric is left to the config's check, which names it.
-    metric = d.get("metric", "ttft")
-    if slo is not None and kind in ("pid", "aimd") and metric in LATENCY_METRICS:
+    # The setpoint is the objective of the metric the controller will steer on: a node without
+    # ``metric`` gets its dataclass's (PID: TPOT). An unknown metric is left to the config's
+    # check, which names it.
+    cls = _SETPOINT_CONFIGS.get(str(kind))
+    metric = d.get("metric", _default(cls, "metric")) if cls is not None else None
+    if slo is not None and cls is not None and metric in LATENCY_METRICS:
         for key, value in slo_setpoints(slo, metric).items():
             d.setdefault(key, value)
     return CONTROLLER_BUILDERS[kind](d, max_num_seqs)

@@ -82,6 +82,11 @@ def test_pid_setpoints_come_from_the_slo_of_its_metric() -> None:
                        ({"kind": "aimd", "metric": "tpot"}, 40.0), ({"kind": "pid", "metric": "e2el"}, DEFAULT_TTFT_MS)):
         cfg = build_controller(node, 256, slo).cfg  # type: ignore[attr-defined]
         assert (cfg.slo_ms, cfg.tpot_slo_ms) == (want, 40.0), node
+    # A node that names no metric steers on its dataclass's (PID: TPOT, AIMD: TTFT) and at that
+    # metric's objective: the gateway's fallback PID ({"kind": "pid"}) steered TPOT at the TTFT
+    # objective (1000 ms against the evaluation PID's 100 ms) before.
+    assert build_controller({"kind": "pid"}, 256, slo).cfg.slo_ms == 40.0  # type: ignore[attr-defined]
+    assert build_controller({"kind": "aimd"}, 256, slo).cfg.slo_ms == 500.0  # type: ignore[attr-defined]
     # The metric-keyed mapping is the same SLO (the gateway passes that form).
     assert build_controller({"kind": "pid", "metric": "ttft"}, 256, slo.by_metric()).cfg.slo_ms == 500.0  # type: ignore[attr-defined]
     with pytest.raises(ValueError, match="give the SLO once"):
