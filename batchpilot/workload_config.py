@@ -4,7 +4,7 @@ its keys, types and defaults.
 ``batchpilot/schemas/`` stores each as ``workload/schema_<kind>`` and every
 ``conf/workload/*.yaml`` extends its kind's (``defaults: [schema_<kind>, _self_]``), so a
 mistyped key or a value of the wrong type fails at compose time naming ``workload.<key>``.
-``envs/workloads.py build_workload`` (which re-exports these) builds a stream from a node with
+``envs/workloads.py build_workload`` builds a stream from a node with
 ``workload_from_node``: the node is merged into its kind's schema again (a mapping built in code,
 a mixture's components, a validation workload get the same key and type checks) and the domain
 checks (ranges) run, each naming the full key (``workload.rate: must be >= 0, got -2``).

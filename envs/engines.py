@@ -50,7 +50,9 @@ class EngineFactory:
         # a reset, which was 6 % of a 120-step episode).
         key = repr([OmegaConf.to_container(node, resolve=True) for node in (engine, model, hardware)])
         if key not in self._makers:
-            from batchpilot.envs.sim_engine import HardwareSpec, ModelSpec, SimEngine, SimEngineConfig
+            from batchpilot.core.specs import HardwareSpec, ModelSpec
+            from batchpilot.envs.sim_engine import SimEngine
+            from batchpilot.schemas.engine import SimEngineConfig
 
             parts = (HardwareSpec.from_cfg(hardware), ModelSpec.from_cfg(model), SimEngineConfig.from_cfg(engine))
             self._makers[key] = lambda: SimEngine(*parts)

@@ -8,7 +8,7 @@ import math
 from batchpilot.core.telemetry import SLO, Snapshot
 from batchpilot.schemas.env import RewardConfig
 
-__all__ = ["RewardConfig", "reward_terms"]
+__all__ = ["reward_terms"]
 
 
 def reward_terms(snap: Snapshot, slo: SLO, cfg: RewardConfig, *, rate_scale: float,

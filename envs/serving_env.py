@@ -70,10 +70,11 @@ from batchpilot.core.telemetry import FEATURE_NAMES, OBS_HIGH, OBS_LOW, SLO, Sna
 from batchpilot.envs.capacity import capacity_bound, saturated_rate, slo_rate
 from batchpilot.envs.deployments import Deployment, DeploymentSet
 from batchpilot.envs.engines import EngineFactory
-from batchpilot.envs.reward import RewardConfig, reward_terms
+from batchpilot.envs.reward import reward_terms
 from batchpilot.envs.workloads import RequestStream, build_workload
 from batchpilot.metrics import Offered, summarize
 from batchpilot.nodes import from_node
+from batchpilot.schemas.env import RewardConfig
 from batchpilot.schemas.serve import ControlConfig
 
 #: ``env.memory_utilization`` draws only budgets where the shield admits this many requests of

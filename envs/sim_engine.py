@@ -56,10 +56,10 @@ from batchpilot.core.engine import (
     RequestRejected,
     StepResult,
 )
+from batchpilot.core.specs import HardwareSpec, ModelSpec
 from batchpilot.envs.api_server import API_SERVER_503, QueueLimits
-from batchpilot.envs.specs import HardwareSpec, ModelSpec
 from batchpilot.envs.step_time import StepTimeModel
-from batchpilot.schemas.engine import SimEngineConfig  # declared there (the engine/schema_sim schema); re-exported
+from batchpilot.schemas.engine import SimEngineConfig  # declared there (the engine/schema_sim schema)
 
 #: Fixed CUDA-graph / NCCL / allocator reserve added to the activation estimate, bytes.
 _RESERVE_BYTES = 0.5e9

@@ -23,7 +23,7 @@ from typing import Sequence
 import numpy as np
 
 from batchpilot.core.engine import IterationShape
-from batchpilot.envs.specs import HardwareSpec, ModelSpec, is_8bit
+from batchpilot.core.specs import HardwareSpec, ModelSpec, is_8bit
 
 _GEMM_OPS = ("attn_pre_proj", "attn_post_proj", "mlp_up_proj", "mlp_down_proj")
 _ELEMENTWISE_OPS = ("input_layernorm", "attn_rope", "post_attention_layernorm", "mlp_act", "add")

@@ -56,7 +56,7 @@ from batchpilot.core.engine import (
 )
 from batchpilot.nodes import from_node
 from batchpilot.platform.vllm_cpu import cpu_simd_flags, request_amx_permission, small_machine_omp_defaults
-from batchpilot.schemas.engine import VLLMEngineConfig  # declared there (schema/vllm_engine); re-exported
+from batchpilot.schemas.engine import VLLMEngineConfig  # declared there (schema/vllm_engine)
 
 _GiB = 1 << 30
 

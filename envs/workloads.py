@@ -42,9 +42,7 @@ from batchpilot.envs.traces import (
     clip_lengths,
     read_trace,
 )
-from batchpilot.workload_config import (  # noqa: F401  (re-exported: the workload group's schemas)
-    WORKLOAD_KINDS,
-    WORKLOAD_SCHEMAS,
+from batchpilot.workload_config import (
     DiurnalWorkload,
     GammaWorkload,
     LengthsConfig,

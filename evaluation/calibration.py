@@ -44,7 +44,7 @@ from typing import Any, Callable, Iterable, Literal, Sequence
 import numpy as np
 
 from batchpilot.core.engine import Engine, IterationShape, Request
-from batchpilot.envs.specs import HardwareSpec, ModelSpec
+from batchpilot.core.specs import HardwareSpec, ModelSpec
 from batchpilot.envs.step_time import StepTimeModel
 from batchpilot.schemas import check_app
 from batchpilot.schemas.calibrate import (  # Grid, StateProbe: declared there (calibrate.yaml)

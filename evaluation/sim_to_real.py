@@ -23,7 +23,7 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 
 from batchpilot.core.engine import IterationShape
-from batchpilot.envs.specs import HardwareSpec, ModelSpec
+from batchpilot.core.specs import HardwareSpec, ModelSpec
 from batchpilot.envs.step_time import StepTimeModel
 from batchpilot.evaluation.calibration import CalibrationError, EngineSpeed, StateMeter, fmt_number, run_until_idle
 from batchpilot.schemas import check_app

@@ -50,7 +50,7 @@ def test_calibrate_writes_a_served_profile(tmp_path):
     from omegaconf import OmegaConf
 
     from batchpilot.config import load_config
-    from batchpilot.envs.specs import HardwareSpec
+    from batchpilot.core.specs import HardwareSpec
 
     out = tmp_path / "cpu_tiny_served_test.yaml"
     run = subprocess.run(

@@ -13,8 +13,8 @@ import yaml
 
 from batchpilot.config import load_config
 from batchpilot.core.engine import IterationShape, Request
-from batchpilot.envs.sim_engine import SimEngine, SimEngineConfig
-from batchpilot.envs.specs import HardwareSpec, ModelSpec
+from batchpilot.core.specs import HardwareSpec, ModelSpec
+from batchpilot.envs.sim_engine import SimEngine
 from batchpilot.evaluation.calibration import (
     CalibrationError,
     Fit,
@@ -24,6 +24,7 @@ from batchpilot.evaluation.calibration import (
     residuals,
 )
 from batchpilot.evaluation.sim_to_real import MetricComparison, summary_json
+from batchpilot.schemas.engine import SimEngineConfig
 
 TINY = ModelSpec.from_cfg(load_config(["model=tiny_llama"]).model)
 BASE = HardwareSpec(name="test_cpu", peak_tflops=0.5, hbm_tb_s=0.05, memory_gb=2.0)
@@ -190,7 +191,7 @@ def test_the_served_fit_recovers_what_the_served_path_adds():
     """served = in-process step + a + b*n is recovered; the terms are never negative; the
     profile it makes predicts the served points."""
     from batchpilot.config import load_config
-    from batchpilot.envs.specs import HardwareSpec, ModelSpec
+    from batchpilot.core.specs import HardwareSpec, ModelSpec
     from batchpilot.envs.step_time import StepTimeModel
     from batchpilot.evaluation.calibration import CalibrationError, fit_served_extra, with_served_extra
 

@@ -20,11 +20,11 @@ from yaml import safe_load
 from batchpilot.config import CONF_DIR, load_config, load_group_file
 from batchpilot.core.admission import AdmissionConfig
 from batchpilot.core.shield import ShieldConfig
+from batchpilot.core.specs import HardwareSpec, ModelSpec
 from batchpilot.core.telemetry import SLO
 from batchpilot.envs.serving_env import slo_from_cfg
 from batchpilot.envs.sim_engine import SimEngine
-from batchpilot.envs.specs import HardwareSpec, ModelSpec
-from batchpilot.envs.workloads import WORKLOAD_SCHEMAS, WorkloadConfigError, build_workload, workload_from_node
+from batchpilot.envs.workloads import build_workload
 from batchpilot.nodes import ConfigError, from_node, plain
 from batchpilot.policies.callbacks import validation_cfg
 from batchpilot.policies.controllers import build_controller
@@ -37,6 +37,7 @@ from batchpilot.schemas.live import LiveScenarioConfig
 from batchpilot.schemas.policy import AIMDConfig, LookaheadConfig, PPOPolicyConfig, StaticConfig
 from batchpilot.schemas.serve import ServeConfig
 from batchpilot.schemas.train import LoggerConfig, TrainConfig
+from batchpilot.workload_config import WORKLOAD_SCHEMAS, WorkloadConfigError, workload_from_node
 
 #: (file under conf/, config to compose (name, or (name, overrides)), line as shipped, its
 #: mistyped-key and wrong-type versions, the node the key lives in).

@@ -15,8 +15,8 @@ from test_control_parity import _gateway, _metrics_text, recorded_trace
 from batchpilot.config import load_config
 from batchpilot.core.engine import KV_DTYPES_ALL, ModelMemory
 from batchpilot.core.shield import Shield, ShieldConfig
+from batchpilot.core.specs import ModelSpec
 from batchpilot.envs.sim_engine import SimEngine
-from batchpilot.envs.specs import ModelSpec
 from batchpilot.serving.control_loop import ControlLoop, deployment_model, upstream_engine_model
 from batchpilot.serving.upstream import EngineInfo
 

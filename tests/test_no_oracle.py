@@ -22,13 +22,8 @@ from batchpilot.core.admission import Admission, AdmissionConfig
 from batchpilot.core.engine import Request
 from batchpilot.core.knobs import Knobs
 from batchpilot.envs.serving_env import ServingEnv
-from batchpilot.envs.workloads import (
-    MaxTokensConfig,
-    RequestStream,
-    WorkloadConfigError,
-    build_workload,
-    client_max_tokens,
-)
+from batchpilot.envs.workloads import RequestStream, build_workload, client_max_tokens
+from batchpilot.workload_config import MaxTokensConfig, WorkloadConfigError
 
 _CORE = Path(__file__).resolve().parents[1] / "batchpilot" / "core"
 #: Modules on the control side: nothing in them may read a request's output length.

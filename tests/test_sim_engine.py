@@ -10,8 +10,9 @@ from omegaconf import OmegaConf
 
 from batchpilot.config import CONF_DIR, load_config
 from batchpilot.core.engine import DtypeUnavailable, EngineError, Request, RequestRejected, StepResult, merge_into
-from batchpilot.envs.sim_engine import SimEngine, SimEngineConfig
-from batchpilot.envs.specs import HardwareSpec, ModelSpec
+from batchpilot.core.specs import HardwareSpec, ModelSpec
+from batchpilot.envs.sim_engine import SimEngine
+from batchpilot.schemas.engine import SimEngineConfig
 
 # ---- factories (as vLLM's tests/v1/core/utils.py) -------------------------------------------
 

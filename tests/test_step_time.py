@@ -9,7 +9,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from batchpilot.config import CONF_DIR
-from batchpilot.envs.specs import HardwareSpec, ModelSpec
+from batchpilot.core.specs import HardwareSpec, ModelSpec
 from batchpilot.envs.step_time import StepTimeModel, linear_layer_time, load_vidur_mlp
 
 PROFILES = Path("/work/shared/data/profiles/vidur/compute")

@@ -25,11 +25,12 @@ from omegaconf import OmegaConf
 
 from batchpilot.config import CONF_DIR, load_config
 from batchpilot.core.engine import Request, RequestRejected
+from batchpilot.core.specs import HardwareSpec, ModelSpec
 from batchpilot.envs.api_server import API_SERVER_503, QueueLimits
-from batchpilot.envs.sim_engine import SimEngine, SimEngineConfig
-from batchpilot.envs.specs import HardwareSpec, ModelSpec
+from batchpilot.envs.sim_engine import SimEngine
 from batchpilot.evaluation.matrix import evaluate
 from batchpilot.evaluation.plan import EvalConfig, EvaluationError, compose_eval
+from batchpilot.schemas.engine import SimEngineConfig
 
 
 def _engine(hw: str = "h100", model: str = "llama3_8b", **cfg: object) -> SimEngine:

@@ -24,11 +24,11 @@ from batchpilot.envs.workloads import (
     RampRate,
     RequestStream,
     UniformLengths,
-    WorkloadConfigError,
     arrival_times,
     build_workload,
     sample_priorities,
 )
+from batchpilot.workload_config import WorkloadConfigError
 
 LOGN = {"kind": "lognormal", "prompt_mean": 1000, "prompt_sigma": 0.8, "output_mean": 200, "output_sigma": 0.8}
 

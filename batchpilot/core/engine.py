@@ -223,7 +223,7 @@ def kv_elem_bytes(kv_dtype: str, auto_bytes: int = 2) -> int:
 class ModelMemory:
     """A served model as the memory model sees it, per tensor-parallel rank: the one KV
     formula (ordinary K/V heads, or the MLA latent for DeepSeek-style models) that the
-    simulator (``envs.specs.ModelSpec``), the live engine (from vLLM's model config) and the
+    simulator (``core.specs.ModelSpec``), the live engine (from vLLM's model config) and the
     gateway (from the deployment's ``config.json``) all use."""
 
     num_layers: int

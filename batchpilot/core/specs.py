@@ -2,7 +2,7 @@
 the Hydra ``hardware`` and ``model`` groups. The step-time model and the simulator read only
 these, so every number that shapes simulated timing or memory lives in ``conf/``.
 
-Declared in the core (re-exported by ``batchpilot.envs.specs``) so that ``batchpilot/schemas/``
+Declared in the core so that ``batchpilot/schemas/``
 can store them as the ``hardware/schema`` and ``model/schema`` structured configs: a mistyped
 key or a wrong type in ``conf/hardware/*.yaml`` / ``conf/model/*.yaml`` fails at compose time;
 the range checks below run when ``from_cfg`` builds the object."""
@@ -12,10 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from batchpilot.core.engine import INT8_SCALE_BYTES, KV_DTYPES_8BIT, KV_DTYPES_16BIT, ModelMemory, kv_elem_bytes
+from batchpilot.core.engine import KV_DTYPES_8BIT, KV_DTYPES_16BIT, ModelMemory
 from batchpilot.nodes import from_node
 
-__all__ = ["INT8_SCALE_BYTES", "HardwareSpec", "ModelSpec", "is_8bit", "kv_elem_bytes"]
+__all__ = ["HardwareSpec", "ModelSpec", "is_8bit"]
 
 
 def _check(cond: bool, spec: str, name: str, value: object, fix: str) -> None:
