@@ -10,7 +10,8 @@ import hydra
 from omegaconf import DictConfig
 
 import batchpilot.schemas  # noqa: F401  (stores the config schemas before Hydra composes)
-from batchpilot.evaluation.matrix import EvaluationError, evaluate
+from batchpilot.evaluation.matrix import evaluate
+from batchpilot.evaluation.plan import EvaluationError
 
 
 @hydra.main(config_path="../conf", config_name="evaluate", version_base="1.3")

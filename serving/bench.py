@@ -38,7 +38,7 @@ import aiohttp
 import httpx
 import numpy as np
 
-from batchpilot.schemas.bench import GatewayBenchConfig  # declared there (schema/gateway_bench); re-exported
+from batchpilot.schemas.bench import GatewayBenchConfig  # declared there (schema/gateway_bench)
 
 
 def _wait(url: str, path: str, timeout_s: float, proc: subprocess.Popen) -> None:

@@ -15,7 +15,7 @@ from typing import Any, Awaitable, Callable
 
 import numpy as np
 
-from batchpilot.schemas.bench import ClientBenchConfig  # declared there (schema/client_bench); re-exported
+from batchpilot.schemas.bench import ClientBenchConfig  # declared there (schema/client_bench)
 
 _BODY = b'{"model":"tiny","prompt":"The quick brown fox jumps over the lazy dog.","max_tokens":1}'
 _ANSWER = (b'{"id":"cmpl-1","object":"text_completion","created":1,"model":"tiny","choices":[{"index":0,'

@@ -365,7 +365,8 @@ def test_a_miss_is_split_into_the_engines_speed_and_the_simulators_scheduling() 
     """The live runs' own iterations priced by the profile (``EngineSpeed``) say whether the
     engine ran slower than the profile, and the simulator at that speed whether speed is the
     whole gap: three different reasons, three different changes."""
-    from batchpilot.evaluation.sim_to_real import EngineSpeed, diagnose
+    from batchpilot.evaluation.calibration import EngineSpeed
+    from batchpilot.evaluation.sim_to_real import diagnose
 
     live = (2000.0, 2050.0, 1990.0)
     slow_engine = EngineSpeed(1.24, 1.26, 1.20, 5741)
@@ -401,7 +402,7 @@ def test_a_miss_is_split_into_the_engines_speed_and_the_simulators_scheduling() 
 
 def test_engine_speed_prices_each_iteration_with_the_profile() -> None:
     from batchpilot.envs.step_time import StepTimeModel
-    from batchpilot.evaluation.sim_to_real import EngineSpeed
+    from batchpilot.evaluation.calibration import EngineSpeed
 
     hw = HardwareSpec.from_cfg(load_config(["hardware=cpu_tiny"]).hardware)
     st = StepTimeModel.build(hw, ModelSpec.from_cfg(load_config(["model=tiny_llama"]).model), "auto", 2048, 256)

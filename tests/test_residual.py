@@ -187,7 +187,8 @@ def test_a_residual_policy_starts_near_pid():
     bucketing order is left to learning."""
     from stable_baselines3.common.vec_env import DummyVecEnv, VecNormalize
 
-    from batchpilot.policies.training import TrainConfig, build_model, start_at_baseline
+    from batchpilot.policies.training import build_model, start_at_baseline
+    from batchpilot.schemas.train import TrainConfig
 
     venv = VecNormalize(DummyVecEnv([_env]))
     tc = TrainConfig(n_steps=8, batch_size=8, validation={"seeds": [0], "workloads": {}})
