@@ -73,6 +73,7 @@ from batchpilot.nodes import ConfigError
 from batchpilot.policies.controllers import CONTROLLER_BUILDERS, build_controller
 from batchpilot.schemas.evaluate import BestStaticConfig
 from batchpilot.schemas.launcher import LauncherConfig
+from batchpilot.schemas.policy import with_policy_schema
 
 #: The grid's best point on the scored seeds themselves: an upper bound, not a baseline.
 HINDSIGHT = "best_static_hindsight"
@@ -91,12 +92,13 @@ def hindsight_name(name: str) -> str:
 
 # --- controllers ----------------------------------------------------------------------------
 def policy_config(name: str, ecfg: EvalConfig, plan: WorkloadPlan) -> dict[str, Any]:
-    """``conf/policy/<name>.yaml`` (or the run's ``hydra.searchpath`` copy) with
+    """``conf/policy/<name>.yaml`` (or the run's ``hydra.searchpath`` copy) over its schema (a key
+    the file leaves out is the dataclass default, as in a composed ``policy=<name>``) with
     ``policy_overrides[name]`` merged in."""
     if group_file("policy", name, ecfg.config_dirs) is None:
         raise EvaluationError(f"unknown policy {name!r}; known: {group_names('policy', ecfg.config_dirs)}")
     try:
-        node = load_group_file("policy", name, ecfg.config_dirs)
+        node = with_policy_schema(load_group_file("policy", name, ecfg.config_dirs), f"policy/{name}.yaml")
         d: dict[str, Any] = dict(OmegaConf.to_container(node, resolve=True))  # type: ignore[arg-type]
     except (ConfigError, OmegaConfBaseException) as e:  # the file, named, in one line
         raise EvaluationError(f"policy {name!r}: {e}") from e

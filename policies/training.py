@@ -57,6 +57,7 @@ from batchpilot.policies.callbacks import (
     mean_over_workloads,
     slo_deficit,
 )
+from batchpilot.schemas.policy import with_policy_schema
 from batchpilot.schemas.train import LoggerConfig, TrainConfig
 
 # --- configuration -------------------------------------------------------------------------
@@ -136,7 +137,7 @@ def check_training_config(cfg: DictConfig, tc: TrainConfig) -> None:
         known = group_names("policy", dirs)
         raise TrainConfigError(f"train.validation.baseline={baseline!r} is not in conf/policy; known: {known}")
     try:  # read now, not after the run has started (W&B, workers): a malformed file is named here
-        load_group_file("policy", baseline, dirs)
+        with_policy_schema(load_group_file("policy", baseline, dirs), f"policy/{baseline}.yaml")
     except ConfigError as e:
         raise TrainConfigError(f"train.validation.baseline={baseline!r}: {e}") from None
     if str(cfg.engine.get("kind", "sim")) != "sim":
@@ -447,7 +448,8 @@ def _run_baseline(cfg: DictConfig, tc: TrainConfig, suite: ValidationSuite) -> _
     """The baseline on the validation suite's selection seeds, once: every evaluation during
     training is compared with these scores."""
     name = str(tc.validation.get("baseline", "pid"))
-    policy_cfg = load_group_file("policy", name, config_dirs())  # checked by check_training_config
+    # Over its schema, as the evaluation reads it (checked by check_training_config).
+    policy_cfg = with_policy_schema(load_group_file("policy", name, config_dirs()), f"policy/{name}.yaml")
     slo = SLO.from_mapping(cfg.slo)
     t0 = time.perf_counter()
     results = suite.run_controller(baseline_factory(policy_cfg, slo))

@@ -45,16 +45,14 @@ KEPT: dict[tuple[str, str], str] = {
 #: file without its schema (``load_group_file``, the validation workloads) dispatches on them.
 SELECTORS = {"kind", "name"}
 
-#: Groups not checked, and why. Policy files are read without their schema
-#: (``batchpilot.config.load_group_file``: evaluation/matrix.py ``policy_config``, the training
-#: baseline), and their readers fall back to other values than the dataclass's for a missing key
-#: (``start_knobs``: ``kv_start`` -> false, ``bucketing`` -> the env's; ``initial_knobs``:
-#: ``initial_batch_cap`` -> 32), so a policy file must stay complete until those readers merge
-#: the schema first. Hardware and model files are data sheets and fits, not settings:
+#: Groups not checked, and why. (Policy files are checked: the evaluation and the training
+#: baseline read them over their schema, ``batchpilot.schemas.policy.with_policy_schema``, as
+#: Hydra composes ``policy=<name>``, so a key a file leaves out is the dataclass default there
+#: too.) Hardware and model files are data sheets and fits, not settings:
 #: ``scripts/calibrate.py`` writes a hardware file whole (evaluation/calibration.py
 #: ``profile_yaml``), and a device's measured or published value (an A100's 300 GB/s NVLink)
 #: must not change when a default does. ``hydra``: Hydra's own settings.
-SKIP_DIRS = {"hydra", "policy", "hardware", "model"}
+SKIP_DIRS = {"hydra", "hardware", "model"}
 
 
 def _schema(path: str) -> DictConfig | None:

@@ -64,7 +64,9 @@ class PIDConfig:
     ``residual_pid_config`` moves each by the served / trained objective, so old artifacts load
     and steer as before; a PID built with no SLO keeps the TTFT default (as it always has)."""
 
-    #: Latency whose P99 is controlled.
+    #: Latency whose P99 is controlled. TPOT: the latency the batch cap moves directly; TTFT
+    #: counts queueing from arrival, and cutting the cap under a backlog only lengthens the queue
+    #: (docs/evaluation.md).
     metric: str = "tpot"
     #: SLO of that metric in ms (filled from the top config's SLO by ``build_controller``). Left
     #: unfilled it is the TTFT default, as it has always been, though ``metric`` is TPOT.
@@ -76,7 +78,8 @@ class PIDConfig:
     kd: float = 0.1
     #: EMA factor on the output (1 = no smoothing).
     smoothing: float = 1.0
-    #: Largest step per decision as a fraction of the current cap (the shield still limits it).
+    #: Largest step per decision as a fraction of the current cap, at full output (the shield
+    #: still limits a step, to 30 % by default).
     max_step_frac: float = 0.25
     #: The integral is kept within +-integral_limit (anti-windup).
     integral_limit: float = 2.0
@@ -92,6 +95,7 @@ class PIDConfig:
     #: After a cut, no further cut for this long. The P99 comes from a sliding window of
     #: finished requests (telemetry's window_s), so a cut shows fully only once the window has
     #: turned over; cutting on the stale P99 meanwhile drives the cap far below what was needed.
+    #: One window (the telemetry's 10 s): bursty p99 TTFT 15.2 s -> 7.5 s.
     settle_s: float = 10.0
     #: With more requests waiting than running, TTFT/E2E measure the queue, not the batch, and a
     #: smaller cap would only lengthen it: steer on TPOT (engine-side) until the backlog clears.
@@ -100,6 +104,7 @@ class PIDConfig:
     tpot_slo_ms: float | None = DEFAULT_TPOT_MS
     initial_batch_cap: int = 128
     min_batch: int = 1
+    #: Further capped at the engine's max_num_seqs (``build_controller``).
     max_batch: int = 256
     bucketing: str = "weighted"
 

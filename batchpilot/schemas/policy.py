@@ -6,10 +6,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ConfigKeyError, ValidationError
 
 from batchpilot.core.pid import PIDConfig, check_common
 from batchpilot.core.telemetry import DEFAULT_TPOT_MS, DEFAULT_TTFT_MS
-from batchpilot.nodes import node_schema
+from batchpilot.nodes import ConfigError, node_schema, schema_node
 
 
 # --- policy: AIMD ------------------------------------------------------------------------------
@@ -21,7 +25,9 @@ class AIMDConfig:
     slo_ms: float = DEFAULT_TTFT_MS
     #: A breach is P99 above target_frac x SLO.
     target_frac: float = 1.0
+    #: Added to the cap per interval while the SLO holds and requests wait.
     additive_increase: int = 4
+    #: The cap's factor on a breach (within the shield's 30 % step).
     multiplicative_decrease: float = 0.75
     #: Treat preemptions in the interval as a breach too (memory pressure).
     decrease_on_preemption: bool = True
@@ -77,9 +83,15 @@ class PPOPolicyConfig:
     #: The engine's restart time for a KV switch, which the agent weighs (the shield's
     #: ``dtype_restart_s``); None: the KV agent is not run.
     kv_restart_s: float | None = None
-    #: Start at the 8-bit KV dtype where the memory ceiling would bind at 16 bits
-    #: (``Shield.start_kv_dtype``): before any traffic a switch costs no restart, and the
-    #: shield's dwell then runs from the start (docs/evaluation.md, "A KV dtype chosen at start-up").
+    #: Start at the 8-bit KV dtype where the memory ceiling would bind at 16 bits (where the
+    #: hardware reads 8-bit KV slower, ``hardware.kv8_speed_factor > 1``, only if it binds at 8
+    #: bits too; ``Shield.start_kv_dtype``): before any traffic a switch costs no restart, and the
+    #: shield's dwell then runs from the start, so the KV agent cannot pay a restart to undo it
+    #: within minutes. Matrix (best_static tuned with both dtypes): 0.960x -> 0.989x best_static;
+    #: deployments outside the repo on H100s: 0.71-0.78x -> 1.00x (docs/evaluation.md, "A KV
+    #: dtype chosen at start-up"). The gateway applies the same rule in policy mode (its own
+    #: ``kv_start`` setting). False: start at the engine's configured dtype, as every other
+    #: controller does.
     kv_start: bool = True
     #: The SLO served, ``{"ttft": ms, "tpot": ms, "e2el": ms}`` (``build_controller`` fills it from
     #: the top config's ``slo``); None = the SLO the policy was trained at.
@@ -131,9 +143,13 @@ class VllmTunedConfig:
     max_num_queued_tokens: list[int | None] = field(default_factory=lambda: [None])
     #: ``--max-num-queued-tokens`` as factors of vLLM's docs' rule, the TTFT objective x the
     #: prefill throughput (measured at the point's max_num_seqs and token budget on the tuning
-    #: seed's prompts); 1.0 is the docs' suggestion. Added to the values above.
+    #: seed's prompts); 1.0 is the docs' suggestion. Added to the values above. Below it pays
+    #: here: with [0.25, 0.5, 1] on the evaluation matrix, 0.25 won in 15 of the 20 cells; on
+    #: bursty, ramp and azure_conv_hot (Llama-3-8B/H100) 0.0625 to 0.25 were within 6 % of each
+    #: other (0.03: up to 18 % less, 0.5: up to 39 % less). The prompt-token count is vLLM's:
+    #: every request without a first token, the running prefills included.
     queued_tokens_ttft_factors: list[float] = field(default_factory=lambda: [0.125, 0.25, 0.5, 1.0])
-    #: ``--max-num-queued-reqs`` values (null: no limit).
+    #: ``--max-num-queued-reqs`` values (unfinished requests, waiting + running; null: no limit).
     max_num_queued_reqs: list[int | None] = field(default_factory=lambda: [None])
     #: ``--max-num-active-seqs`` for every point (null: max_num_seqs); at most each max_num_seqs.
     max_num_active_seqs: int | None = None
@@ -182,3 +198,31 @@ LookaheadPolicyNode = node_schema(LookaheadConfig, "LookaheadPolicyNode", extra=
                                   exclude=("slo",))
 VllmTunedPolicyNode = node_schema(VllmTunedConfig, "VllmTunedPolicyNode",
                                   extra=[("kind", str, "vllm_tuned"), ("name", str, "vllm_tuned")])
+
+#: Each policy file's schema, by the name its ``defaults`` list gives it (``- schema_pid``);
+#: ``batchpilot.schemas.SCHEMAS`` stores the same classes under these names for Hydra.
+POLICY_SCHEMAS: dict[str, type] = {
+    "schema_pid": PIDPolicyNode, "schema_aimd": AIMDPolicyNode, "schema_static": StaticPolicyNode,
+    "schema_ppo": PPOPolicyNode, "schema_lookahead": LookaheadPolicyNode, "schema_vllm_tuned": VllmTunedPolicyNode,
+}
+
+
+def with_policy_schema(node: Any, where: str) -> DictConfig:
+    """A policy file read without Hydra (``batchpilot.config.load_group_file``) merged over the
+    schema its ``defaults`` name, as Hydra composes ``policy=<name>``: a key the file leaves out
+    is the dataclass default, for the evaluation and the training baseline as for the gateway,
+    so a file holds only what differs (tests/test_one_default.py). A file naming no schema, an
+    unknown key or a wrong type raises ``ConfigError`` naming ``where`` (the file)."""
+    data = OmegaConf.to_container(node, resolve=False) if isinstance(node, DictConfig) else dict(node)
+    assert isinstance(data, dict)
+    defaults = data.pop("defaults", None) or []
+    names = [d for d in defaults if isinstance(d, str) and d in POLICY_SCHEMAS]
+    if len(names) != 1:
+        raise ConfigError(f"{where}: its defaults must name one policy schema of {sorted(POLICY_SCHEMAS)} "
+                          f"(directly or through the file it extends), got {list(defaults)}")
+    try:
+        merged = OmegaConf.merge(schema_node(POLICY_SCHEMAS[names[0]]), data)
+    except (ConfigKeyError, ValidationError) as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+    assert isinstance(merged, DictConfig)
+    return merged
