@@ -30,8 +30,18 @@ def load_config(overrides: Sequence[str] = (), config_name: str = "config") -> D
     if gh.is_initialized():
         # Inside a running Hydra app or another compose: compose in a fresh context.
         gh.clear()
+    from hydra.errors import HydraException
+
+    from batchpilot.schemas.control import moved_key_note
+
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return compose(config_name=config_name, overrides=list(overrides))
+        try:
+            return compose(config_name=config_name, overrides=list(overrides))
+        except (HydraException, OmegaConfBaseException) as e:
+            note = moved_key_note(e)
+            if not note:
+                raise
+            raise ConfigError(f"{e}{note}") from e
 
 
 def config_dirs() -> tuple[Path, ...]:

@@ -53,7 +53,7 @@ def server_config(cfg: DictConfig) -> DictConfig:
         a.adapt_boundaries = False
         c.env.memory_admission = False
         c.env.shielded = False
-        c.env.initial_bucketing = "fifo"
+        c.control.initial_bucketing = "fifo"
     return c
 
 

@@ -26,14 +26,14 @@ SLO misses, preemptions, shield interventions, rejections, backlog and 8-bit KV'
 cost. Weights in ``conf/env/default.yaml`` (``reward:``); parts in ``info["reward_terms"]``.
 
 ## Starting State
-An empty engine at time 0 with ``initial_batch_cap``, ``initial_bucketing`` and the engine's
-configured KV dtype; a fresh workload sampled from ``cfg.workload`` with the episode's seed
+An empty engine at time 0 with ``control.initial_batch_cap``, ``control.initial_bucketing`` and
+the engine's configured KV dtype; a fresh workload sampled from ``cfg.workload`` with the episode's seed
 (``workload=randomized`` — the default — draws rate, burstiness, length mix and phase changes).
 With ``env.deployments`` (training's ``train.deployments``) the episode's model/hardware is
 drawn too, its load sized to that deployment's capacity (``envs/deployments.py``).
 
 ## Episode End
-Truncated after ``episode_s`` engine seconds (``episode_s / interval_s`` steps). A KV-dtype
+Truncated after ``episode_s`` engine seconds (``episode_s / control.interval_s`` steps). A KV-dtype
 switch takes the engine down for the model's restart time: the intervals go on (arrivals queue,
 nothing runs), so the switch's cost shows in the reward it costs. Terminated
 only when the engine fails (``info["error"]`` says why; a one-off penalty applies).
@@ -74,6 +74,7 @@ from batchpilot.envs.reward import reward_terms
 from batchpilot.envs.workloads import RequestStream, build_workload
 from batchpilot.metrics import Offered, summarize
 from batchpilot.nodes import from_node
+from batchpilot.schemas.control import ControlLoopConfig, check_no_moved_keys
 from batchpilot.schemas.env import RewardConfig
 from batchpilot.schemas.serve import ControlConfig
 
@@ -169,10 +170,14 @@ class ServingEnv(gym.Env):
         self.cfg = cfg
         self.render_mode = render_mode
         e = cfg.env
-        self.interval_s = float(e.interval_s)
-        if not (self.interval_s > 0 and float(e.episode_s) >= self.interval_s):
+        #: The control loop's interval, window, start knobs and observation scales: the
+        #: ``control`` group, the gateway's too (``batchpilot/schemas/control.py``).
+        check_no_moved_keys(cfg)  # env.interval_s & co. added with +key=...: read by nobody
+        self.control = ControlLoopConfig.from_cfg(cfg.control)
+        self.interval_s = self.control.interval_s
+        if not float(e.episode_s) >= self.interval_s:
             raise ValueError(
-                f"env.interval_s ({e.interval_s}) must be > 0 and <= env.episode_s ({e.episode_s})"
+                f"control.interval_s ({self.interval_s}) must be <= env.episode_s ({e.episode_s})"
             )
         self.max_steps = int(round(float(e.episode_s) / self.interval_s))
         self.slo = slo_from_cfg(cfg.slo)
@@ -433,7 +438,7 @@ class ServingEnv(gym.Env):
         self.shield_cfg = self.base_shield_cfg if self.deployment is None else dataclasses.replace(
             self.base_shield_cfg, dtype_restart_s=float(self.deployment.model.restart_base_s))
         #: The reward's throughput scale: the configured one times the deployment's capacity.
-        self.rate_scale = float(self.cfg.env.rate_scale) * mult
+        self.rate_scale = self.control.rate_scale * mult
         #: ``action_mode: residual_pid``: the PID whose cap an action's factor multiplies.
         self.residual: ResidualPID | None = None
         if self.action_mode == "residual_pid":
@@ -521,9 +526,9 @@ class ServingEnv(gym.Env):
         return str(self.cfg.engine.get("kv_dtype", "auto"))
 
     def _init_episode_state(self) -> None:
-        e = self.cfg.env
-        cap = min(int(e.initial_batch_cap), self._max_num_seqs)
-        self.knobs = Knobs(batch_cap=cap, bucketing=str(e.initial_bucketing), kv_dtype=self.engine.kv_dtype)
+        e, ctl = self.cfg.env, self.control
+        cap = min(ctl.initial_batch_cap, self._max_num_seqs)
+        self.knobs = Knobs(batch_cap=cap, bucketing=ctl.initial_bucketing, kv_dtype=self.engine.kv_dtype)
         self.admission = Admission(self.admission_cfg, self.knobs)
         self.admission.use_slo(self.slo.ttft_ms)
         self.admission.use_token_budget(self._caps.max_num_batched_tokens)
@@ -541,13 +546,13 @@ class ServingEnv(gym.Env):
         self.telemetry = Telemetry(
             slo=self.slo,
             num_buckets=self.admission_cfg.num_buckets,
-            window_s=float(e.telemetry_window_s),
+            window_s=ctl.window_s,
             max_num_seqs=self._max_num_seqs,
             max_model_len=self._caps.max_model_len,
             # The observation's scales are the configured ones whatever the deployment: a served
             # policy knows no capacity, only what it was trained with (the manifest's).
-            rate_scale=float(e.rate_scale),
-            token_rate_scale=float(e.token_rate_scale),
+            rate_scale=ctl.rate_scale,
+            token_rate_scale=ctl.token_rate_scale,
         )
         now = self.engine.now
         self.telemetry.reset(now)

@@ -30,6 +30,7 @@ from batchpilot.envs.engines import build_engine
 from batchpilot.envs.workloads import build_workload
 from batchpilot.nodes import from_node
 from batchpilot.schemas import check_app
+from batchpilot.schemas.control import moved_key_note
 from batchpilot.schemas.evaluate import BestStaticConfig, EvaluateApp, LoadConfig
 from batchpilot.schemas.launcher import LauncherConfig
 
@@ -238,7 +239,7 @@ def compose_eval(overrides: Sequence[str], config_name: str = "evaluate") -> tup
         try:
             cfg = compose(config_name=config_name, overrides=list(overrides), return_hydra_config=True)
         except (HydraException, OmegaConfBaseException) as e:
-            raise EvaluationError(f"config: {e}") from e
+            raise EvaluationError(f"config: {e}{moved_key_note(e)}") from e
     choices = {str(k): str(v) for k, v in cfg.hydra.runtime.choices.items() if v is not None}
     with open_dict(cfg):
         del cfg["hydra"]
@@ -389,7 +390,7 @@ def plan_from_caps(
 ) -> WorkloadPlan:
     """A plan with the engine's limits and KV dtypes, and an episode covering ``duration_s``."""
     kv = {str(cfg.env.kv16_dtype), str(cfg.env.kv8_dtype), "auto"}
-    interval = float(cfg.env.interval_s)
+    interval = float(cfg.control.interval_s)
     return WorkloadPlan(
         name=name,
         cfg=cfg,

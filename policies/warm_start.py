@@ -6,7 +6,7 @@ only the deterministic actor and the observation normalisation. A run started fr
 - **loaded**: the actor MLP (``mlp_extractor.policy_net``) and the action head (``action_net``),
   copied bit for bit; VecNormalize's observation statistics (mean, var; ``count`` set to the
   source run's training steps so that a short fine-tune moves them slowly); the observation
-  scales the policy was trained with (``env.rate_scale``, ``env.token_rate_scale``: features must
+  scales the policy was trained with (``control.rate_scale``, ``control.token_rate_scale``: features must
   mean what they meant to the policy, and a gateway serving the result reads them from its
   manifest); the observation range the source saw (merged into the new run's, so the result
   does not hand intervals back to PID that the source handled);
@@ -118,17 +118,19 @@ def check_compatible(ws: WarmStart, *, net_arch: tuple[int, ...], activation: st
         raise WarmStartError(f"train.init_from {art.path} does not fit this run: " + "; ".join(diffs))
 
 
-def apply_observation_scales(ws: WarmStart, env_cfg: Any) -> dict[str, tuple[Any, Any]]:
-    """Set ``env.rate_scale`` / ``env.token_rate_scale`` (and the KV dtype names) to the source
-    policy's: returns ``{key: (old, new)}`` for those that changed."""
+def apply_observation_scales(ws: WarmStart, cfg: Any) -> dict[str, tuple[Any, Any]]:
+    """Set the run config's ``control.rate_scale`` / ``control.token_rate_scale`` (and
+    ``env.kv16_dtype`` / ``env.kv8_dtype``) to the source policy's: returns ``{key: (old, new)}``
+    for those that changed."""
     changed: dict[str, tuple[Any, Any]] = {}
-    for key in ("rate_scale", "token_rate_scale", "kv16_dtype", "kv8_dtype"):
+    for group, key in (("control", "rate_scale"), ("control", "token_rate_scale"),
+                       ("env", "kv16_dtype"), ("env", "kv8_dtype")):
         if key not in ws.observation_scales:
             continue
         new = ws.observation_scales[key]
-        old = env_cfg.get(key)
+        old = cfg[group].get(key)
         if old != new:
-            env_cfg[key] = new
+            cfg[group][key] = new
             changed[key] = (old, new)
     return changed
 

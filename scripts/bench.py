@@ -79,7 +79,7 @@ def bench_env(cfg: DictConfig) -> dict[str, Any]:
     b = cfg.env_bench
     env_cfg = load_config(
         [f"hardware={cfg.hardware_name}", f"model={cfg.model_name}", "engine=sim",
-         f"workload={b.workload}", f"workload.rate={b.rate}", f"env.interval_s={b.interval_s}",
+         f"workload={b.workload}", f"workload.rate={b.rate}", f"control.interval_s={b.interval_s}",
          *b.overrides]
     )
     env = ServingEnv(cfg=env_cfg)

@@ -50,7 +50,7 @@ class GatewayView(LaneServices, Protocol):
     by importing the gateway, which builds the control loop."""
 
     cfg: ServeConfig
-    settings: Any  # the gateway's AppSettings: slo, shield, policy
+    settings: Any  # the gateway's AppSettings: slo, control (the loop's interval, start knobs), shield, policy
     lanes: list[Lane]
     model_dir: str | None
 
@@ -249,7 +249,7 @@ class ControlLoop:
         self.kv_start: dict[str, str] = {}
         slo_ms = {"ttft": s.slo.ttft_ms, "tpot": s.slo.tpot_ms, "e2el": s.slo.e2el_ms}
         pid_node = dict(s.policy) if s.policy.get("kind") == "pid" else {"kind": "pid"}
-        pid_node.setdefault("initial_batch_cap", cfg.control.initial_batch_cap)
+        pid_node.setdefault("initial_batch_cap", s.control.initial_batch_cap)
         shield_cfg = ShieldConfig.from_cfg(s.shield)
         #: The shield stage's rules for what a lane cannot see (stale /metrics, unknown memory).
         self.fail_safe = FailSafe.from_cfg(cfg.control)
@@ -301,7 +301,7 @@ class ControlLoop:
                 pass
 
     async def _run(self) -> None:
-        interval = self.cfg.control.interval_s
+        interval = self.gw.settings.control.interval_s
         next_t = time.monotonic() + interval
         while True:
             await asyncio.sleep(max(next_t - time.monotonic(), 0.0))

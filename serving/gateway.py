@@ -37,6 +37,7 @@ from starlette.requests import ClientDisconnect
 from batchpilot.core.engine import Request as EngineRequest
 from batchpilot.core.knobs import Knobs
 from batchpilot.core.telemetry import SLO, Telemetry
+from batchpilot.schemas.control import ControlLoopConfig, check_no_moved_keys
 from batchpilot.schemas.serve import ServeConfig
 from batchpilot.serving.errors import BadRequest, ClientGone, GatewayError, Refused
 from batchpilot.serving.http1 import Http1Error, Http1Response
@@ -59,11 +60,13 @@ _DROP_RESP_HEADERS = frozenset({"content-length", "connection", "keep-alive", "t
 
 @dataclass
 class AppSettings:
-    """Everything ``build_app`` needs besides the serve config: the SLO and the configs of the
-    shield and the fallback controller (top-level nodes of ``conf/serve_app.yaml``)."""
+    """Everything ``build_app`` needs besides the serve config: the SLO, the control loop's
+    interval, window and start knobs (the ``control`` group, the simulator's too) and the configs
+    of the shield and the fallback controller (top-level nodes of ``conf/serve_app.yaml``)."""
 
     serve: ServeConfig
     slo: SLO = field(default_factory=SLO)
+    control: ControlLoopConfig = field(default_factory=ControlLoopConfig)
     shield: dict[str, Any] = field(default_factory=dict)
     policy: dict[str, Any] = field(default_factory=lambda: {"kind": "pid"})
 
@@ -73,9 +76,11 @@ class AppSettings:
         from omegaconf import OmegaConf
 
         c = OmegaConf.to_container(cfg, resolve=True) if not isinstance(cfg, dict) else cfg
+        check_no_moved_keys(c)  # serve.control.interval_s & co.: the control group's now
         return cls(
             serve=ServeConfig.from_cfg(c["serve"]),
             slo=SLO.from_mapping(c.get("slo")),
+            control=ControlLoopConfig.from_cfg(c.get("control") or {}),
             shield=dict(c.get("shield") or {}),
             policy=dict(c.get("policy") or {"kind": "pid"}),
         )
@@ -177,14 +182,15 @@ class Gateway:
         else:
             upstreams = [Upstream(u, name=f"vllm{i}", api_key=cfg.upstream_api_key) for i, u in enumerate(cfg.upstreams)]
         self.counter = PromptCounter(cfg.tokenizer, self.model_dir)
-        knobs = Knobs(batch_cap=min(cfg.control.initial_batch_cap, cfg.max_num_seqs),
-                      bucketing=cfg.control.initial_bucketing, kv_dtype=cfg.kv_dtype)
+        ctl = settings.control
+        knobs = Knobs(batch_cap=min(ctl.initial_batch_cap, cfg.max_num_seqs),
+                      bucketing=ctl.initial_bucketing, kv_dtype=cfg.kv_dtype)
         self.lanes = [
             Lane.build(
                 i, up, cfg.admission, knobs,
-                Telemetry(settings.slo, num_buckets=cfg.admission.num_buckets, window_s=cfg.control.window_s,
+                Telemetry(settings.slo, num_buckets=cfg.admission.num_buckets, window_s=ctl.window_s,
                           max_num_seqs=cfg.max_num_seqs, max_model_len=cfg.max_model_len,
-                          rate_scale=cfg.control.rate_scale, token_rate_scale=cfg.control.token_rate_scale),
+                          rate_scale=ctl.rate_scale, token_rate_scale=ctl.token_rate_scale),
                 self.metrics, cfg.retry_after_s,
             )
             for i, up in enumerate(upstreams)

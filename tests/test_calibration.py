@@ -168,7 +168,7 @@ def test_a_short_report_probes_the_live_engine_and_accounts_for_every_run(tiny_m
                 "workload=poisson", "workload.rate=4", "workload.duration_s=6",
                 "workload.lengths.prompt_mean=64", "workload.lengths.output_mean=16"),
             "common_overrides=" + _hydra_list(
-                "policy=static", "policy.batch_cap=64", "env.interval_s=1.0", "env.episode_s=6",
+                "policy=static", "policy.batch_cap=64", "control.interval_s=1.0", "env.episode_s=6",
                 "env.drain_on_truncate=true", "env.drain_timeout_s=60", "logger=none"),
         ],
         config_name="calibrate",
@@ -429,7 +429,7 @@ def test_a_load_sized_to_capacity_offers_that_share_of_what_the_profile_serves()
 
     cal = load_config([], config_name="calibrate")
     sim = load_config([*cal.sim_overrides, *cal.common_overrides, *cal.workloads["azure_conv"]])
-    sim.env.initial_batch_cap = 64
+    sim.control.initial_batch_cap = 64
     scale, offered, capacity = capacity_scale(sim, 0.65)
     assert offered > 0 and capacity > 0
     assert scale * offered == pytest.approx(0.65 * capacity)

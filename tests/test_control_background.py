@@ -6,6 +6,7 @@ that fails is logged and the next one still runs."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 
@@ -120,7 +121,7 @@ async def test_a_task_the_control_loop_spawns_is_logged_when_it_fails(caplog: py
 
 async def test_a_failing_control_tick_is_logged_and_the_loop_goes_on(caplog: pytest.LogCaptureFixture) -> None:
     gw, loop = _gateway("pid", {"kind": "pid"})
-    gw.cfg.control.interval_s = 0.01
+    gw.settings.control = dataclasses.replace(gw.settings.control, interval_s=0.01)
     ticks = []
 
     async def tick(lane, now: float | None = None) -> None:

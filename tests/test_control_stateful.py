@@ -89,7 +89,7 @@ MIN_DECISIONS = 10_000
 def _settings() -> AppSettings:
     """The shipped serve config (composed once: hydra takes ~1 s), one unmanaged upstream."""
     cfg = load_config(["serve.upstreams=[http://127.0.0.1:9]", "serve.control.mode=pid",
-                       f"serve.max_num_seqs={MAX_NUM_SEQS}", "serve.control.initial_batch_cap=64"],
+                       f"serve.max_num_seqs={MAX_NUM_SEQS}", "control.initial_batch_cap=64"],
                       config_name="serve_app")
     settings = AppSettings.from_cfg(cfg)
     settings.policy = {"kind": "pid"}

@@ -36,7 +36,7 @@ def test_episodes_draw_deployments_deterministically_per_seed(env):
         drawn[seed] = env.deployment.label
         d = env.deployment
         assert env.engine.capabilities().max_model_len == env._caps.max_model_len
-        assert env.rate_scale == pytest.approx(float(env.cfg.env.rate_scale) * d.load_multiplier)
+        assert env.rate_scale == pytest.approx(float(env.cfg.control.rate_scale) * d.load_multiplier)
         base = float(env.cfg.workload.get("rate_scale", 1.0))
         assert float(d.workload.rate_scale) == pytest.approx(base * d.load_multiplier)
     assert set(drawn.values()) == set(PAIRS)  # 12 draws of 3 pairs

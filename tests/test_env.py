@@ -224,7 +224,7 @@ def test_memory_is_checked_per_request_in_the_env_as_in_the_gateway(memory_admis
     the ceiling; counting only (vLLM as shipped) goes past it."""
     env = make("model=deepseek_v3", "hardware=h200", "workload=poisson", "workload.rate_scale=3",
                "workload.lengths.prompt_mean=6000", f"env.memory_admission={memory_admission}",
-               "env.initial_batch_cap=256")
+               "control.initial_batch_cap=256")
     env.reset(seed=0)
     adm, shield = env.admission, env.shield
     peak = 0.0
@@ -249,7 +249,7 @@ def test_prompts_wait_in_admission_not_in_the_engines_queue(hold: bool):
     # for the pile-up this test is about; none sent (8k a request) it would bind first.
     env = make("workload=poisson", "workload.rate_scale=3", "workload.lengths.prompt_mean=3000",
                "workload.max_tokens.caps=[1024]", "workload.max_tokens.weights=null",
-               "env.initial_batch_cap=256", f"env.admission.prefill_backlog_budgets={budgets}")
+               "control.initial_batch_cap=256", f"env.admission.prefill_backlog_budgets={budgets}")
     env.reset(seed=0)
     budget = env.engine.capabilities().max_num_batched_tokens
     peak_engine_queue = peak_admission_queue = 0

@@ -567,7 +567,7 @@ def test_a_residual_policy_starts_where_the_pid_it_corrects_starts() -> None:
     pid_start, ppo_start = start_knobs(pid_pol, plan), start_knobs(ppo_pol, plan, ppo)
     assert ppo_start is not None and pid_start is not None
     assert ppo_start.batch_cap == pid_start.batch_cap == min(128, plan.max_num_seqs)
-    assert ppo_start.batch_cap != plan.cfg.env.initial_batch_cap  # not the environment's default
+    assert ppo_start.batch_cap != plan.cfg.control.initial_batch_cap  # not the environment's default
     # Without the controller (an absolute policy, or a caller that does not say), the environment's.
     assert start_knobs(ppo_pol, plan) is None
 

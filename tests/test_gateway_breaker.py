@@ -21,7 +21,7 @@ def gw(request: pytest.FixtureRequest) -> RunningGateway:
     # TPOT <= 0.01 ms: every finished request breaches it, an "engine" breach (the batch's
     # fault, not queueing), which walks the breaker down to the minimum cap and shedding. A
     # small starting cap and a short cooldown get there in seconds.
-    with running_gateway("slo.tpot_ms=0.01", "serve.control.initial_batch_cap=4", "serve.control.interval_s=0.5",
+    with running_gateway("slo.tpot_ms=0.01", "control.initial_batch_cap=4", "control.interval_s=0.5",
                          "shield.breaker_cooldown_s=0.5", "serve.request_timeout_s=300", request=request) as g:
         yield g
 

@@ -52,7 +52,7 @@ def gw(request: pytest.FixtureRequest) -> RunningGateway:
     # of 10 on 2 shared cores).
     with running_gateway("serve.num_managed=2", "serve.control.mode=pid", f"serve.control.policy_dir={SHIPPED}",
                          "slo.ttft_ms=2000", "slo.tpot_ms=10000",
-                         "serve.control.interval_s=0.5", "serve.control.canary_min_intervals=30", "serve.control.canary_min_requests=12",
+                         "control.interval_s=0.5", "serve.control.canary_min_intervals=30", "serve.control.canary_min_requests=12",
                          timeout_s=420, request=request) as g:
         yield g
 

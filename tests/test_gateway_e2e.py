@@ -18,7 +18,7 @@ pytestmark = [pytest.mark.live, pytest.mark.slow, pytest.mark.timeout(600)]
 
 @pytest.fixture(scope="module")
 def gw(request: pytest.FixtureRequest) -> RunningGateway:
-    with running_gateway("serve.control.interval_s=0.5", "serve.control.policy_dir=/nonexistent/policy", request=request) as g:
+    with running_gateway("control.interval_s=0.5", "serve.control.policy_dir=/nonexistent/policy", request=request) as g:
         yield g
 
 

@@ -33,7 +33,7 @@ def gw(request: pytest.FixtureRequest) -> RunningGateway:
     # max_json_containers: above the millions of arrays/objects of the bodies below, so that
     # their parse off the loop is what is tested (the default refuses them before the parse:
     # tests/test_gateway_hardening2.py).
-    with running_gateway("serve.header_timeout_s=2", "serve.body_timeout_s=10", "serve.control.interval_s=0.5",
+    with running_gateway("serve.header_timeout_s=2", "serve.body_timeout_s=10", "control.interval_s=0.5",
                          "serve.max_json_containers=4000000",
                          f"serve.control.policy_dir={SHIPPED}", request=request) as g:
         yield g

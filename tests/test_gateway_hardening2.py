@@ -229,7 +229,7 @@ def test_a_failed_control_loop_fails_open_when_asked(request: pytest.FixtureRequ
     longer than the test) for fail_open_after_s stops gating admission; requests go straight to
     the live engine, past the batch cap of 1 it left, so several streams run at once."""
     with running_gateway("serve.control.fail_open=true", "serve.control.fail_open_after_s=2",
-                         "serve.control.interval_s=100000", "serve.control.initial_batch_cap=1",
+                         "control.interval_s=100000", "control.initial_batch_cap=1",
                          request=request) as g:
         wait_until(lambda: g.status()["fail_open"] is True, 60, "the gateway to fail open")
 

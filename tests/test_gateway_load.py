@@ -20,8 +20,8 @@ RATE = 200.0
 @pytest.fixture(scope="module")
 def gw(request: pytest.FixtureRequest) -> RunningGateway:
     with running_gateway(
-        "serve.control.mode=static", "serve.control.initial_batch_cap=8", "serve.admission.max_queue_len=40",
-        "serve.request_timeout_s=5", "serve.control.interval_s=0.5", request=request,
+        "serve.control.mode=static", "control.initial_batch_cap=8", "serve.admission.max_queue_len=40",
+        "serve.request_timeout_s=5", "control.interval_s=0.5", request=request,
     ) as g:
         yield g
 

@@ -53,7 +53,7 @@ def test_output_diffs_above_threshold_fall_back_to_16bit() -> None:
     if kv8_unavailable_reason() is not None:
         pytest.skip(kv8_unavailable_reason())
     with reference_server() as ref_url, running_gateway(
-        "serve.kv_dtype=fp8", "serve.control.interval_s=0.5",
+        "serve.kv_dtype=fp8", "control.interval_s=0.5",
         f"serve.quality_guard.reference_url={ref_url}", "serve.quality_guard.sample_share=1.0",
         "serve.quality_guard.min_samples=5", "serve.quality_guard.threshold=0.05",
     ) as gw:

@@ -30,6 +30,7 @@ import httpx
 import pytest
 from gateway_helpers import FakeVLLM, stop_process
 
+from batchpilot.schemas.control import ControlLoopConfig
 from batchpilot.schemas.serve import ServeConfig
 from batchpilot.serving import request_body
 from batchpilot.serving.errors import BadRequest
@@ -45,9 +46,9 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
-def _settings(**serve: Any) -> AppSettings:
+def _settings(control: dict[str, Any] | None = None, **serve: Any) -> AppSettings:
     cfg = {"upstreams": ["http://127.0.0.1:9"], "tokenizer": "chars", **serve}
-    return AppSettings(serve=ServeConfig.from_cfg(cfg))
+    return AppSettings(serve=ServeConfig.from_cfg(cfg), control=ControlLoopConfig.from_cfg(control or {}))
 
 
 @contextlib.contextmanager

@@ -20,7 +20,7 @@ KEY = "upstream-key-0d9c2b7e5a"
 
 @pytest.fixture(scope="module")
 def gw(request: pytest.FixtureRequest) -> RunningGateway:
-    with running_gateway("serve.control.interval_s=0.5", env={"VLLM_API_KEY": KEY}, request=request) as g:
+    with running_gateway("control.interval_s=0.5", env={"VLLM_API_KEY": KEY}, request=request) as g:
         yield g
 
 

@@ -85,7 +85,7 @@ def _queue(admission, n: int, tag: str) -> None:
 
 def test_the_env_and_a_gateway_lane_carry_out_a_breaker_sequence_alike() -> None:
     """The same decisions, the same queue: the same sheds, knobs and restart on both plants."""
-    env = ServingEnv(cfg=load_config(["env.initial_batch_cap=1"]))
+    env = ServingEnv(cfg=load_config(["control.initial_batch_cap=1"]))
     env.reset(seed=0)
     gw, loop = _gateway("pid", {"kind": "pid"})
     lane = gw.lanes[0]

@@ -44,7 +44,7 @@ def warm_model():
     warm = ws.load_warm_start(PRETRAINED_DIR)
     ws.check_compatible(warm, net_arch=tc.net_arch, activation=tc.activation,
                         action_mode=str(plain.env.action_mode), clip_obs=tc.clip_obs, norm_obs=tc.norm_obs)
-    ws.apply_observation_scales(warm, plain.env)
+    ws.apply_observation_scales(warm, plain)
     venv = build_train_env(plain, tc, seed=0)
     model = build_model(venv, tc, seed=0)
     critic_before = [p.detach().clone() for p in model.policy.mlp_extractor.value_net.parameters()]
@@ -83,8 +83,9 @@ def test_critic_stays_fresh_and_scales_follow_the_policy(warm_model) -> None:
     assert rec["weights_sha256"] == json.loads((PRETRAINED_DIR / "manifest.json").read_text())["weights"]["sha256"]
     assert "critic" in rec["fresh"] and "actor" in rec["loaded"]
     cfg = load_config(["engine=vllm"])
-    changed = ws.apply_observation_scales(warm, cfg.env)
-    assert cfg.env.rate_scale == warm.observation_scales["rate_scale"] and "rate_scale" in changed
+    changed = ws.apply_observation_scales(warm, cfg)
+    assert cfg.control.rate_scale == warm.observation_scales["rate_scale"] and "rate_scale" in changed
+    assert cfg.env.kv8_dtype == warm.observation_scales["kv8_dtype"]
 
 
 def test_manifest_path_and_relative_path_load() -> None:

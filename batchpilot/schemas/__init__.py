@@ -7,7 +7,8 @@ the one declaration of each group's fields and types; domain checks (ranges, nam
 ``__post_init__`` / ``check`` and run when ``from_node`` builds the object.
 
 One module per job, each imported from where it is declared (no re-exports here):
-``env`` (``EnvNode``, ``RewardConfig``), ``train`` (``TrainConfig``, ``LoggerConfig``), ``engine``
+``control`` (``ControlLoopConfig``: the control loop's interval, window and start knobs, shared by
+the simulator and the gateway), ``env`` (``EnvNode``, ``RewardConfig``), ``train`` (``TrainConfig``, ``LoggerConfig``), ``engine``
 (the simulated and the vLLM engine, its warm-up), ``policy`` (the controllers' settings and the
 ``conf/policy`` schemas), ``serve`` (``ServeConfig`` and its parts, ``ServeApp``), ``launcher``,
 ``evaluate`` (``EvaluateApp``, ``BestStaticConfig``, ``LoadConfig``), ``calibrate``
@@ -24,6 +25,7 @@ store entry                     dataclass                                       
 ==============================  ================================================  ==================================
 ``shield/schema``               ``batchpilot.core.shield.ShieldConfig``           conf/shield/*.yaml
 ``slo/schema``                  ``batchpilot.core.telemetry.SLO``                 conf/slo/*.yaml
+``control/schema``              ``control.ControlLoopConfig``                     conf/control/default.yaml
 ``env/schema``                  ``env.EnvNode`` (a schema: ``admission`` is       conf/env/default.yaml
                                 ``core.admission.AdmissionConfig``, ``reward``
                                 ``env.RewardConfig``)
@@ -97,6 +99,7 @@ from batchpilot.core.telemetry import SLO
 from batchpilot.nodes import ConfigError, schema_node
 from batchpilot.schemas.bench import BenchApp, ClientBenchConfig, GatewayBenchConfig
 from batchpilot.schemas.calibrate import CalibrateApp
+from batchpilot.schemas.control import ControlLoopConfig
 from batchpilot.schemas.engine import SimEngineConfig, VLLMEngineNode
 from batchpilot.schemas.env import EnvNode
 from batchpilot.schemas.evaluate import EvaluateApp
@@ -133,6 +136,7 @@ def check_app(cls: type, cfg: Any) -> None:
 SCHEMAS: tuple[tuple[str, str, type], ...] = (
     ("shield", "schema", ShieldConfig),
     ("slo", "schema", SLO),
+    ("control", "schema", ControlLoopConfig),
     ("env", "schema", EnvNode),
     ("train", "schema", TrainConfig),
     ("logger", "schema", LoggerConfig),

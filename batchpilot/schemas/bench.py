@@ -22,7 +22,7 @@ class GatewayBenchConfig:
     prompt: str = "The quick brown fox jumps over the lazy dog."
     control_mode: str = "pid"
     #: Extra ``scripts/serve.py`` overrides for the gateway under test (e.g. to switch off the
-    #: control loop and health probes and see what they cost: ``serve.control.interval_s=3600``).
+    #: control loop and health probes and see what they cost: ``control.interval_s=3600``).
     serve_overrides: list[str] = field(default_factory=list)
 
     @classmethod

@@ -52,13 +52,10 @@ class EnvNode:
     default here, so none can disagree with the file); ``admission`` and ``reward`` are their
     dataclasses, the same ``AdmissionConfig`` the gateway's ``serve.admission`` is."""
 
-    #: Engine seconds per step (one control interval) and per episode (truncation).
-    interval_s: float
+    #: Engine seconds per episode (truncation). One step is one control interval, the control
+    #: group's ``control.interval_s`` (``batchpilot.schemas.control.ControlLoopConfig``: also the
+    #: latency window, the start knobs and the observation's scales, shared with the gateway).
     episode_s: float
-    #: Sliding window of the latency percentiles.
-    telemetry_window_s: float
-    initial_batch_cap: int
-    initial_bucketing: str
     #: What the actions "16-bit" and "8-bit" mean.
     kv16_dtype: str
     kv8_dtype: str
@@ -66,9 +63,6 @@ class EnvNode:
     action_mode: str
     #: Admit a request only if the memory model predicts it fits beside what is in flight.
     memory_admission: bool
-    #: Observation scales: requests/s and output tokens/s.
-    rate_scale: float
-    token_rate_scale: float
     #: At the last step, let requests in flight finish (at most drain_timeout_s).
     drain_on_truncate: bool
     drain_timeout_s: float

@@ -83,6 +83,7 @@ class EvaluateApp:
     model: Any
     workload: Any
     slo: Any
+    control: Any
     env: Any
     shield: Any
     logger: Any

@@ -32,23 +32,16 @@ def _read_secret(path: str | None, key: str) -> str | None:
 
 @dataclass(slots=True)
 class ControlConfig:
-    """The control loop."""
+    """The gateway's own control-loop settings (``serve.control``). The interval, latency window,
+    start knobs and observation scales are the ``control`` group's, shared with training
+    (``batchpilot.schemas.control.ControlLoopConfig``; ``AppSettings.control``)."""
 
     #: policy: the exported PPO policy acts; pid / static: the baseline acts; shadow: PID acts and
     #: the policy's decisions are only logged and compared. None: ``policy`` when ``policy_dir``
     #: is given (serving a policy is what naming one asks for), else ``pid``.
     mode: str | None = None
-    #: Seconds between decisions.
-    interval_s: float = 1.0
-    #: Sliding window of the latency percentiles.
-    window_s: float = 10.0
     #: Exported policy folder; None = ``policies/pretrained`` when it exists.
     policy_dir: str | None = None
-    initial_batch_cap: int = 64
-    initial_bucketing: str = "fifo"
-    #: Observation scales (as in training: conf/env ``rate_scale`` / ``token_rate_scale``).
-    rate_scale: float = 30.0
-    token_rate_scale: float = 6000.0
     #: Share of traffic a canary policy drives: that share of upstreams, or with one upstream
     #: that share of control intervals.
     canary_share: float = 0.2
@@ -84,14 +77,10 @@ class ControlConfig:
         if self.mode not in CONTROL_MODES:
             raise ValueError(f"serve.control.mode={self.mode!r}; one of {CONTROL_MODES} (null: policy when "
                              "serve.control.policy_dir is set, else pid)")
-        if not self.interval_s > 0:
-            raise ValueError(f"serve.control.interval_s must be > 0, got {self.interval_s}")
         if not 0.0 <= self.canary_share <= 1.0:
             raise ValueError(f"serve.control.canary_share must be in [0, 1], got {self.canary_share}")
         if not 0.0 < self.canary_max_drop < 1.0:
             raise ValueError(f"serve.control.canary_max_drop must be in (0, 1), got {self.canary_max_drop}")
-        if self.initial_batch_cap < 1:
-            raise ValueError(f"serve.control.initial_batch_cap must be >= 1, got {self.initial_batch_cap}")
         if self.history_len < 0:
             raise ValueError(f"serve.control.history_len must be >= 0, got {self.history_len}")
         if not self.fail_open_after_s > 0:
@@ -345,6 +334,7 @@ class ServeApp:
     schema; this one rejects any other top-level key."""
 
     serve: Any
+    control: Any
     slo: Any
     shield: Any
     policy: Any
