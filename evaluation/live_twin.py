@@ -20,7 +20,7 @@ iteration or more later, not in the very next one), under the same SLO, and on t
   the given ones, ``meta.vllm_tuned.chosen``): vLLM alone with those flags and its API server's
   503s (``envs/server_env.py``), as the matrix's ``vllm_tuned`` runs a grid point; not swept again;
 - ``static`` / ``pid`` / ``ppo``: the controllers behind the shield, started from the
-  gateway's start-up knobs (``conf/serve/default.yaml`` ``control``: batch cap 64, FIFO) with the
+  gateway's start-up knobs (the ``control`` group both compose: batch cap 64, FIFO) with the
   gateway's breaker (``shield.breaker_shrink`` 0.8, ``conf/serve_app.yaml``); requests carry the
   gateway's default priority (1, sheddable) unless the live client sent ``x-priority``.
 
@@ -133,8 +133,7 @@ TWIN_HARDWARE = "cpu_tiny_served"
 def _serve_defaults() -> dict[str, Any]:
     serve = OmegaConf.load(REPO_ROOT / "conf" / "serve" / "default.yaml")
     app = OmegaConf.load(REPO_ROOT / "conf" / "serve_app.yaml")
-    return {"control": OmegaConf.to_container(serve.control, resolve=True),
-            "default_priority": int(serve.get("default_priority", 1)),
+    return {"default_priority": int(serve.get("default_priority", 1)),
             "breaker_shrink": float(app.shield.breaker_shrink)}
 
 
@@ -142,9 +141,9 @@ def twin_overrides(scenario: Mapping[str, Any], slo: Mapping[str, Any], vllm_arg
                    extra: Sequence[str] = (), ingress_latency_s: float = 0.0, hardware: str = TWIN_HARDWARE) -> list[str]:
     """Hydra overrides (``conf/evaluate.yaml``) of the twin's simulator: the calibrated tiny
     model, the live engine's scheduler, KV budget and round trip, the gateway's control
-    settings, the SLO."""
+    settings, the SLO. The control loop's interval, window, start knobs and scales are the
+    ``control`` group's, which the evaluation composes as the gateway does."""
     sd = _serve_defaults()
-    ctl = sd["control"]
     bs = _vllm_arg(vllm_args, "--block-size") or 32
     out = [
         "engine=sim", "model=tiny_llama", f"hardware={hardware}", f"engine.block_size={bs}",
@@ -156,9 +155,6 @@ def twin_overrides(scenario: Mapping[str, Any], slo: Mapping[str, Any], vllm_arg
         f"workload.time_scale={float(scenario.get('time_scale') or 1.0)}",
         f"workload.duration_s={'null' if scenario.get('duration_s') is None else float(scenario['duration_s'])}",
         f"slo.ttft_ms={slo.get('ttft_ms')}", f"slo.tpot_ms={slo.get('tpot_ms')}",
-        f"env.interval_s={ctl['interval_s']}", f"env.telemetry_window_s={ctl['window_s']}",
-        f"env.rate_scale={ctl['rate_scale']}", f"env.token_rate_scale={ctl['token_rate_scale']}",
-        f"env.initial_batch_cap={ctl['initial_batch_cap']}", f"env.initial_bucketing={ctl['initial_bucketing']}",
         f"shield.breaker_shrink={sd['breaker_shrink']}", "logger=none",
         "env.drain_controlled=true",  # the gateway's loop runs on until the client's last answer
     ]
@@ -169,14 +165,17 @@ def twin_overrides(scenario: Mapping[str, Any], slo: Mapping[str, Any], vllm_arg
 
 
 #: The gateway's overrides (``scripts/serve.py`` keys) the twin mirrors, as its own keys: the
-#: shield is one config group in both; the gateway's admission is the env's.
-GATEWAY_TO_TWIN: tuple[tuple[str, str], ...] = (("shield.", "shield."), ("serve.admission.", "env.admission."))
+#: shield and the control loop's timing and start knobs are one config group in both; the
+#: gateway's admission is the env's.
+GATEWAY_TO_TWIN: tuple[tuple[str, str], ...] = (("shield.", "shield."), ("control.", "control."),
+                                                ("serve.admission.", "env.admission."))
 
 
 def twin_gateway_overrides(gateway_overrides: Sequence[str]) -> list[str]:
-    """The gateway overrides that change its shield or admission, as the twin's overrides, so a
-    live run with e.g. ``shield.late_queue_overload=true`` is predicted under the same shield;
-    the others (ports, control interval set by the twin itself, logging) have no twin key."""
+    """The gateway overrides that change its shield, control loop timing or admission, as the
+    twin's overrides, so a live run with e.g. ``shield.late_queue_overload=true`` or
+    ``control.interval_s=0.5`` is predicted under the same ones; the others (ports, logging,
+    ``serve.control.*``) have no twin key."""
     out = []
     for o in map(str, gateway_overrides):
         body = o.lstrip("+~")  # Hydra's add / delete prefixes stay as they were
@@ -296,7 +295,7 @@ def _twin_runner(tf: TimedTraceFile, scenario: Mapping[str, Any], slo: Mapping[s
         name = names[path]
         pol = tuned_point(tuned_flags or {}, vllm_args) if path == TUNED_PATH else policy_config(name, ecfg, plan)
         if name == "pid":  # the gateway's PID starts from its start-up cap, not pid.yaml's
-            pol["initial_batch_cap"] = int(sd["control"]["initial_batch_cap"])
+            pol["initial_batch_cap"] = int(cfg.control.initial_batch_cap)
         pol.update((policy_overrides or {}).get(path, {}))
         if path in extra:
             pol["path"] = str(extra[path])

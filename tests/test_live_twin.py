@@ -79,10 +79,13 @@ def test_the_twin_charges_the_served_round_trip() -> None:
     assert 40 < late["mean_ttft_ms"] - at_once["mean_ttft_ms"] < 75
 
 def test_the_twin_runs_under_the_gateways_shield_and_admission_overrides() -> None:
-    """A live run whose gateway was started with shield or admission overrides is predicted
-    under the same ones (one shield); the gateway's other settings have no twin key."""
-    gw = ["shield.max_batch=4", "serve.admission.on_time_first=false", "serve.port=9000", "serve.control.interval_s=0.5"]
-    assert twin_gateway_overrides(gw) == ["shield.max_batch=4", "env.admission.on_time_first=false"]
+    """A live run whose gateway was started with shield, control-loop or admission overrides is
+    predicted under the same ones (one shield, one control group); the gateway's other settings
+    have no twin key."""
+    gw = ["shield.max_batch=4", "serve.admission.on_time_first=false", "serve.port=9000", "control.interval_s=0.5",
+          "serve.control.stale_limit=5"]
+    assert twin_gateway_overrides(gw) == ["shield.max_batch=4", "env.admission.on_time_first=false",
+                                          "control.interval_s=0.5"]
     assert twin_gateway_overrides(["~shield.breaker_shrink", "+serve.admission.x=1"]) == [
         "~shield.breaker_shrink", "+env.admission.x=1"]  # Hydra's delete / add prefixes kept
     ov = twin_overrides(_scenario(), SLO, [], twin_gateway_overrides(["shield.breaker_shrink=0.5"]))
