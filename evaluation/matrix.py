@@ -2,7 +2,7 @@
 
 ``evaluate(cfg, overrides)`` runs each controller × workload × seed as one episode of
 ``ServingEnv`` (the simulator by default, the live engine with ``engine=vllm``), the
-controller deciding once per control interval (``env.interval_s``) and the shield turning
+controller deciding once per control interval (``control.interval_s``) and the shield turning
 its proposals into knobs, exactly as in training and serving. Evaluation episodes drain at the
 end (``env.drain_on_truncate``), so every request's fate counts: finished, or rejected.
 
@@ -177,7 +177,7 @@ def start_knobs(policy: Mapping[str, Any], plan: WorkloadPlan, controller: Contr
     if start is None:
         return None
     cap = min(int(start), plan.max_num_seqs)
-    bucketing = str(policy.get("bucketing", plan.cfg.env.initial_bucketing))
+    bucketing = str(policy.get("bucketing", plan.cfg.control.initial_bucketing))
     configured = str(plan.cfg.engine.get("kv_dtype", "auto"))
     # kv_start picks only where the engine is configured at the 16-bit default: an explicit
     # engine.kv_dtype is the user's choice for every controller.
@@ -207,8 +207,8 @@ def episode_config(plan: WorkloadPlan, knobs: Knobs | None, as_shipped: bool = F
         c.env.episode_s = plan.episode_s
         c.env.start_dtype_dwell = knobs is not None and knobs.kv_dtype != str(c.engine.get("kv_dtype", "auto"))
         if knobs is not None:
-            c.env.initial_batch_cap = knobs.batch_cap
-            c.env.initial_bucketing = knobs.bucketing
+            c.control.initial_batch_cap = knobs.batch_cap
+            c.control.initial_bucketing = knobs.bucketing
             c.engine.kv_dtype = knobs.kv_dtype
         if as_shipped:
             c.env.admission.max_num_long = plan.max_num_seqs

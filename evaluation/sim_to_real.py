@@ -241,7 +241,7 @@ def capacity_scale(sim_cfg: Any, share: float, completions: int = 300) -> tuple[
         requests = stream.pop_until(math.inf)
         if not requests:
             raise CalibrationError("load_vs_capacity: the workload has no requests to size")
-        cap = min(int(sim_cfg.env.initial_batch_cap), caps.max_num_seqs)
+        cap = min(int(sim_cfg.control.initial_batch_cap), caps.max_num_seqs)
         capacity = saturated_rate(engine, requests, cap, completions)
     finally:
         engine.close()
@@ -513,13 +513,13 @@ def _workload_configs(cfg: Any, name: str, wl: Sequence[str], share: float | Non
     sim_cfg = load_config([*cfg.sim_overrides, *common, *wl])
     for c in (live_cfg, sim_cfg):
         k = initial_knobs(c.policy, int(c.engine.max_num_seqs))
-        c.env.initial_batch_cap, c.env.initial_bucketing = k.batch_cap, k.bucketing
+        c.control.initial_batch_cap, c.control.initial_bucketing = k.batch_cap, k.bucketing
     if share is not None:
         scale, offered, capacity = capacity_scale(sim_cfg, share)
         for c in (live_cfg, sim_cfg):
             c.workload.rate_scale = float(c.workload.rate_scale) * scale
         console.print(f"[{name}] load: {share:.0%} of what {cfg.profile} finishes at batch cap "
-                      f"{sim_cfg.env.initial_batch_cap} ({capacity:.1f} req/s; offered "
+                      f"{sim_cfg.control.initial_batch_cap} ({capacity:.1f} req/s; offered "
                       f"{offered:.1f} -> {offered * scale:.1f} req/s, rate x{scale:.2f})")
     return live_cfg, sim_cfg
 

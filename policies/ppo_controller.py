@@ -48,13 +48,16 @@ __all__ = ["PPOController", "PRETRAINED_DIR", "build_ppo_controller"]
 
 def _scales(manifest: Mapping[str, Any], path: Path) -> dict[str, Any]:
     """Observation scales from the manifest: ``observation_scales`` (written by training), else
-    the training config's ``env`` section."""
+    the training config's ``control`` section (the scales) and ``env`` section (the KV dtypes)."""
     cfg = manifest.get("training", {}).get("config", {})
     s = dict(cfg.get("observation_scales") or {})
-    env = cfg.get("env") or {}
+    # Artifacts trained before the control group (issue 54) kept the scales in ``env``: read
+    # there as a fallback, so they still load.
+    sections = [cfg.get("control") or {}, cfg.get("env") or {}]
     for key in ("rate_scale", "token_rate_scale", "kv16_dtype", "kv8_dtype"):
-        if key not in s and key in env:
-            s[key] = env[key]
+        for sec in sections:
+            if key not in s and key in sec:
+                s[key] = sec[key]
     missing = [k for k in ("rate_scale", "token_rate_scale") if k not in s]
     if missing:
         raise PolicyLoadError(

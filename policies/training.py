@@ -309,8 +309,8 @@ def observation_scales(cfg: DictConfig, env: ServingEnv) -> dict[str, Any]:
     ``PPOController``): normalisation scales and the engine limits they divide by."""
     caps = env.engine.capabilities()
     return {
-        "rate_scale": float(cfg.env.rate_scale),
-        "token_rate_scale": float(cfg.env.token_rate_scale),
+        "rate_scale": float(cfg.control.rate_scale),
+        "token_rate_scale": float(cfg.control.token_rate_scale),
         "max_num_seqs": int(caps.max_num_seqs),
         "max_model_len": int(caps.max_model_len),
         "kv16_dtype": str(cfg.env.kv16_dtype),
@@ -414,7 +414,7 @@ def _prepare_run(cfg: DictConfig) -> _RunSetup:
 
 def _load_warm_start(tc: TrainConfig, plain: DictConfig) -> Any | None:
     """``train.init_from``: checked before any engine starts; the observation scales in
-    ``plain.env`` become the source policy's (features must mean what they meant to it)."""
+    ``plain.control`` become the source policy's (features must mean what they meant to it)."""
     if not tc.init_from:
         return None
     from batchpilot.policies import warm_start as ws_mod
@@ -423,7 +423,7 @@ def _load_warm_start(tc: TrainConfig, plain: DictConfig) -> Any | None:
     ws_mod.check_compatible(warm, net_arch=tc.net_arch, activation=tc.activation,
                             action_mode=str(plain.env.get("action_mode")), clip_obs=tc.clip_obs,
                             norm_obs=tc.norm_obs)
-    changed = ws_mod.apply_observation_scales(warm, plain.env)
+    changed = ws_mod.apply_observation_scales(warm, plain)
     print(f"[train] warm start from {warm.artifact.path}: actor and observation normalisation loaded, "
           f"critic and reward normalisation fresh"
           + (f"; observation scales set to the policy's: {changed}" if changed else ""))

@@ -90,7 +90,7 @@ def _feed(tel: Telemetry, iv: dict) -> None:
 
 def _gateway(mode: str, policy: dict, overrides: Sequence[str] = ()) -> tuple[Gateway, ControlLoop]:
     cfg = load_config(["serve.upstreams=[http://127.0.0.1:9]", f"serve.control.mode={mode}",
-                       f"serve.max_num_seqs={MAX_NUM_SEQS}", "serve.control.initial_batch_cap=64", *overrides],
+                       f"serve.max_num_seqs={MAX_NUM_SEQS}", "control.initial_batch_cap=64", *overrides],
                       config_name="serve_app")
     settings = AppSettings.from_cfg(cfg)
     settings.policy = policy
@@ -220,19 +220,18 @@ def _replay_admission(lane: Any) -> dict[str, Any]:
 def test_gateway_tick_decides_as_the_serving_env_does(mode: str) -> None:
     cfg = load_config([*ENV_OVERRIDES, "policy=pid"])
     env = ServingEnv(cfg=cfg)
-    e = cfg.env
     policy_node = dict(cfg.policy) if mode != "static" else {"kind": "pid"}
     gw, loop = _gateway(mode, policy_node, [
         f"serve.max_num_seqs={env._max_num_seqs}", f"serve.max_model_len={env._caps.max_model_len}",
-        f"serve.control.initial_batch_cap={e.initial_batch_cap}", f"serve.control.initial_bucketing={e.initial_bucketing}",
-        f"serve.control.window_s={e.telemetry_window_s}", f"serve.control.interval_s={e.interval_s}",
-        f"serve.control.rate_scale={e.rate_scale}", f"serve.control.token_rate_scale={e.token_rate_scale}",
+        # One control group for both: the env's interval, window, start knobs and scales.
+        *(f"control.{k}={v}" for k, v in cfg.control.items()),
         # The served breaker shrinks by 20 % (conf/serve_app.yaml), training's by 30 %; a KV
         # switch costs the deployment's restart time (the env's; the gateway's once measured).
         f"shield.breaker_shrink={env.shield_cfg.breaker_shrink}", f"shield.dtype_restart_s={env.shield_cfg.dtype_restart_s}"])
     lane = gw.lanes[0]
     ctl = loop.lane_ctl[lane.index]
     assert gw.settings.slo == env.slo and ctl.shield.cfg == env.shield_cfg, "the gateway runs other configs"
+    assert gw.settings.control == env.control, "the gateway's loop runs another interval, window or start"
     controller = _env_controller(mode, env, loop)
     if mode == "policy":
         assert loop.policies.acting() == "policy"

@@ -38,11 +38,11 @@ pytestmark = [pytest.mark.live, pytest.mark.slow]
 EPISODE_S = 4.0
 # Light Poisson traffic with short requests: a few dozen requests per episode.
 OVERRIDES = [
-    "env.interval_s=0.5",
+    "control.interval_s=0.5",
     f"env.episode_s={EPISODE_S}",
     "env.drain_on_truncate=true",
     "env.drain_timeout_s=60",
-    "env.initial_batch_cap=16",
+    "control.initial_batch_cap=16",
     "workload=poisson",
     "workload.rate=40",  # x rate_scale 0.15 (engine=vllm) = 6 requests/s
     f"workload.duration_s={EPISODE_S}",

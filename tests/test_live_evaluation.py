@@ -316,7 +316,7 @@ def test_short_live_evaluation(tmp_path: Path, tiny_model_path: Path) -> None:
     cfg = load_config(["rounds=2", "paths=[vllm_direct,pid]", "live_scenario.duration_s=15",
                        "live_scenario.time_scale=5",
                        "live_scenario.load_multiple=2.0", "warmup.requests=6", f"out_dir={tmp_path}",
-                       'gateway.overrides=["serve.control.interval_s=0.25"]'],
+                       'gateway.overrides=["control.interval_s=0.25"]'],
                       config_name="live_evaluate")
     out = live_evaluate(cfg, model_dir=tiny_model_path)
     rows = out["rows"]

@@ -79,7 +79,7 @@ def test_bad_client_and_gateway_settings_are_refused(override: str, needle: str)
 
 def test_good_client_and_gateway_settings_pass() -> None:
     cfg = _cfg('client.headers=["x-priority=1","x-trace=a=b"]', "client.max_concurrency=4",
-               'gateway.overrides=["serve.control.interval_s=0.5","shield.max_batch=4","+serve.admission.x=1"]',
+               'gateway.overrides=["control.interval_s=0.5","shield.max_batch=4","+serve.admission.x=1"]',
                "paths=[vllm_direct,pid]")
     assert _check(cfg) == ["vllm_direct", "pid"]
 

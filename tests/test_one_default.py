@@ -35,10 +35,6 @@ KEPT: dict[tuple[str, str], str] = {
                  "kv_dtype", "enable_prefix_caching", "seed")},
     # evaluation/live_tuned.py base_engine_settings: int(serve.max_num_seqs) of the file itself.
     ("serve/default.yaml", "max_num_seqs"): "read raw by evaluation/live_tuned.py",
-    # evaluation/live_twin.py _serve_defaults: the twin's control settings, from the file itself.
-    **{("serve/default.yaml", f"control.{k}"): "read raw by evaluation/live_twin.py"
-       for k in ("interval_s", "window_s", "rate_scale", "token_rate_scale", "initial_batch_cap",
-                 "initial_bucketing")},
 }
 
 #: Keys that say which class a file builds (``kind: pid``, ``name: static``): code that reads a
