@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ast
 import re
+import tomllib
 from collections.abc import Iterator
 from functools import cached_property
 from pathlib import Path
@@ -243,6 +244,13 @@ def test_the_checks_see_the_source(repo: Source) -> None:
     assert {"PIDConfig", "PIDController"} <= repo.defined("batchpilot.core.pid")
     assert "SimEngineConfig" not in repo.defined("batchpilot.envs.sim_engine")  # imported there, to use it
     assert len(repo.files(SOURCE)) > 50 and len(repo.files(("tests",))) > 50
+
+
+def test_the_folder_map_is_the_installed_one() -> None:
+    """PREFIXES is how the package is installed (pyproject.toml's ``package-dir``): a folder
+    mapped wrongly would make every import from it look like an import of a missing module."""
+    setup = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    assert {folder: name for name, folder in setup["package-dir"].items()} == PREFIXES
 
 
 def _write(root: Path, files: dict[str, str]) -> Source:
