@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable, Mapping
+from typing import Any, Callable
 
 from batchpilot.core.controller import Controller
 from batchpilot.core.knobs import Knobs, Proposal
@@ -145,23 +145,12 @@ def _build_lookahead(cfg: Any, max_num_seqs: int) -> Controller:
 register_controller("lookahead", _build_lookahead)
 
 
-def build_controller(
-    cfg_policy: Any,
-    max_num_seqs: int,
-    slo: SLO | Mapping[str, float | None] | None = None,
-    *,
-    slo_ms: Mapping[str, float | None] | None = None,
-) -> Controller:
-    """The controller ``cfg_policy.kind`` names. ``slo`` (the top config's, an ``SLO`` or its
-    metric-keyed form ``{"ttft": .., "tpot": .., "e2el": ..}``; ``slo_ms`` is the same, the
-    keyword's former name) fills PID/AIMD's setpoints (``slo_setpoints``) and PPO's served
-    ``slo`` where the policy config leaves them out."""
-    if slo_ms is not None:
-        if slo is not None:
-            raise ValueError("build_controller: give the SLO once, as slo (slo_ms is its former name)")
-        slo = slo_ms
+def build_controller(cfg_policy: Any, max_num_seqs: int, slo: SLO | None = None) -> Controller:
+    """The controller ``cfg_policy.kind`` names. ``slo`` (the top config's) fills PID/AIMD's
+    setpoints (``slo_setpoints``) and PPO's / lookahead's served ``slo`` where the policy config
+    leaves them out; None: they keep their own (PPO: the SLO it was trained at)."""
     if slo is not None and not isinstance(slo, SLO):
-        slo = SLO.from_metrics(slo) if slo else None  # an empty mapping fills nothing, as before
+        raise TypeError(f"build_controller: slo must be an SLO (SLO.from_mapping(cfg.slo)), got {type(slo).__name__}")
     d = _node(cfg_policy)
     kind = d.get("kind")
     if kind not in CONTROLLER_BUILDERS:

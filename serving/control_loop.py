@@ -247,7 +247,6 @@ class ControlLoop:
         self.history: deque[dict[str, Any]] = deque(maxlen=int(cfg.control.history_len))
         #: Lane name -> the start KV dtype chosen for it (``choose_start_kv_dtype``; empty: not run).
         self.kv_start: dict[str, str] = {}
-        slo_ms = {"ttft": s.slo.ttft_ms, "tpot": s.slo.tpot_ms, "e2el": s.slo.e2el_ms}
         pid_node = dict(s.policy) if s.policy.get("kind") == "pid" else {"kind": "pid"}
         pid_node.setdefault("initial_batch_cap", s.control.initial_batch_cap)
         shield_cfg = ShieldConfig.from_cfg(s.shield)
@@ -266,7 +265,7 @@ class ControlLoop:
                                        "bucketing": ln.knobs.bucketing, "kv_dtype": ln.knobs.kv_dtype}, cfg.max_num_seqs)
             self.lane_ctl[ln.index] = LaneControl(
                 shield=Shield(shield_cfg, mem, caps, s.slo, now=now),
-                pid=build_controller(pid_node, cfg.max_num_seqs, slo_ms),
+                pid=build_controller(pid_node, cfg.max_num_seqs, s.slo),
                 static=static,
             )
             ctl = self.lane_ctl[ln.index]

@@ -313,11 +313,11 @@ def test_the_shipped_engines_policies_serve_and_bench_configs_build() -> None:
     assert (live.model.name, live.hardware.name) == ("tiny_llama", "cpu_tiny")
     assert from_node(VLLMEngineConfig, live.engine, drop=("kind", "warmup")) == VLLMEngineConfig()
     assert from_node(EngineWarmupConfig, live.engine.warmup).seconds == 60
-    slo = {"ttft": 1000.0, "tpot": 100.0, "e2el": None}
+    slo = SLO(ttft_ms=1000.0, tpot_ms=100.0, e2el_ms=None)
     for name in ("pid", "pid_sf", "aimd", "static", "vllm_default", "ppo", "lookahead"):
         node = load_config([f"policy={name}"]).policy
-        assert build_controller(node, 256, slo_ms=slo) is not None
-    pid = build_controller(load_config().policy, 256, slo_ms={"ttft": 500.0, "tpot": 40.0, "e2el": None})
+        assert build_controller(node, 256, slo) is not None
+    pid = build_controller(load_config().policy, 256, SLO(ttft_ms=500.0, tpot_ms=40.0, e2el_ms=None))
     assert (pid.cfg.slo_ms, pid.cfg.tpot_slo_ms) == (40.0, 40.0)  # the SLO still comes from the slo group
     serve = ServeConfig.from_cfg(load_config(["serve.managed=true"], config_name="serve_app").serve)
     assert serve.control.interval_s == 1.0 and serve.admission.max_queue_len == 4096

@@ -87,7 +87,6 @@ def test_pid_setpoints_come_from_the_slo_of_its_metric() -> None:
     # objective (1000 ms against the evaluation PID's 100 ms) before.
     assert build_controller({"kind": "pid"}, 256, slo).cfg.slo_ms == 40.0  # type: ignore[attr-defined]
     assert build_controller({"kind": "aimd"}, 256, slo).cfg.slo_ms == 500.0  # type: ignore[attr-defined]
-    # The metric-keyed mapping is the same SLO (the gateway passes that form).
-    assert build_controller({"kind": "pid", "metric": "ttft"}, 256, slo.by_metric()).cfg.slo_ms == 500.0  # type: ignore[attr-defined]
-    with pytest.raises(ValueError, match="give the SLO once"):
-        build_controller({"kind": "pid"}, 256, slo, slo_ms=slo.by_metric())
+    # The one SLO type: the metric-keyed form a policy's served slo uses is no SLO here.
+    with pytest.raises(TypeError, match="slo must be an SLO"):
+        build_controller({"kind": "pid"}, 256, slo.by_metric())  # type: ignore[arg-type]
