@@ -299,7 +299,7 @@ def _twin_runner(tf: TimedTraceFile, scenario: Mapping[str, Any], slo: Mapping[s
         pol.update((policy_overrides or {}).get(path, {}))
         if path in extra:
             pol["path"] = str(extra[path])
-        # No controller given: a policy starts at env.initial_batch_cap, the gateway's start-up cap.
+        # No controller given: a policy starts at control.initial_batch_cap, the gateway's start-up cap.
         knobs = start_knobs(pol, plan)
         as_shipped = bool(pol.get(AS_SHIPPED_KEY, False))
         ep_cfg = episode_config(plan, knobs, as_shipped)

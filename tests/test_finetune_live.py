@@ -50,7 +50,7 @@ def test_short_live_finetune_from_the_shipped_policy(tmp_path: Path, tiny_model_
         f"train.total_timesteps={STEPS}", "train.n_steps=32", "train.batch_size=16", "train.n_epochs=2",
         "train.critic_warmup_steps=32", "train.eval_freq=0", "train.checkpoint_freq=0",
         "train.validation.test_seeds=[2000]",
-        "env.interval_s=0.5", "env.episode_s=12", "env.drain_timeout_s=60", "workload.duration_s=12",
+        "control.interval_s=0.5", "env.episode_s=12", "env.drain_timeout_s=60", "workload.duration_s=12",
         "logger=wandb", f"hydra.run.dir={run}",
     ]
     env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"}

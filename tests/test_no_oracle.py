@@ -145,7 +145,7 @@ def test_a_whole_episode_with_memory_admission_never_reads_the_output(
     monkeypatch.setattr(workloads, "Request", HiddenOutputRequest)
     env = ServingEnv(cfg=load_config([
         "env.episode_s=20", "workload=poisson", "workload.duration_s=20", "model=deepseek_v3", "hardware=h200",
-        "workload.rate_scale=3", "workload.lengths.prompt_mean=6000", "env.initial_batch_cap=256",
+        "workload.rate_scale=3", "workload.lengths.prompt_mean=6000", "control.initial_batch_cap=256",
         "env.drain_on_truncate=true", f"env.admission.charge={charge}", "env.admission.charge_min_samples=8",
     ]))
     assert env.cfg.env.memory_admission
