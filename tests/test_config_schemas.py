@@ -76,8 +76,10 @@ CASES = [
     ("policy/ppo.yaml", ("config", ["policy=ppo"]), "ood_margin: 0.25", "ood_margn: 0.25", "ood_margin: wide",
      "policy"),
     ("serve/default.yaml", "serve_app", "port: 8000", "prot: 8000", "port: http", "serve"),
-    ("serve/default.yaml", "serve_app", "interval_s: 1.0", "interval_sec: 1.0", "interval_s: soon",
+    ("serve/default.yaml", "serve_app", "stale_limit: 3", "stale_limits: 3", "stale_limit: soon",
      "serve.control"),
+    ("control/default.yaml", "serve_app", "interval_s: 1.0", "interval_sec: 1.0", "interval_s: soon", "control"),
+    ("control/default.yaml", "config", "window_s: 10.0", "window: 10.0", "window_s: long", "control"),
     ("serve/default.yaml", "serve_app", "min_samples: 20", "min_sample: 20", "min_samples: few",
      "serve.quality_guard"),
     ("serve/default.yaml", "serve_app", "prompts: []", "prompt: []", "prompts: 5", "serve.warmup"),
@@ -110,7 +112,7 @@ CASES = [
 #: default-swapped group, the serve app, a policy, a workload kind); ``make test`` runs them all.
 CASE_PARAMS = sweep(CASES, [c[0] + ":" + c[2].split(":")[0] for c in CASES],
                     fast={"shield/default.yaml:min_step", "env/default.yaml:max_num_long",
-                          "hardware/cpu_tiny.yaml:roofline_p", "serve/default.yaml:interval_s",
+                          "hardware/cpu_tiny.yaml:roofline_p", "control/default.yaml:interval_s",
                           "policy/ppo.yaml:ood_margin", "workload/bursty.yaml:prompt_mean"})
 
 
@@ -167,7 +169,8 @@ def test_a_wrong_type_on_the_command_line_fails_naming_the_key() -> None:
 
 
 @pytest.mark.parametrize("config,overrides,key", [
-    ("config", ["env.interval_s=soon"], "env.interval_s"),
+    ("config", ["control.interval_s=soon"], "control.interval_s"),
+    ("evaluate", ["control.initial_batch_cap=many"], "control.initial_batch_cap"),
     ("config", ["hardware.memory_gb=lots"], "hardware.memory_gb"),
     ("config", ["model.tensor_parallel=two"], "model.tensor_parallel"),
     ("config", ["engine.max_num_seqs=all"], "engine.max_num_seqs"),
@@ -175,7 +178,8 @@ def test_a_wrong_type_on_the_command_line_fails_naming_the_key() -> None:
     ("config", ["engine=vllm", "engine.warmup.max_batch=big"], "engine.warmup.max_batch"),
     ("config", ["policy.settle_s=soon"], "policy.settle_s"),
     ("serve_app", ["policy=ppo", "policy.ood_margin=wide"], "policy.ood_margin"),
-    ("serve_app", ["serve.control.interval_s=soon"], "serve.control.interval_s"),
+    ("serve_app", ["control.window_s=soon"], "control.window_s"),
+    ("serve_app", ["serve.control.stale_limit=soon"], "serve.control.stale_limit"),
     ("serve_app", ["serve.quality_guard.enabled=perhaps"], "serve.quality_guard.enabled"),
     ("serve_app", ["serve.port=http"], "serve.port"),
     ("bench", ["gateway_bench.rate=fast"], "gateway_bench.rate"),
@@ -320,7 +324,7 @@ def test_the_shipped_engines_policies_serve_and_bench_configs_build() -> None:
     pid = build_controller(load_config().policy, 256, SLO(ttft_ms=500.0, tpot_ms=40.0, e2el_ms=None))
     assert (pid.cfg.slo_ms, pid.cfg.tpot_slo_ms) == (40.0, 40.0)  # the SLO still comes from the slo group
     serve = ServeConfig.from_cfg(load_config(["serve.managed=true"], config_name="serve_app").serve)
-    assert serve.control.interval_s == 1.0 and serve.admission.max_queue_len == 4096
+    assert serve.control.stale_limit == 3 and serve.admission.max_queue_len == 4096
     bench = load_config(config_name="bench")
     assert GatewayBenchConfig.from_cfg(bench) == GatewayBenchConfig()
     assert ClientBenchConfig.from_cfg(bench.client_bench) == ClientBenchConfig()
