@@ -178,8 +178,11 @@ class WorkloadBase:
     rate_scale: float = 1.0
     #: Added to the episode seed by the environment: the same seeds draw other episodes.
     seed_offset: int = 0
-    #: Shares of priority classes 0 (core), 1, ...
-    priorities: list[float] = field(default_factory=lambda: [1.0])
+    #: Shares of priority classes 0 (core: what a trusted client tags ``priority: 0``), 1 (what the
+    #: gateway gives a request without a priority, ``serve.default_priority``), 2, ... The default
+    #: is all class 1, traffic nobody tagged, so the simulator's admission and breaker treat it as
+    #: the gateway does (a TTFT deadline or the breaker's shedding may refuse it; core never).
+    priorities: list[float] = field(default_factory=lambda: [0.0, 1.0])
     #: The ``max_tokens`` its clients send (``MaxTokensConfig``); default: none, the model's limit.
     max_tokens: MaxTokensConfig = field(default_factory=MaxTokensConfig)
     #: Free text, not read.

@@ -362,8 +362,8 @@ def sample_priorities(rng: np.random.Generator, shares: Sequence[float], n: int)
         raise ValueError(
             f"priority shares must be non-negative with a positive sum, got {list(shares)}"
         )
-    if w.size == 1:
-        return np.zeros(n, dtype=np.int64)
+    if np.count_nonzero(w) == 1:  # one class: no draw, so the other streams stay as they were
+        return np.full(n, int(np.flatnonzero(w)[0]), dtype=np.int64)
     return rng.choice(w.size, size=n, p=w / w.sum()).astype(np.int64)
 
 

@@ -8,26 +8,28 @@ from batchpilot.config import load_config
 from batchpilot.envs.serving_env import ServingEnv
 
 
-def test_the_presets_set_the_deadline_for_every_priority_and_keep_the_rest() -> None:
+def test_the_presets_set_the_deadline_above_core_priority_and_keep_the_rest() -> None:
+    """Core requests (priority 0, a trusted client's) are never refused for lack of time; the rest,
+    untagged traffic included (priority 1, at the gateway as in the simulator's workloads), are."""
     env = load_config(["env=refuse_late"])
     default = load_config([])
     serve = load_config(["serve=refuse_late"], config_name="serve_app")
     for adm in (env.env.admission, serve.serve.admission):
-        assert adm.ttft_deadline is True and adm.deadline_max_priority_kept == -1
+        assert adm.ttft_deadline is True and adm.deadline_max_priority_kept == 0
     changed = {k for k in default.env if default.env[k] != env.env[k]}
     assert changed == {"admission"}
     assert {k for k in default.env.admission if default.env.admission[k] != env.env.admission[k]} == {
-        "ttft_deadline", "deadline_max_priority_kept"}
+        "ttft_deadline"}
     early = load_config(["env=refuse_early"])
     early_serve = load_config(["serve=refuse_early"], config_name="serve_app")
     for adm in (early.env.admission, early_serve.serve.admission):
-        assert adm.ttft_deadline is True and adm.deadline_max_priority_kept == -1 and adm.early_refusal is True
+        assert adm.ttft_deadline is True and adm.deadline_max_priority_kept == 0 and adm.early_refusal is True
     assert {k for k in default.env.admission if default.env.admission[k] != early.env.admission[k]} == {
-        "ttft_deadline", "deadline_max_priority_kept", "early_refusal"}
+        "ttft_deadline", "early_refusal"}
 
 
 def test_with_the_preset_the_env_refuses_late_requests_and_meets_the_slo_as_often() -> None:
-    """An overloaded simulated minute (Poisson at ~5x capacity, every request at core priority 0):
+    """An overloaded simulated minute (Poisson at ~5x capacity, every request untagged, priority 1):
     the default serves every request, most late; the preset refuses those that waited their
     objective ("deadline") and meets the SLO for at least as many; ``refuse_early`` also refuses
     at arrival ("no_slack")."""
