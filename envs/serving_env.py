@@ -730,7 +730,7 @@ class ServingEnv(gym.Env):
         return snap
 
     def _info(self, snap: Snapshot, interventions: dict, decision: Any) -> dict[str, Any]:
-        pred = decision.predicted_memory_fraction if decision is not None else self.shield.predict_fraction(self.knobs, snap)
+        pred = decision.predicted_memory_fraction if decision is not None else self.shield.predict_fraction(self.knobs)
         return {
             "knobs": self.knobs.as_dict(),
             "predicted_memory_fraction": float(pred),

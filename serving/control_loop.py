@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from batchpilot.core.admission import depths_padded
-from batchpilot.core.control import ControllerChain, ControlStep, FailSafe, control_step
+from batchpilot.core.control import ControllerChain, ControlStep, FailSafe, control_step, shield_inputs
 from batchpilot.core.controller import Controller
 from batchpilot.core.engine import KV_DTYPES_8BIT, KV_DTYPES_16BIT, EngineCapabilities, MemoryModel, ModelMemory
 from batchpilot.core.knobs import Knobs, Proposal
@@ -431,7 +431,8 @@ class ControlLoop:
             for ln in self.gw.lanes:
                 ctl = self.lane_ctl[ln.index]
                 if ln.knobs.kv_dtype != dtype:
-                    inputs = ctl.last_snapshot if ctl.last_snapshot is not None else ShieldInputs()
+                    snap = ctl.last_snapshot
+                    inputs = shield_inputs(snap, ctl.shield) if snap is not None else ShieldInputs()
                     reasons = ctl.shield.check_dtype(dtype, ln.knobs, inputs, now)
                     if reasons:
                         refused[ln.name] = "; ".join(reasons.values())

@@ -500,7 +500,10 @@ def test_10000_random_and_adversarial_steps():
     assert over_ceiling > 50 and switches > 20  # the hard branches were exercised
 
 
-def test_snapshot_inputs_are_converted():
+def test_snapshot_inputs_are_converted_once_in_the_shield_stage():
+    """One type crosses the telemetry/shield boundary: the control loop's shield stage converts
+    a ``Snapshot`` (``shield_inputs``), and the shield refuses one handed to it directly."""
+    from batchpilot.core.control import PassThroughShield, guard, shield_inputs
     from batchpilot.core.telemetry import Snapshot
 
     snap = Snapshot(
@@ -510,13 +513,22 @@ def test_snapshot_inputs_are_converted():
         tpot_p50_ms=1.0, tpot_p99_ms=1.0, e2el_p50_ms=1.0, e2el_p99_ms=1.0, slo_attainment=1.0,
         preemptions=0, rejected=0, shield_interventions=0, knobs=Knobs(40), time_since_dtype_switch_s=0.0,
     )
-    inp = ShieldInputs.from_snapshot(snap, num_kv_blocks_total=10_000)
-    assert (inp.demand, inp.num_kv_blocks_used, inp.mean_context_len) == (50, 5000, 2048.0)
     s = shield(ROOMY, overload_backlog_factor=1.0)  # 10 waiting <= 40 running: the engine's breach
-    d = s.apply(Proposal(batch_cap=45), Knobs(40), snap, 1.0)  # p99 TTFT 5 s: breach
+    inp = shield_inputs(snap, s)  # KV blocks from the shield's memory model (10,000), no OOM
+    assert inp == ShieldInputs.from_snapshot(snap, num_kv_blocks_total=10_000)
+    assert (inp.demand, inp.num_kv_blocks_used, inp.mean_context_len, inp.oom) == (50, 5000, 2048.0, False)
+    for sh, method in ((s, "Shield.apply"), (PassThroughShield(s), "PassThroughShield.apply")):
+        with pytest.raises(TypeError, match=rf"{method} takes ShieldInputs, got Snapshot.*ShieldInputs\.from_snapshot"):
+            sh.apply(Proposal(batch_cap=45), Knobs(40), snap, 1.0)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"Shield\.check_dtype takes ShieldInputs.*from_snapshot"):
+        s.check_dtype("fp8", Knobs(40), snap, 1.0)  # type: ignore[arg-type]
+    assert s.num_decisions == 0  # refused before any state moved
+    d = guard(Proposal(batch_cap=45), snap, Knobs(40), s, 1.0).decision  # p99 TTFT 5 s: breach
     assert d.knobs.batch_cap == 28 and d.breaker_level == 1
     assert s.predict_fraction(d.knobs) == pytest.approx(d.predicted_memory_fraction)
     assert d.shed_max_priority_kept is None
+    twin = shield(ROOMY, overload_backlog_factor=1.0)
+    assert twin.apply(Proposal(batch_cap=45), Knobs(40), inp, 1.0) == d  # the stage adds only the conversion
 
 
 @pytest.mark.parametrize("start, lo, hi", [(200, 1, 64), (2, 8, 256)])

@@ -8,7 +8,9 @@
   that decides every interval even when it does not act, so its state (integral, settle timer)
   is current the moment it takes over. A policy's own out-of-range hand-over to its PID
   (``PPOController.fell_back``) is reported, not repeated.
-* **shield stage** (``guard``): the shield's limits (``Shield.apply``), then the rules for what
+* **shield stage** (``guard``): the snapshot turned into what the shield sees
+  (``shield_inputs``: the one place a ``Snapshot`` becomes ``ShieldInputs``; the shield takes
+  nothing else), the shield's limits (``Shield.apply``), then the rules for what
   the plant cannot see (``FailSafe``): an unknown memory budget heads the cap for the safe static
   cap, and intervals without the engine's counters (stale telemetry) never let the cap grow and,
   after ``stale_limit`` of them, head it for the safe cap with one alert. Stale telemetry cannot
@@ -28,7 +30,7 @@ from typing import Any
 
 from batchpilot.core.controller import Controller
 from batchpilot.core.knobs import Knobs, Proposal
-from batchpilot.core.shield import Decision, Shield
+from batchpilot.core.shield import Decision, Shield, ShieldInputs, require_inputs
 from batchpilot.core.telemetry import Snapshot
 
 
@@ -134,8 +136,11 @@ class PassThroughShield:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._shield, name)
 
-    def apply(self, proposal: Proposal, current: Knobs, inputs: Any, now: float) -> Decision:
-        """The proposal's knobs (unset ones kept), unchecked."""
+    def apply(self, proposal: Proposal, current: Knobs, inputs: ShieldInputs, now: float) -> Decision:
+        """The proposal's knobs (unset ones kept), unchecked; ``inputs`` unused but held to the
+        shield's boundary type, so a caller that skips the shield stage's conversion fails with
+        either shield."""
+        require_inputs(inputs, "PassThroughShield.apply")
         knobs = Knobs(
             batch_cap=current.batch_cap if proposal.batch_cap is None else int(proposal.batch_cap),
             bucketing=proposal.bucketing or current.bucketing,
@@ -159,11 +164,22 @@ class ControlStep:
     out_of_range: tuple[str, ...] = ()
 
 
+def shield_inputs(snapshot: Snapshot, shield: Shield) -> ShieldInputs:
+    """The interval ``snapshot`` summarises as the shield sees it: the one conversion between
+    telemetry and the shield (the env's and the gateway's steps and an operator's dtype check
+    all come here). What a snapshot lacks is filled the same everywhere: KV blocks in use from
+    its KV usage x the pool of the shield's memory model (which follows engine restarts), the
+    context length from its mean prompt (the shield's estimate learns from it), and no OOM (the
+    shield marks a reported one itself, ``Shield.report_oom``)."""
+    return ShieldInputs.from_snapshot(snapshot, num_kv_blocks_total=shield.memory.num_kv_blocks_total)
+
+
 def guard(proposal: Proposal, snapshot: Snapshot, knobs: Knobs, shield: Shield, now: float, *,
           fail_safe: FailSafe | None = None, stale_intervals: int = 0, where: str = "the engine") -> ControlStep:
-    """The shield stage, for a proposal made already (a policy's action): the shield, then the
-    ``fail_safe`` rules (None: none, as for a plant without a shield)."""
-    dec = shield.apply(proposal, knobs, snapshot, now)
+    """The shield stage, for a proposal made already (a policy's action): the snapshot as the
+    shield's inputs, the shield, then the ``fail_safe`` rules (None: none, as for a plant
+    without a shield)."""
+    dec = shield.apply(proposal, knobs, shield_inputs(snapshot, shield), now)
     if fail_safe is not None:
         dec = fail_safe.apply(dec, knobs, shield, stale_intervals=stale_intervals, where=where)
     return ControlStep(proposal, dec)

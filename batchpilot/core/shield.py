@@ -269,6 +269,18 @@ class ShieldInputs:
         )
 
 
+def require_inputs(inputs: object, method: str) -> None:
+    """Refuse anything but ``ShieldInputs`` at the shield's boundary: one type crosses it, and a
+    telemetry ``Snapshot`` is converted once, in the control loop's shield stage, never here
+    (a second conversion point could fill what a snapshot lacks differently)."""
+    if not isinstance(inputs, ShieldInputs):
+        raise TypeError(
+            f"{method} takes ShieldInputs, got {type(inputs).__name__}: convert a telemetry Snapshot "
+            f"with ShieldInputs.from_snapshot (as the control loop's shield stage does, "
+            f"batchpilot.core.control.shield_inputs)"
+        )
+
+
 @dataclass(slots=True)
 class Decision:
     """What the shield applied and why. ``interventions`` maps a kind (``INTERVENTION_KINDS``)
@@ -420,9 +432,9 @@ class Shield:
         overhead = self.cfg.overhead_frac * m.budget_bytes * math.sqrt(max(num_seqs, 0))
         return (m.weights_bytes + m.activation_bytes + kv + overhead) / m.budget_bytes <= self.cfg.memory_ceiling
 
-    def predict_fraction(self, knobs: Knobs, snap: Snapshot | None = None) -> float:
-        """``predicted_fraction`` at these knobs (``snap`` is accepted for symmetry; the
-        context estimate is the shield's own, updated by ``apply``/``observe``)."""
+    def predict_fraction(self, knobs: Knobs) -> float:
+        """``predicted_fraction`` at these knobs (the context estimate is the shield's own,
+        updated by ``apply``/``observe``)."""
         return self.predicted_fraction(knobs.batch_cap, knobs.kv_dtype)
 
     def max_feasible_batch(self, kv_dtype: str) -> int:
@@ -475,11 +487,10 @@ class Shield:
         )
         return new
 
-    def apply(
-        self, proposal: Proposal, current: Knobs, inputs: ShieldInputs | Snapshot, now: float
-    ) -> Decision:
+    def apply(self, proposal: Proposal, current: Knobs, inputs: ShieldInputs, now: float) -> Decision:
         """The knobs to apply for ``proposal`` given the knobs in force and the last interval
-        (a ``Snapshot`` is converted with ``ShieldInputs.from_snapshot``). The stages run in
+        (``ShieldInputs`` only: the control loop's shield stage converts a telemetry snapshot,
+        ``batchpilot.core.control.shield_inputs``). The stages run in
         this order because each bounds the next: the dtype first (memory depends on it), then
         range and step, the breaker's bound, the memory ceiling, bucketing."""
         inputs = self._take_inputs(current, inputs)
@@ -497,13 +508,12 @@ class Shield:
         return self._record(Knobs(batch_cap=target, bucketing=bucketing, kv_dtype=dtype),
                             current, level, why, alerts, now)
 
-    def _take_inputs(self, current: Knobs, inputs: ShieldInputs | Snapshot) -> ShieldInputs:
+    def _take_inputs(self, current: Knobs, inputs: ShieldInputs) -> ShieldInputs:
         """The interval as the shield sees it, folded into its state: a pending OOM report
         (``report_oom``) marks it a breach, and the context / KV calibration estimates learn
         from it before any limit is computed (the memory prediction uses them). Refuses knobs
         in force whose dtype the memory model does not know: no limit could be computed."""
-        if isinstance(inputs, Snapshot):
-            inputs = ShieldInputs.from_snapshot(inputs, num_kv_blocks_total=self.memory.num_kv_blocks_total)
+        require_inputs(inputs, "Shield.apply")
         if current.kv_dtype not in self.memory.kv_block_bytes:
             raise ValueError(
                 f"current kv_dtype {current.kv_dtype!r} has no entry in the memory model "
@@ -605,11 +615,10 @@ class Shield:
             dtype_switched=switched,
         )
 
-    def check_dtype(self, want: str, current: Knobs, inputs: ShieldInputs | Snapshot, now: float) -> dict[str, str]:
+    def check_dtype(self, want: str, current: Knobs, inputs: ShieldInputs, now: float) -> dict[str, str]:
         """Why a switch to ``want`` would be refused now (empty: it would pass), without
         deciding anything: for an operator's request, which goes through the same gate."""
-        if isinstance(inputs, Snapshot):
-            inputs = ShieldInputs.from_snapshot(inputs, num_kv_blocks_total=self.memory.num_kv_blocks_total)
+        require_inputs(inputs, "Shield.check_dtype")
         why: dict[str, str] = {}
         self._dtype_gate(want, current, inputs, now, why)
         return why
