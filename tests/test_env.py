@@ -75,9 +75,11 @@ def test_unavailable_dtype_is_masked_and_reported_never_mapped():
 def test_8bit_switch_pays_off_where_kv_binds_and_charges_the_restart():
     # Llama-3-70B on A100-80GB with ~4k prompts is KV-bound: 8-bit KV doubles the blocks, the
     # gain repays the model's 120 s restart, and the shield allows it.
+    # Core traffic (priority 0): the breaker never sheds it, so the backlog that makes the switch
+    # pay stays (untagged traffic, shed at level 2, leaves no demand for the gain to repay).
     env = make("model=llama3_70b", "hardware=a100_80gb", "workload=poisson",
                "workload.lengths.prompt_mean=4000", "env.episode_s=300",
-               "workload.duration_s=300", "shield.min_dtype_dwell_s=0")
+               "workload.duration_s=300", "shield.min_dtype_dwell_s=0", "workload.priorities=[1.0]")
     env.reset(seed=0)
     blocks16 = env.engine.memory_model().num_kv_blocks_total
     for _ in range(50):
@@ -246,8 +248,9 @@ def test_prompts_wait_in_admission_not_in_the_engines_queue(hold: bool):
     where its order applies; without it they pile up in the engine's first-come queue."""
     budgets = "1.0" if hold else "null"
     # Clients capped at 1024 tokens: the memory check (charging prompt + max_tokens) leaves room
-    # for the pile-up this test is about; none sent (8k a request) it would bind first.
-    env = make("workload=poisson", "workload.rate_scale=3", "workload.lengths.prompt_mean=3000",
+    # for the pile-up this test is about; none sent (8k a request) it would bind first. Core
+    # traffic, which the breaker never sheds, so the pile-up stays in admission.
+    env = make("workload=poisson", "workload.rate_scale=3", "workload.lengths.prompt_mean=3000", "workload.priorities=[1.0]",
                "workload.max_tokens.caps=[1024]", "workload.max_tokens.weights=null",
                "control.initial_batch_cap=256", f"env.admission.prefill_backlog_budgets={budgets}")
     env.reset(seed=0)

@@ -74,8 +74,11 @@ def test_kv_action_is_keep_or_switch():
 # --- the slow environment ----------------------------------------------------------------------
 #: Llama-3-8B on H100, ~4k prompts and ~1k answers at 7 req/s: more sequences than 16-bit KV
 #: holds under the memory ceiling, so 8-bit KV passes the shield's gain check.
+#: Core traffic (``priorities=[1.0]``: class 0), which the breaker never sheds: the backlog that
+#: makes 8-bit KV pay stays (untagged traffic is shed at level 2 and leaves no demand to repay it).
 KV_BOUND = ["workload=poisson", "workload.rate=7.0", "workload.lengths.prompt_mean=4000",
-            "workload.lengths.output_mean=1000", "env.episode_s=300", "workload.duration_s=300"]
+            "workload.lengths.output_mean=1000", "env.episode_s=300", "workload.duration_s=300",
+            "workload.priorities=[1.0]"]
 
 
 def _pid(env):
