@@ -254,7 +254,12 @@ def test_shipped_agent_switches_where_kv_binds_and_gains(tmp_path: Path) -> None
     policy without the agent, by half again over the two (docs/training.md: 0.317 -> 0.618
     req/s over six seeds; 1.94x and 1.08x on these two)."""
     assert (PRETRAINED_DIR / KV_AGENT_SUBDIR / "manifest.json").is_file()
-    rows = _eval_rows(tmp_path, ["workload.rate=1.0", "engine.gpu_memory_utilization=0.35"])
+    # Core traffic (priority 0, never shed). Untagged (priority 1, since 2026-12-06 as at the
+    # gateway), the breaker sheds 37 % of this load at level 2, the agent (trained when every
+    # simulated request was core) sees no backlog and never proposes 8-bit: 0.565 req/s with or
+    # without it, against 0.614 with it here (six seeds; docs/training.md).
+    rows = _eval_rows(tmp_path, ["workload.rate=1.0", "engine.gpu_memory_utilization=0.35",
+                                 "workload.priorities=[1.0]"])
     for seed in (0, 1):
         with_agent, without = rows[("ppo", seed)], rows[("ppo_no_kv", seed)]
         assert with_agent["dtype_switches"] >= 1 and without["dtype_switches"] == 0
