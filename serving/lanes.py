@@ -224,7 +224,8 @@ class Lane:
         ``output_tokens``: what a request that finished normally generated (its answer's usage
         or streamed tokens), for admission's output estimate; None when it was cut short."""
         if self.admission.is_in_flight(request_id):
-            self.admission.on_finished(request_id, output_tokens)
+            now = time.monotonic() if output_tokens is not None else None  # a non-streamed one's drain
+            self.admission.on_finished(request_id, output_tokens, now)
             self.pump()
 
     def on_first_token(self, request_id: str, now: float | None = None) -> None:

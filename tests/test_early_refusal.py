@@ -296,3 +296,26 @@ def test_while_the_queue_runs_newest_first_only_what_goes_before_counts(bucketin
     a._refused_late_at = -1.0  # noqa: SLF001 (nothing refused since; the lateness check runs in admit)
     assert a.predicted_first_token_s(1000, later, later) == pytest.approx(
         (a.waiting_on_time_tokens + 2000) / RATE)
+
+
+@pytest.mark.parametrize("counted", [True, False])
+def test_non_streamed_requests_feed_the_drain_rate_when_they_finish(counted: bool) -> None:
+    """Half the traffic not streamed (its first token unseen): each finished one's prompt counts
+    in the drain rate at its finish (``on_finished(..., now)``), so the rate is the engine's.
+    Left out (no ``now``), the time their prefill took counts as backlog with nothing drained in
+    it, and the rate reads half the engine's: early refusal would refuse what it could serve."""
+    a = _adm()
+    n = 40
+    for i in range(n):  # a backlog of 1000-token prompts, every other one not streamed
+        assert a.submit(Request(f"r{i}", 0.0, 1000, 1, priority=1, reports_first_token=i % 2 == 0), 0.0) is None
+    t = 0.0
+    while a.num_waiting:
+        (req,) = a.admit(t)  # cap 1: one at a time, its first token (and end) 0.1 s later
+        t += 0.1
+        if req.reports_first_token:
+            a.on_first_token(req.request_id, t)
+            a.on_finished(req.request_id, 1)
+        else:
+            a.on_finished(req.request_id, 1, t if counted else None)
+        a.check_counts()
+    assert a.drain_rate == pytest.approx(RATE if counted else RATE / 2, rel=0.05)

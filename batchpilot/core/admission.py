@@ -728,16 +728,25 @@ class Admission:
             self._busy_since = None  # all admitted, none with a first token to wait for
         return out
 
-    def on_finished(self, request_id: str, output_tokens: int | None = None) -> None:
+    def on_finished(self, request_id: str, output_tokens: int | None = None, now: float | None = None) -> None:
         """Free the slot of a request that left the engine (finished, failed, cancelled or
         disconnected). Raises KeyError for an id that is not in flight (a bug). ``output_tokens``:
         what it generated, for a request that finished normally and whose answer said so (the
         gateway: ``usage.completion_tokens`` or the streamed tokens; the env: the finished
         request); it feeds the output estimate (``charge: estimate``). None for a request cut
-        short (failed, cancelled, aborted): what it generated so far is not its length."""
-        is_long, seqs, blocks, _ = self._in_flight.pop(request_id)
+        short (failed, cancelled, aborted): what it generated so far is not its length.
+
+        ``now`` (the ``admit`` clock): a request whose first token its caller could not see
+        (``reports_first_token`` False: not streamed) that finished normally feeds the drain rate
+        with its prompt here, late but counted. Left out, the engine's prefill of non-streamed
+        prompts would count as backlog time with no tokens drained in it, and with much such
+        traffic the rate would read low and ``early_refusal`` refuse what it could serve."""
+        is_long, seqs, blocks, req = self._in_flight.pop(request_id)
         if output_tokens is not None and self.output_estimate is not None:
             self.output_estimate.observe(output_tokens)
+        if (now is not None and output_tokens is not None
+                and not getattr(req, "reports_first_token", True)):
+            self._observe_drain(int(req.prompt_len), now)
         entry = self._awaiting_first.pop(request_id, None)  # on_first_token(request_id), inline
         if entry is not None:
             self.prefill_tokens_in_flight -= entry[0]
