@@ -74,10 +74,13 @@ def moved_key_hint(message: str) -> str | None:
     ``message`` (Hydra's: ``Could not override 'env.interval_s'`` / ``full_key:
     env.interval_s``), or None when it names none."""
     found = [old for old in MOVED_KEYS if re.search(rf"(?<![\w.]){re.escape(old)}(?![\w])", message)]
-    if not found:
-        return None
+    return _where_now(found) if found else None
+
+
+def _where_now(old_keys: list[str]) -> str:
+    """The sentence naming where each of ``old_keys`` (keys of ``MOVED_KEYS``) lives now."""
     return "; ".join(f"{old} is now {MOVED_KEYS[old]} (the control group, shared by the simulator and the gateway: "
-                     "batchpilot/schemas/control.py)" for old in found)
+                     "batchpilot/schemas/control.py)" for old in old_keys)
 
 
 def moved_key_note(exc: BaseException) -> str:
@@ -111,5 +114,4 @@ def check_no_moved_keys(cfg: Any) -> None:
     read by nobody, and the run would use ``control``'s value instead."""
     found = [old for old in MOVED_KEYS if _has(cfg, old.split("."))]
     if found:
-        raise ConfigError("; ".join(f"{old} is now {MOVED_KEYS[old]} (the control group, shared by the simulator "
-                                    "and the gateway: batchpilot/schemas/control.py)" for old in found))
+        raise ConfigError(_where_now(found))
