@@ -14,6 +14,12 @@ refusal rate, attainment per prompt-length bucket (admission's bucket edges) and
 each request's prompt + output tokens. ``slo_attainment_completed`` is the old view, over the
 completed requests only: shedding raises it, so it is shown for diagnosis, never ranked on.
 
+Each request is judged by its class's objectives (``SLO.for_priority``: ``slo.classes`` gives a
+priority its own). When the offered requests carry more than one priority (``Offered.priority``),
+the summary adds attainment and goodput per class (``class_keys``: ``slo_attainment_p2``,
+``request_goodput_p2``, ...), so what a controller refused or served late shows per class; a
+workload of one class gets exactly ``SUMMARY_KEYS``.
+
 Also the Prometheus names vLLM exposes on ``/metrics`` (new and old spellings) and
 ``parse_vllm_metrics``, which maps them onto canonical keys (parsing and aggregation over
 engines: ``batchpilot.prom``), so a scraper never hard-codes a vLLM version's names.
@@ -22,7 +28,8 @@ engines: ``batchpilot.prom``), so a scraper never hard-codes a vLLM version's na
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+import re
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,20 +69,44 @@ SUMMARY_KEYS: tuple[str, ...] = (
 BUCKET_NAMES: tuple[str, ...] = ("short", "medium", "long")
 #: The keys that read the offered requests (``summarize(offered=...)``); NaN without them.
 OFFERED_KEYS: tuple[str, ...] = SUMMARY_KEYS[SUMMARY_KEYS.index("window_s"):]
+#: The per-class metrics (``class_keys``): attainment over the class's offered requests and
+#: goodput over the arrival window, each request judged by its class's objectives.
+CLASS_METRICS: tuple[str, ...] = ("slo_attainment", "request_goodput")
+
+
+def class_keys(priorities: Sequence[int]) -> tuple[str, ...]:
+    """The summary keys of the per-class results for these priority classes, class by class
+    (``slo_attainment_p1``, ``request_goodput_p1``, ``slo_attainment_p2``, ...)."""
+    return tuple(f"{m}_p{int(p)}" for p in sorted(set(int(x) for x in priorities)) for m in CLASS_METRICS)
+
+
+_CLASS_KEY = re.compile(rf"({'|'.join(CLASS_METRICS)})_p(\d+)")
+
+
+def class_keys_in(keys: Iterable[str]) -> tuple[str, ...]:
+    """The per-class keys among ``keys`` (a summary's, a results row's), in ``class_keys`` order."""
+    found = {m.group(0): (int(m.group(2)), CLASS_METRICS.index(m.group(1)))
+             for k in keys if (m := _CLASS_KEY.fullmatch(k))}
+    return tuple(sorted(found, key=found.__getitem__))
 
 
 @dataclass(frozen=True, slots=True)
 class Offered:
     """Every request offered to the service in the run (served, refused or still open), as the
-    workload made them: what attainment per bucket and per token is over."""
+    workload made them: what attainment per bucket, per token and per priority class is over.
+    ``priority``: each one's class (None: not known, no per-class results)."""
 
     prompt_len: np.ndarray
     output_len: np.ndarray
+    priority: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         p, o = np.asarray(self.prompt_len), np.asarray(self.output_len)
         if p.ndim != 1 or p.shape != o.shape:
             raise ValueError(f"offered prompt_len and output_len must be 1-D of one length, got {p.shape}, {o.shape}")
+        if self.priority is not None and np.asarray(self.priority).shape != p.shape:
+            raise ValueError(f"offered priority must be 1-D of the prompts' length {p.shape}, "
+                             f"got {np.asarray(self.priority).shape}")
 
     def __len__(self) -> int:
         return int(np.asarray(self.prompt_len).size)
@@ -145,8 +176,9 @@ class _PerRequest:
     ttft: np.ndarray
     tpot: np.ndarray
     e2el: np.ndarray
-    #: Whether the request met every objective of the SLO.
+    #: Whether the request met every objective of its class's SLO (``SLO.for_priority``).
     met: np.ndarray
+    priority: np.ndarray
 
     @classmethod
     def of(cls, finished: Sequence[FinishedRequest], slo: SLO) -> "_PerRequest":
@@ -154,10 +186,30 @@ class _PerRequest:
         ttft = np.fromiter((r.ttft for r in finished), np.float64, n)
         tpot = np.fromiter((r.tpot for r in finished), np.float64, n)
         e2el = np.fromiter((r.e2el for r in finished), np.float64, n)
-        met = np.fromiter((slo.met(*row) for row in zip(ttft.tolist(), tpot.tolist(), e2el.tolist())), bool, n)
+        priority = np.fromiter((r.priority for r in finished), np.int64, n)
+        judge = slo.for_priority
+        met = np.fromiter((judge(p).met(*row) for p, *row in zip(priority.tolist(), ttft.tolist(), tpot.tolist(),
+                                                                 e2el.tolist())), bool, n)
         return cls(prompt=np.fromiter((r.prompt_len for r in finished), np.int64, n),
                    output=np.fromiter((r.output_len for r in finished), np.int64, n),
-                   ttft=ttft, tpot=tpot, e2el=e2el, met=met)
+                   ttft=ttft, tpot=tpot, e2el=e2el, met=met, priority=priority)
+
+
+def _per_class(req: _PerRequest, offered: Offered | None, window_s: float) -> dict[str, float]:
+    """``class_keys`` of the offered priority classes when there are more than one (else
+    none): per class, met / offered and met per second of the arrival window."""
+    if offered is None or offered.priority is None:
+        return {}
+    op = np.asarray(offered.priority, np.int64)
+    classes = np.unique(op)
+    if classes.size < 2:
+        return {}
+    out: dict[str, float] = {}
+    for p in classes.tolist():
+        good = float(np.count_nonzero(req.met & (req.priority == p)))
+        out[f"slo_attainment_p{p}"] = _share(good, float(np.count_nonzero(op == p)))
+        out[f"request_goodput_p{p}"] = good / window_s
+    return out
 
 
 def _checked_run(n: int, duration_s: float, num_rejected: int, window_s: float | None,
@@ -254,6 +306,9 @@ def summarize(
       ``offered``: NaN without it, and a bucket nobody was offered in is NaN.
     - Latency statistics are NaN when nothing qualified (no requests; no output > 1 token for
       TPOT and ITL), never a made-up 0. Ratios over nothing are NaN.
+    - Each request is judged by its class's objectives (``SLO.for_priority``); with more than
+      one priority among ``offered.priority``, ``class_keys`` of them follow (attainment over
+      the class's offered requests, goodput over ``window_s``).
     - ``extra`` entries are appended; they may not overwrite a canonical key.
     """
     window_s, num_offered = _checked_run(len(finished), duration_s, num_rejected, window_s, offered)
@@ -262,6 +317,7 @@ def summarize(
     out.update(_latencies(finished, req))
     out.update(_offered_tail(req.prompt + req.output, req.prompt, req.met, num_rejected, float(window_s),
                              float(duration_s), num_offered, offered, bucket_edges))
+    out.update(_per_class(req, offered, float(window_s)))
     for key, value in (extra or {}).items():
         if key in out:
             raise ValueError(f"extra key {key!r} would overwrite a summary metric")

@@ -106,7 +106,7 @@ def closed_loop_goodput(
             if n_done == warm:
                 t0 = fr.finish_time
             elif n_done > warm and n_done <= warm + completions:
-                n_good += slo.met(fr.ttft, fr.tpot, fr.e2el)
+                n_good += slo.for_priority(fr.priority).met(fr.ttft, fr.tpot, fr.e2el)  # by its class's SLO
         add(len(res.finished))
         if engine.now > limit_s:
             raise CapacityProbeError(f"the SLO capacity probe made no progress in {limit_s:g} engine seconds")

@@ -233,7 +233,7 @@ class ServingEnv(gym.Env):
         self.stream = build_workload(workload, self.np_random, self._caps.max_model_len)
         if self._episode_start > 0:  # a live engine's clock does not restart at 0
             self.stream = _shift_stream(self.stream, self._episode_start)
-        self._replaced_arrivals: list[tuple[np.ndarray, np.ndarray]] = []
+        self._replaced_arrivals: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
         snap = self._snapshot()
         obs = self.telemetry.observation(snap)
         return obs, self._info(snap, {}, None)
@@ -321,9 +321,10 @@ class ServingEnv(gym.Env):
         self._stream = stream
 
     @staticmethod
-    def _arrived(stream: RequestStream) -> tuple[np.ndarray, np.ndarray]:
+    def _arrived(stream: RequestStream) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(prompt lengths, output lengths, priorities) of the requests that arrived so far."""
         n = len(stream) - stream.num_remaining
-        return np.asarray(stream.prompt_len[:n]), np.asarray(stream.output_len[:n])
+        return np.asarray(stream.prompt_len[:n]), np.asarray(stream.output_len[:n]), np.asarray(stream.priority[:n])
 
     @property
     def snapshot(self) -> Snapshot:
@@ -341,8 +342,8 @@ class ServingEnv(gym.Env):
         duration = max(now - self._episode_start, 1e-9)
         window = max(min(duration, self.max_steps * self.interval_s), 1e-9)
         n_admitted = self.admission.num_admitted
-        prompts, outputs = zip(*self._replaced_arrivals, self._arrived(self.stream))
-        offered: Offered | None = Offered(np.concatenate(prompts), np.concatenate(outputs))
+        prompts, outputs, priorities = zip(*self._replaced_arrivals, self._arrived(self.stream))
+        offered: Offered | None = Offered(np.concatenate(prompts), np.concatenate(outputs), np.concatenate(priorities))
         if offered is not None and len(offered) < len(self._finished) + len(self._rejections):
             # Requests queued into admission directly, not from the workload (a caller driving
             # the plant by hand): the stream does not know them, so offered = completed + rejected.
@@ -530,7 +531,7 @@ class ServingEnv(gym.Env):
         cap = min(ctl.initial_batch_cap, self._max_num_seqs)
         self.knobs = Knobs(batch_cap=cap, bucketing=ctl.initial_bucketing, kv_dtype=self.engine.kv_dtype)
         self.admission = Admission(self.admission_cfg, self.knobs)
-        self.admission.use_slo(self.slo.ttft_ms)
+        self.admission.use_slo(self.slo)  # each priority class by its own TTFT objective
         self.admission.use_token_budget(self._caps.max_num_batched_tokens)
         self.shield = Shield(self.shield_cfg, self.engine.memory_model(), self._caps, slo=self.slo, now=self.engine.now)
         if e.get("start_dtype_dwell", False):  # the start dtype was a choice: the dwell runs from it
@@ -656,7 +657,7 @@ class ServingEnv(gym.Env):
         if res.finished:
             finished = self._finished
             for fr in res.finished:
-                tel.on_finished(fr.request_id, fr.finish_time, fr.ttft, fr.tpot, fr.e2el)
+                tel.on_finished(fr.request_id, fr.finish_time, fr.ttft, fr.tpot, fr.e2el, fr.priority)
                 # What it generated, now that it finished (the gateway reads the answer's usage):
                 # the output estimate of admission's memory charge learns from it.
                 adm.on_finished(fr.request_id, fr.output_len)

@@ -69,6 +69,7 @@ from batchpilot.evaluation.plan import (
     plan_matrix,
 )
 from batchpilot.evaluation.report import ROW_KEYS, Timeline
+from batchpilot.metrics import class_keys_in
 from batchpilot.nodes import ConfigError
 from batchpilot.policies.controllers import CONTROLLER_BUILDERS, build_controller
 from batchpilot.schemas.evaluate import BestStaticConfig
@@ -389,6 +390,8 @@ def row(plan: WorkloadPlan, policy: str, seed: int, ep: Episode, knobs: str = ""
     for k in ROW_KEYS:
         if k not in r and k in ep.metrics:
             r[k] = float(ep.metrics[k])
+    for k in class_keys_in(ep.metrics):  # per priority class, where the workload has several
+        r[k] = float(ep.metrics[k])
     r.update(knobs=knobs, wall_s=round(ep.wall_s, 3), error=ep.error)
     missing = [k for k in ROW_KEYS if k not in r]
     if missing:

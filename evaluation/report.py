@@ -18,6 +18,8 @@ from typing import Any
 
 import numpy as np
 
+from batchpilot.metrics import class_keys_in
+
 #: Identity columns of a row. ``window_start_s``: the trace window the seed replayed (NaN/null
 #: for a synthetic workload); ``rate_multiplier``: what the workload's rates were multiplied by
 #: for this deployment (1 on the workload's own).
@@ -144,7 +146,7 @@ def aggregate(rows: Sequence[Mapping[str, Any]], keys: Sequence[str] = METRIC_KE
     for (wl, dep, pol), rs in groups.items():
         entry: dict[str, Any] = {"workload": wl, "deployment": dep, "policy": pol, "seeds": len(rs)}
         for k in keys:
-            entry[k] = mean_ci([float(r[k]) for r in rs])
+            entry[k] = mean_ci([float(r.get(k, math.nan)) for r in rs])  # per-class keys: some rows only
         out.append(entry)
     return out
 
@@ -175,6 +177,14 @@ def markdown_table(rows: Sequence[Mapping[str, Any]], keys: Sequence[str] = METR
             cells.append(_fmt(mean) if not math.isfinite(half) else f"{_fmt(mean)} ± {_fmt(half)}")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def class_table(rows: Sequence[Mapping[str, Any]]) -> str:
+    """``markdown_table`` of the per-class columns (``batchpilot.metrics.class_keys``) over the
+    rows that have them (workloads with more than one priority class); "" when none has."""
+    keys = class_keys_in({k for r in rows for k in r})
+    with_classes = [r for r in rows if any(k in r for k in keys)]
+    return markdown_table(with_classes, keys) if with_classes else ""
 
 
 def _ratio(a: float, b: float) -> float:
@@ -368,6 +378,11 @@ def results_markdown(
         "\nHeadline:\n",
         markdown_table(rows, HEADLINE_KEYS),
     ]
+    per_class = class_table(rows)
+    if per_class:
+        parts += ["\nPer request class (priority p; each request judged by its class's objectives, `slo.classes`; "
+                  "attainment over the class's offered requests, goodput over the arrival window in req/s):\n",
+                  per_class]
     ref_table, ref_summary = reference_comparison(rows)
     if ref_table:
         parts += ["\nEvery controller against the reference (goodput over the arrival window in req/s, attainment "
@@ -412,13 +427,15 @@ def jsonable(v: Any) -> Any:
 
 
 def write_rows(rows: Sequence[Mapping[str, Any]], out_dir: Path) -> tuple[Path, Path]:
-    """results.json (a list of row objects) and results.csv (``ROW_KEYS`` columns)."""
+    """results.json (a list of row objects) and results.csv (``ROW_KEYS`` columns, then the
+    per-class ones where a workload has several priority classes)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     jpath, cpath = out_dir / "results.json", out_dir / "results.csv"
-    clean = [{k: _jsonable(r.get(k)) for k in ROW_KEYS} for r in rows]
+    keys = (*ROW_KEYS, *class_keys_in({k for r in rows for k in r}))
+    clean = [{k: _jsonable(r.get(k)) for k in keys if k in ROW_KEYS or k in r} for r in rows]
     jpath.write_text(json.dumps(clean, indent=1) + "\n")
     with cpath.open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(ROW_KEYS))
+        w = csv.DictWriter(f, fieldnames=list(keys), restval="")
         w.writeheader()
         for r in clean:
             w.writerow({k: "" if v is None else v for k, v in r.items()})

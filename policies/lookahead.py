@@ -164,7 +164,7 @@ def apply_admission(env: Any, option: Option) -> None:
     if adm.cfg is cfg:
         return
     adm.cfg = cfg
-    adm.use_slo(env.slo.ttft_ms)
+    adm.use_slo(env.slo)
     adm.use_token_budget(env.engine.capabilities().max_num_batched_tokens)
 
 
@@ -256,7 +256,8 @@ class LookaheadController:
                 if terminated or truncated:
                     break
             slo = env.slo
-            return sum(1 for r in env.finished_requests[start:] if slo.met(r.ttft, r.tpot, r.e2el))
+            return sum(1 for r in env.finished_requests[start:]
+                       if slo.for_priority(r.priority).met(r.ttft, r.tpot, r.e2el))  # each by its class
         finally:
             env.close()
 

@@ -696,7 +696,7 @@ class _Timer:
         e2el = now - self.t0
         tel = self.lane.telemetry
         tel.on_output_tokens(n)
-        tel.on_finished(self.req.request_id, now, ttft, tpot, e2el)
+        tel.on_finished(self.req.request_id, now, ttft, tpot, e2el, self.req.priority)  # judged by its class's SLO
         m = self.gw.metrics
         b = bucket_name(self.bucket)
         m.ttft.labels(b).observe(ttft)

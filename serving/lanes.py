@@ -90,7 +90,7 @@ class Lane:
         metrics: GatewayMetrics, retry_after_s: int,
     ) -> "Lane":
         lane = cls(index, upstream, Admission(cfg, knobs), telemetry, knobs, metrics, retry_after_s)
-        lane.admission.use_slo(telemetry.slo.ttft_ms)
+        lane.admission.use_slo(telemetry.slo)  # the full SLO: each class by its own TTFT objective
         lane._publish_knobs()
         return lane
 

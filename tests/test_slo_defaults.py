@@ -17,8 +17,9 @@ from batchpilot.schemas.policy import AIMDConfig
 
 
 def test_the_slo_yaml_leaves_the_defaults_to_the_dataclass() -> None:
-    defaults = {f.name: f.default for f in dataclasses.fields(SLO)}
+    defaults = {f.name: f.default for f in dataclasses.fields(SLO) if f.name != "classes"}
     assert defaults == {"ttft_ms": DEFAULT_TTFT_MS, "tpot_ms": DEFAULT_TPOT_MS, "e2el_ms": None}
+    assert SLO().classes == {}  # one class unless configured (conf/slo/two_class.yaml)
     raw = OmegaConf.to_container(OmegaConf.load(CONF_DIR / "slo" / "default.yaml"))
     assert not set(raw) & set(defaults), f"conf/slo/default.yaml restates {sorted(set(raw) & set(defaults))}"
     for app in ("config", "serve_app"):  # and as the apps compose it

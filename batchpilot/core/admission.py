@@ -78,6 +78,7 @@ from typing import Any, Protocol, Sequence
 
 from batchpilot.core.knobs import BUCKETING_MODES, Knobs
 from batchpilot.core.output_estimate import CHARGE_MODES, OutputEstimate
+from batchpilot.core.telemetry import SLO
 from batchpilot.nodes import from_node
 
 #: Why a request left admission without running. A short slug, machine-readable.
@@ -394,8 +395,11 @@ class Admission:
         #: Mean seconds from admission to first token over recent requests (``first_token_margin``;
         #: None until one has been measured).
         self.first_token_s: float | None = None
-        #: The TTFT objective in seconds (``use_slo``; None: none): what early refusal counts in.
+        #: The base TTFT objective in seconds (``use_slo``; None: none): what early refusal, the
+        #: deadline and lateness count in for a priority without a class of its own, and
+        #: ``_ttft_by_priority`` the classes' (``SLO.classes``: priority -> seconds or None).
         self.ttft_s: float | None = None
+        self._ttft_by_priority: dict[int, float | None] = {}
         # The drain rate (``drain_rate``): (prompt tokens, seconds of backlog since the previous
         # first token) of the last first tokens, their running sums, and since when the current
         # backlog's clock runs (None: idle, nothing waiting and no prefill in flight).
@@ -406,15 +410,23 @@ class Admission:
         #: Hold admissions at this many prefill tokens in flight (``use_token_budget``; None: no hold).
         self.prefill_hold_tokens: int | None = None
         self._expiry: list[tuple[float, int, _Entry]] = []  # (arrival, seq, entry), lazy
-        self._deadlines: list[tuple[float, int, _Entry]] = []  # the same, for the TTFT deadline
-        self._lateness: list[tuple[float, int, _Entry]] = []  # the same, for ``on_time_first``
-        #: Seconds after which a waiting request is late (``on_time_first`` and ``use_slo``).
+        # The TTFT deadline's heap, by the time each request's deadline passes (arrival + its
+        # class's objective), lazy; and ``on_time_first``'s, one (arrival, seq, entry) heap per
+        # objective in seconds (a class's own margin, ``late_margin_for``, keeps each in order).
+        self._deadlines: list[tuple[float, int, _Entry]] = []
+        self._lateness: dict[float, list[tuple[float, int, _Entry]]] = {}
+        #: Seconds after which a waiting request is late (``on_time_first`` and ``use_slo``; the
+        #: base objective's: a class's own is ``late_after_for``).
         self.late_after_s: float | None = None
-        #: Seconds a request above core priority may wait (``use_slo``); None = no deadline.
+        #: Seconds a request above core priority may wait (``use_slo``; the base objective's, a
+        #: class's own is ``deadline_for``); None = no deadline.
         self.deadline_s: float | None = None
-        #: When a request was last refused for lack of time ("deadline", "no_slack"): the queue
-        #: counts as overloaded (newest first) for one TTFT objective after.
+        #: Whether any class has a deadline (``ttft_deadline`` and an objective): ``expire`` runs.
+        self._any_deadline = False
+        #: When a request was last refused for lack of time ("deadline", "no_slack"), and its
+        #: class's objective: the queue counts as overloaded (newest first) for that long after.
         self._refused_late_at = -math.inf
+        self._refused_late_s = 0.0
         self._seq = 0
         self._pass = [0.0] * cfg.num_buckets  # stride scheduling, weighted mode
         self._stride = [1.0 / w for w in cfg.weights]
@@ -500,14 +512,42 @@ class Admission:
     @property
     def expires(self) -> bool:
         """Whether ``expire`` can refuse anything (a wait limit or a TTFT deadline is set)."""
-        return self.cfg.max_wait_s is not None or self.deadline_s is not None
+        return self.cfg.max_wait_s is not None or self._any_deadline
 
-    def use_slo(self, ttft_ms: float | None) -> None:
-        """The TTFT objective the deadline, lateness and early refusal count (None: none)."""
-        ttft_s = float(ttft_ms) / 1000.0 if ttft_ms is not None and ttft_ms > 0 else None
-        self.ttft_s = ttft_s
-        self.deadline_s = ttft_s if self.cfg.ttft_deadline else None
-        self.late_after_s = ttft_s if self.cfg.on_time_first else None
+    def use_slo(self, slo: SLO | float | None) -> None:
+        """The TTFT objectives the deadline, lateness and early refusal count: an ``SLO`` (its
+        base ``ttft_ms`` and each class's, ``SLO.classes``: a request is judged by its
+        priority's) or one TTFT objective in ms for every request (None: none)."""
+        if isinstance(slo, SLO):
+            base, by_priority = slo.ttft_ms, {p: slo.for_priority(p).ttft_ms for p in slo.priorities}
+        else:
+            base, by_priority = slo, {}
+
+        def seconds(ms: float | None) -> float | None:
+            return float(ms) / 1000.0 if ms is not None and ms > 0 else None
+
+        self.ttft_s = seconds(base)
+        self._ttft_by_priority = {p: seconds(ms) for p, ms in by_priority.items()}
+        self.deadline_s = self.ttft_s if self.cfg.ttft_deadline else None
+        self.late_after_s = self.ttft_s if self.cfg.on_time_first else None
+        self._any_deadline = self.cfg.ttft_deadline and any(
+            v is not None for v in (self.ttft_s, *self._ttft_by_priority.values()))
+
+    def ttft_s_for(self, priority: int) -> float | None:
+        """The TTFT objective (seconds) a request of ``priority`` is judged by (``use_slo``)."""
+        by = self._ttft_by_priority
+        return by.get(priority, self.ttft_s) if by else self.ttft_s
+
+    def deadline_for(self, priority: int) -> float | None:
+        """Seconds a request of ``priority`` may wait before ``expire`` refuses it ("deadline");
+        None: never (no ``ttft_deadline``, no objective, or a kept priority)."""
+        if not self.cfg.ttft_deadline or priority <= self.cfg.deadline_max_priority_kept:
+            return None
+        return self.ttft_s_for(priority)
+
+    def late_after_for(self, priority: int) -> float | None:
+        """Seconds after which a waiting request of ``priority`` is late (``on_time_first``)."""
+        return self.ttft_s_for(priority) if self.cfg.on_time_first else None
 
     def use_token_budget(self, max_num_batched_tokens: int | None) -> None:
         """The engine's per-iteration token budget, which ``prefill_backlog_budgets`` counts in
@@ -593,7 +633,7 @@ class Admission:
         if queue.num_waiting >= cfg.max_queue_len:
             return self._reject(req, "queue_full", now)
         if cfg.early_refusal and self._no_slack(req, now):
-            self._refused_late_at = now
+            self._refused_late(req, now)
             return self._reject(req, "no_slack", now)
         if queue.num_waiting == 0:
             # A bucket that was idle rejoins at the current virtual time: no banked credit.
@@ -608,10 +648,13 @@ class Admission:
         arrival = req.arrival_time
         if cfg.max_wait_s is not None:
             heappush(self._expiry, (arrival, seq, e))
-        if self.deadline_s is not None and req.priority > cfg.deadline_max_priority_kept:
-            heappush(self._deadlines, (arrival, seq, e))
-        if self.late_after_s is not None:
-            heappush(self._lateness, (arrival, seq, e))
+        if self._any_deadline and (deadline := self.deadline_for(req.priority)) is not None:
+            heappush(self._deadlines, (arrival + deadline, seq, e))
+        if self.cfg.on_time_first and (late_s := self.ttft_s_for(req.priority)) is not None:
+            heap = self._lateness.get(late_s)
+            if heap is None:
+                heap = self._lateness[late_s] = []
+            heappush(heap, (arrival, seq, e))
         return None
 
     def submit_or_admit(self, req: AdmissibleRequest, now: float) -> tuple[Rejection | None, bool]:
@@ -625,7 +668,7 @@ class Admission:
         cfg = self.cfg
         hold = self.prefill_hold_tokens
         if (self._waiting or (cfg.early_refusal and self._no_slack(req, now))
-                or cfg.max_wait_s is not None or self.deadline_s is not None or cfg.adapt_boundaries
+                or cfg.max_wait_s is not None or self._any_deadline or cfg.adapt_boundaries
                 or self.max_priority_kept is not None or self.num_seqs_in_flight >= self.batch_cap
                 or (hold is not None and self.prefill_tokens_in_flight >= hold)):
             return self.submit(req, now), False
@@ -782,10 +825,15 @@ class Admission:
     @property
     def late_margin_s(self) -> float:
         """How much before its TTFT objective a waiting request counts as late
-        (``first_token_margin``; 0 when off, unmeasured or without an objective)."""
-        if not self.cfg.first_token_margin or self.first_token_s is None or self.late_after_s is None:
+        (``first_token_margin``; 0 when off, unmeasured or without an objective), for the base
+        objective (``late_margin_for`` a class's)."""
+        return self.late_margin_for(self.late_after_s)
+
+    def late_margin_for(self, late_after_s: float | None) -> float:
+        """``late_margin_s`` for a class whose requests are late after ``late_after_s``."""
+        if not self.cfg.first_token_margin or self.first_token_s is None or late_after_s is None:
             return 0.0
-        return min(self.first_token_s, self.cfg.first_token_margin_max * self.late_after_s)
+        return min(self.first_token_s, self.cfg.first_token_margin_max * late_after_s)
 
     @property
     def drain_rate(self) -> float | None:
@@ -831,11 +879,10 @@ class Admission:
     def _newest_first(self, now: float) -> bool:
         """Whether the on-time queue runs newest first now (``newest_first_when_late``): a
         request waited past its TTFT objective, or one was refused for lack of time within the
-        last objective (``_refused_late_at``)."""
+        last objective (``_refused_late_at``: the refused request's class's objective)."""
         if not self.cfg.newest_first_when_late:
             return False
-        late_s = self.late_after_s
-        if late_s is not None and now - self._refused_late_at <= late_s:
+        if self.cfg.on_time_first and now - self._refused_late_at <= self._refused_late_s:
             return True
         for b in self._buckets:
             if b.num_late:
@@ -844,7 +891,7 @@ class Admission:
 
     def _no_slack(self, req: Any, now: float) -> bool:
         """Whether ``early_refusal`` refuses ``req`` at submit (the caller checked the flag)."""
-        ttft_s = self.ttft_s
+        ttft_s = self.ttft_s_for(req.priority)
         if ttft_s is None or req.priority <= self.cfg.deadline_max_priority_kept:
             return False
         predicted = self.predicted_first_token_s(req.prompt_len, req.arrival_time, now)
@@ -884,20 +931,21 @@ class Admission:
 
     def expire(self, now: float) -> list[Rejection]:
         """Refuse requests that waited longer than ``max_wait_s`` since arrival ("timeout"), and
-        those above core priority past their TTFT deadline ("deadline")."""
+        those above core priority past their class's TTFT deadline ("deadline")."""
         out: list[Rejection] = []
-        for heap, limit_s, reason in ((self._expiry, self.cfg.max_wait_s, "timeout"),
-                                      (self._deadlines, self.deadline_s, "deadline")):
-            if limit_s is None:
+        # The wait limit's heap is keyed by arrival, the deadline's by when it passes.
+        for heap, limit, reason in (
+                (self._expiry, None if self.cfg.max_wait_s is None else now - self.cfg.max_wait_s, "timeout"),
+                (self._deadlines, now if self._any_deadline else None, "deadline")):
+            if limit is None:
                 continue
-            limit = now - limit_s
             while heap and (not heap[0][2].alive or heap[0][0] < limit):
                 _, _, e = heapq.heappop(heap)
                 if e.alive:
                     self._drop(e)
                     out.append(self._reject(e.request, reason, now))
                     if reason == "deadline":
-                        self._refused_late_at = now
+                        self._refused_late(e.request, now)
         return out
 
     def shed(self, max_priority_kept: int | None, now: float = 0.0, *, persist: bool = False) -> list[Rejection]:
@@ -962,15 +1010,23 @@ class Admission:
         del self._waiting[e.request.request_id]
 
     def _mark_late(self, now: float) -> None:
-        """Move the requests that waited their TTFT objective (less ``late_margin_s``) to the
-        late heaps. A request once late stays late, even if the margin shrinks after."""
-        if self.late_after_s is None:
-            return
-        limit, heap = now - (self.late_after_s - self.late_margin_s), self._lateness
-        while heap and (not heap[0][2].alive or heap[0][0] <= limit):
-            _, _, e = heappop(heap)
-            if e.alive:
-                self._buckets[e.bucket].mark_late(e)
+        """Move the requests that waited their class's TTFT objective (less its margin,
+        ``late_margin_for``) to the late heaps. A request once late stays late, even if the
+        margin shrinks after."""
+        for late_s, heap in self._lateness.items():
+            limit = now - (late_s - self.late_margin_for(late_s))
+            while heap and (not heap[0][2].alive or heap[0][0] <= limit):
+                _, _, e = heappop(heap)
+                if e.alive:
+                    self._buckets[e.bucket].mark_late(e)
+
+    def _refused_late(self, req: Any, now: float) -> None:
+        """A request was refused for lack of time at ``now``: the queue runs newest first for
+        its class's objective after (``_newest_first``), or longer while an earlier refusal's
+        window lasts longer."""
+        late_s = self.ttft_s_for(req.priority) or 0.0
+        if now + late_s >= self._refused_late_at + self._refused_late_s:
+            self._refused_late_at, self._refused_late_s = now, late_s
 
     def _choose(self, allow_long: bool, now: float) -> _Entry | None:
         buckets = self._buckets

@@ -29,34 +29,95 @@ _SLO_FIELDS: dict[str, str] = {"ttft": "ttft_ms", "tpot": "tpot_ms", "e2el": "e2
 LATENCY_METRICS: tuple[str, ...] = tuple(_SLO_FIELDS)
 
 
-@dataclass(slots=True)
+def _check_ms(where: str, v: Any) -> None:
+    """An objective is a positive, finite number of milliseconds, or None (no objective)."""
+    if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))
+                          or not math.isfinite(v) or v <= 0):
+        raise ValueError(f"{where} must be a positive number of milliseconds or null, got {v!r}")
+
+
+def _checked_classes(classes: Any) -> dict[int, dict[str, float | None]]:
+    """``SLO.classes`` as plain ``{priority: {field: ms or None}}``, checked: a priority is an
+    int >= 0 (a digit string from JSON is read as one), each override a mapping of known keys
+    with positive millisecond values; an error names the key."""
+    if classes is None:
+        return {}
+    if not isinstance(classes, Mapping):
+        raise ValueError(f"slo.classes must map priority -> objectives, got {type(classes).__name__}")
+    out: dict[int, dict[str, float | None]] = {}
+    for p, overrides in classes.items():
+        if isinstance(p, str) and p.strip().lstrip("-").isdigit():
+            p = int(p)
+        if isinstance(p, bool) or not isinstance(p, int) or p < 0:
+            raise ValueError(f"slo.classes: a priority must be an integer >= 0 (0 = core), got {p!r}")
+        if p in out:
+            raise ValueError(f"slo.classes: priority {p} is given twice (as {p} and '{p}')")
+        if not isinstance(overrides, Mapping):
+            raise ValueError(f"slo.classes[{p}] must map objective -> ms, got {overrides!r}")
+        o = dict(overrides)
+        unknown = sorted(set(o) - set(_SLO_FIELDS.values()), key=str)
+        if unknown:
+            raise ValueError(f"slo.classes[{p}]: unknown key(s) {unknown}; expected {', '.join(_SLO_FIELDS.values())}")
+        for key, v in o.items():
+            _check_ms(f"slo.classes[{p}].{key}", v)
+        out[p] = {key: (None if v is None else float(v)) for key, v in o.items()}
+    return out
+
+
+@dataclass
 class SLO:
     """Per-request objectives in milliseconds; ``None`` = no objective on that metric.
 
     The one place the objectives are declared (``conf/slo`` composes into it): a controller
     that steers on a metric's objective reads it through ``for_metric``, not a field of its own
-    looked up by hand, so a new metric or a renamed field cannot leave one reader behind."""
+    looked up by hand, so a new metric or a renamed field cannot leave one reader behind.
+
+    ``classes`` gives request classes their own objectives, as production mixes them
+    (interactive traffic with a tight TTFT, batch traffic with a loose one): priority ->
+    overrides of the base objectives (``{2: {"ttft_ms": 10000}}``); a priority not listed is
+    judged by the base. Whatever judges one request (met or missed, its TTFT deadline, early
+    refusal, lateness) reads ``for_priority(request.priority)``. Controllers' setpoints (PID's
+    and AIMD's targets, the shield's breach factors, the observation's latency scales) stay on
+    the base objectives: they steer on the window's percentiles, which mix the classes."""
 
     ttft_ms: float | None = DEFAULT_TTFT_MS
     tpot_ms: float | None = DEFAULT_TPOT_MS
     e2el_ms: float | None = None
+    #: Priority -> overrides of the objectives above (keys ``ttft_ms``, ``tpot_ms``,
+    #: ``e2el_ms``; null = no objective on that metric for the class). Empty: one class.
+    classes: dict[Any, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for key in _SLO_FIELDS.values():
-            v = getattr(self, key)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))
-                                  or not math.isfinite(v) or v <= 0):
-                raise ValueError(f"slo.{key} must be a positive number of milliseconds or null, got {v!r}")
+            _check_ms(f"slo.{key}", getattr(self, key))
+        self.classes = _checked_classes(self.classes)
+        # Each class's objectives, built once: ``for_priority`` runs per finished request.
+        # Not a field: the schema, equality and ``asdict`` see ``classes`` only.
+        base = {key: getattr(self, key) for key in _SLO_FIELDS.values()}
+        self._by_priority: dict[int, SLO] = {p: SLO(**{**base, **o}) for p, o in self.classes.items()}
+
+    def for_priority(self, priority: int) -> "SLO":
+        """The objectives a request of ``priority`` is judged by: its class's (``classes``),
+        or the base ones (this object) for a priority with no class of its own."""
+        return self._by_priority.get(priority, self) if self._by_priority else self
+
+    @property
+    def priorities(self) -> tuple[int, ...]:
+        """The priorities with objectives of their own (``classes``), ascending."""
+        return tuple(sorted(self.classes))
 
     @classmethod
     def from_mapping(cls, node: Mapping[str, Any] | None) -> "SLO":
-        """From an ``slo`` config node (``{"ttft_ms": .., "tpot_ms": .., "e2el_ms": ..}``; None or
-        a missing key keeps the default, a null value means no objective). An unknown key raises
-        naming it, so a typo cannot leave the default SLO in force unnoticed."""
+        """From an ``slo`` config node (``{"ttft_ms": .., "tpot_ms": .., "e2el_ms": ..,
+        "classes": {priority: {..}}}``; None or a missing key keeps the default, a null value
+        means no objective). An unknown key raises naming it, so a typo cannot leave the
+        default SLO in force unnoticed."""
         d = dict(node or {})
-        unknown = sorted(set(d) - set(_SLO_FIELDS.values()))
+        unknown = sorted(set(d) - set(_SLO_FIELDS.values()) - {"classes"})
         if unknown:
-            raise ValueError(f"slo: unknown key(s) {unknown}; expected {', '.join(_SLO_FIELDS.values())}")
+            raise ValueError(f"slo: unknown key(s) {unknown}; expected {', '.join(_SLO_FIELDS.values())}, classes")
+        if d.get("classes") is None:
+            d.pop("classes", None)
         return cls(**d)
 
     @classmethod
@@ -270,16 +331,17 @@ class Telemetry:
     def on_output_tokens(self, n: int) -> None:
         self._out_tokens += n
 
-    def on_finished(self, request_id: str, t: float, ttft_s: float, tpot_s: float, e2el_s: float) -> bool:
+    def on_finished(self, request_id: str, t: float, ttft_s: float, tpot_s: float, e2el_s: float,
+                    priority: int | None = None) -> bool:
         """Record a finished request, its first token too unless ``on_first_token`` did as
         it came out (so no caller can record one half and forget the other); returns whether
-        it met the SLO."""
+        it met the SLO: its class's objectives (``SLO.for_priority``; None: the base ones)."""
         if request_id in self._first_seen:
             self._first_seen.discard(request_id)
         else:
             self._ttft_times.append(t)
             self._ttft_ms.append(ttft_s * 1e3)
-        met = self.slo.met(ttft_s, tpot_s, e2el_s)
+        met = (self.slo if priority is None else self.slo.for_priority(priority)).met(ttft_s, tpot_s, e2el_s)
         self._finished += 1
         self._good += int(met)
         self._finish_times.append(t)
