@@ -421,8 +421,10 @@ class Admission:
         #: Seconds a request above core priority may wait (``use_slo``; the base objective's, a
         #: class's own is ``deadline_for``); None = no deadline.
         self.deadline_s: float | None = None
-        #: Whether any class has a deadline (``ttft_deadline`` and an objective): ``expire`` runs.
+        #: Whether any class has a deadline (``ttft_deadline`` and an objective): ``expire`` runs;
+        #: and whether any can go late (``on_time_first`` and an objective). Set by ``use_slo``.
         self._any_deadline = False
+        self._any_late = False
         #: When a request was last refused for lack of time ("deadline", "no_slack"), and its
         #: class's objective: the queue counts as overloaded (newest first) for that long after.
         self._refused_late_at = -math.inf
@@ -530,8 +532,9 @@ class Admission:
         self._ttft_by_priority = {p: seconds(ms) for p, ms in by_priority.items()}
         self.deadline_s = self.ttft_s if self.cfg.ttft_deadline else None
         self.late_after_s = self.ttft_s if self.cfg.on_time_first else None
-        self._any_deadline = self.cfg.ttft_deadline and any(
-            v is not None for v in (self.ttft_s, *self._ttft_by_priority.values()))
+        objective = any(v is not None for v in (self.ttft_s, *self._ttft_by_priority.values()))
+        self._any_deadline = self.cfg.ttft_deadline and objective
+        self._any_late = self.cfg.on_time_first and objective
 
     def ttft_s_for(self, priority: int) -> float | None:
         """The TTFT objective (seconds) a request of ``priority`` is judged by (``use_slo``)."""
@@ -650,7 +653,7 @@ class Admission:
             heappush(self._expiry, (arrival, seq, e))
         if self._any_deadline and (deadline := self.deadline_for(req.priority)) is not None:
             heappush(self._deadlines, (arrival + deadline, seq, e))
-        if self.cfg.on_time_first and (late_s := self.ttft_s_for(req.priority)) is not None:
+        if self._any_late and (late_s := self.late_after_for(req.priority)) is not None:
             heap = self._lateness.get(late_s)
             if heap is None:
                 heap = self._lateness[late_s] = []
@@ -882,7 +885,7 @@ class Admission:
         last objective (``_refused_late_at``: the refused request's class's objective)."""
         if not self.cfg.newest_first_when_late:
             return False
-        if self.cfg.on_time_first and now - self._refused_late_at <= self._refused_late_s:
+        if self._any_late and now - self._refused_late_at <= self._refused_late_s:
             return True
         for b in self._buckets:
             if b.num_late:
@@ -1013,6 +1016,8 @@ class Admission:
         """Move the requests that waited their class's TTFT objective (less its margin,
         ``late_margin_for``) to the late heaps. A request once late stays late, even if the
         margin shrinks after."""
+        if not self._any_late:
+            return
         for late_s, heap in self._lateness.items():
             limit = now - (late_s - self.late_margin_for(late_s))
             while heap and (not heap[0][2].alive or heap[0][0] <= limit):
