@@ -216,3 +216,41 @@ def test_the_gateway_refuses_and_judges_by_class() -> None:
         assert not lane.telemetry.on_finished("y", 1.0, 5.0, 0.2, 9.0, 1)
     finally:
         gw.lanes[0].upstream.pool.close()
+
+
+def test_a_gateway_lane_refuses_past_the_class_deadline_only() -> None:
+    """At the gateway (``serve.admission.ttft_deadline``): of two requests queued 5 s, the
+    interactive one (0.8 s objective) gets 429 "deadline", the batch one (20 s) keeps waiting."""
+    import asyncio
+    import time
+
+    from batchpilot.serving.errors import Refused
+    from batchpilot.serving.gateway import AppSettings, Gateway
+
+    cfg = load_config(["slo=two_class", "serve.upstreams=[http://127.0.0.1:9]", "serve.tokenizer=chars",
+                       "serve.admission.ttft_deadline=true"], config_name="serve_app")
+    gw = Gateway(AppSettings.from_cfg(cfg))
+    lane = gw.lanes[0]
+    lane.upstream.healthy = True  # as if its health probe had answered: the lane admits
+    lane.set_knobs(lane.knobs.with_(batch_cap=1))
+
+    async def go() -> list:
+        now = time.monotonic()
+        first = asyncio.create_task(lane.acquire(Request("busy", now, 10, 10, priority=0), now + 60))
+        await asyncio.sleep(0)  # it takes the one slot
+        queued = [Request(f"p{p}", now - 5.0, 10, 10, priority=p) for p in (1, 2)]
+        tasks = [asyncio.create_task(lane.acquire(r, now + 60)) for r in queued]
+        await asyncio.sleep(0)
+        lane.pump()
+        await asyncio.sleep(0)
+        out = [t.exception() if t.done() else "waiting" for t in tasks]
+        for t in tasks + [first]:
+            t.cancel()
+        return out
+
+    try:
+        interactive, batch = asyncio.run(go())
+    finally:
+        lane.upstream.pool.close()
+    assert isinstance(interactive, Refused) and interactive.reason == "deadline" and interactive.status == 429
+    assert batch == "waiting"
