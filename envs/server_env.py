@@ -37,7 +37,7 @@ UNGATED = 2**31 - 1
 
 
 def server_config(cfg: DictConfig) -> DictConfig:
-    """``cfg`` with admission reduced to book-keeping: no queue, wait, deadline, long-prompt,
+    """``cfg`` with admission reduced to book-keeping: no queue, wait, deadline, early-refusal, long-prompt,
     prefill-backlog or per-request memory limit, first come first served, and no shield."""
     c = copy.deepcopy(cfg)
     with open_dict(c):
@@ -46,6 +46,7 @@ def server_config(cfg: DictConfig) -> DictConfig:
         a.max_queue_len = UNGATED
         a.max_wait_s = None
         a.ttft_deadline = False
+        a.early_refusal = False  # vLLM refuses on its queue limits only (the engine's, not ours)
         a.on_time_first = False
         a.newest_first_when_late = False
         a.prefill_backlog_budgets = None

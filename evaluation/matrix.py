@@ -198,7 +198,7 @@ class Episode:
 def episode_config(plan: WorkloadPlan, knobs: Knobs | None, as_shipped: bool = False) -> DictConfig:
     """The workload's config for an evaluation episode: drain at the end, cover the workload,
     start at ``knobs``. ``as_shipped``: none of batchpilot's admission limits (long-prompt cap,
-    queue length, wait deadline, per-request memory check, prefill backlog) nor its order
+    queue length, wait deadline, early refusal, per-request memory check, prefill backlog) nor its order
     (on-time first) — vLLM's waiting queue has none. A start dtype other than the engine's
     configured one was the policy's choice (``kv_start``, a static setting): the shield's dwell
     runs from it."""
@@ -216,6 +216,7 @@ def episode_config(plan: WorkloadPlan, knobs: Knobs | None, as_shipped: bool = F
             c.env.admission.max_queue_len = 2**31 - 1
             c.env.admission.max_wait_s = None
             c.env.admission.ttft_deadline = False
+            c.env.admission.early_refusal = False
             c.env.admission.on_time_first = False  # vLLM's waiting queue is first come, first served
             c.env.admission.prefill_backlog_budgets = None  # and it takes every request at once
             c.env.memory_admission = False

@@ -183,6 +183,23 @@ def test_server_env_has_no_gate_no_shield_and_counts_refusals_as_rejections() ->
     assert {getattr(r, "reason", None) for r in env._rejections} == {"max_num_queued_reqs"}
 
 
+def test_vllm_alone_takes_none_of_batchpilots_refusals_under_the_refuse_presets() -> None:
+    """``env=refuse_early`` is batchpilot's admission; vLLM's paths (``vllm_tuned``, vLLM as
+    shipped) refuse on their queue limits only. Before, early refusal leaked into both."""
+    from batchpilot.envs.server_env import VllmServerEnv
+    from batchpilot.evaluation.matrix import episode_config
+
+    cfg = load_config(["env=refuse_early", "workload=poisson", "workload.duration_s=20", "workload.rate=60",
+                       "env.episode_s=20", "env.drain_on_truncate=true"])
+    assert cfg.env.admission.early_refusal and cfg.env.admission.ttft_deadline  # the preset refuses
+    env = VllmServerEnv(cfg, engine={"max_num_seqs": 32})
+    a = env.admission.cfg
+    assert not a.early_refusal and not a.ttft_deadline
+    plan = SimpleNamespace(cfg=cfg, episode_s=20.0, max_num_seqs=32)
+    shipped = episode_config(plan, None, as_shipped=True)  # type: ignore[arg-type]
+    assert not shipped.env.admission.early_refusal and not shipped.env.admission.ttft_deadline
+
+
 # --- vllm_tuned in the evaluation ---------------------------------------------------------------
 #: A loaded Poisson window and a 4-point grid (2 seqs x no limit / the docs' rule).
 SMALL = ["workload=poisson", "workload.duration_s=20", "workload.rate=60", "seeds=[0,1]", "logger=none",
