@@ -23,6 +23,13 @@ request at ``add_request`` (``RequestRejected`` with the flag's name as its reas
 ``vllm serve``'s API server answers 503: unfinished requests (waiting + running) at the limit, or
 the prompts still without a first token at or over the token limit.
 
+Scheduling policy (``scheduling_policy``, vLLM's ``--scheduling-policy``): ``fcfs`` as above;
+``priority`` as vLLM 0.32's ``PriorityRequestQueue`` and running loop: the waiting queue is a
+heap on (request priority, arrival at the engine), smaller first, a preempted request going back
+by its key (not to the front), and a request that cannot get a block preempts the running
+request with the largest (priority, arrival), which may be itself or one already scheduled this
+iteration (its tokens and blocks given back). Arrival ties keep the order requests were added.
+
 Ingress latency (``ingress_latency_s``, 0 by default): a request added now reaches the
 scheduler that much engine time later, as a live request crosses the API server (HTTP, tokens,
 the engine core's input queue) before its first iteration. It matters where admission feeds the
@@ -78,7 +85,7 @@ class _Seq:
     """Book-keeping of one request inside the engine."""
 
     __slots__ = ("req", "rid", "prompt", "out", "gen", "computed", "held", "shared", "reg_done",
-                 "first_token_time", "npre", "base", "phase", "epoch", "decoding")
+                 "first_token_time", "npre", "base", "phase", "epoch", "decoding", "key")
 
     def __init__(self, req: Request, out: int) -> None:
         self.req = req
@@ -96,6 +103,37 @@ class _Seq:
         self.phase = 0  # decode: needs a new block at iteration j iff (phase + j) % bs == 0
         self.epoch = 0  # bumps when leaving the decode set, invalidating heap entries
         self.decoding = False
+        self.key: tuple[int, int] = (0, 0)  # priority policy: (priority, arrival order)
+
+
+class _PriorityWaiting:
+    """vLLM's ``PriorityRequestQueue`` with the deque methods the engine uses: a heap on
+    ``_Seq.key``; ``append`` and ``appendleft`` both push by key (vLLM's ``prepend_request``
+    does too), ``[0]`` and ``popleft`` are the smallest key."""
+
+    __slots__ = ("_heap",)
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[tuple[int, int], _Seq]] = []
+
+    def append(self, seq: _Seq) -> None:
+        heappush(self._heap, (seq.key, seq))
+
+    appendleft = append
+
+    def popleft(self) -> _Seq:
+        return heappop(self._heap)[1]
+
+    def __getitem__(self, i: int) -> _Seq:
+        if i != 0:
+            raise IndexError("a priority queue only shows its head")
+        return self._heap[0][1]
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def __bool__(self) -> bool:
+        return bool(self._heap)
 
 
 class SimEngine(Engine):
@@ -123,7 +161,10 @@ class SimEngine(Engine):
         self._pc_queries = 0
         self._pc_hits = 0
         self._ids: set[str] = set()
-        self._waiting: deque[_Seq] = deque()
+        #: ``--scheduling-policy priority``: waiting requests in a heap, preemption by key.
+        self._prio = self.cfg.scheduling_policy == "priority"
+        self._added = 0  # requests added so far: the arrival order of the priority key
+        self._waiting: deque[_Seq] | _PriorityWaiting = _PriorityWaiting() if self._prio else deque()
         #: Requests on their way in (``ingress_latency_s``): (engine time they arrive, seq), in order.
         self._inbound: deque[tuple[float, _Seq]] = deque()
         self._running: dict[str, _Seq] = {}
@@ -249,11 +290,15 @@ class SimEngine(Engine):
                                   f"{self._total_blocks}; use a smaller request or an 8-bit KV dtype")
         self._ids.add(rid)
         self._queued_tokens += request.prompt_len
+        seq = _Seq(request, out)
+        if self._prio:
+            seq.key = (request.priority, self._added)
+            self._added += 1
         lat = self.cfg.ingress_latency_s
         if lat > 0:
-            self._inbound.append((self._now + lat, _Seq(request, out)))
+            self._inbound.append((self._now + lat, seq))
         else:
-            self._waiting.append(_Seq(request, out))
+            self._waiting.append(seq)
 
     def set_max_active(self, n: int) -> bool:
         """Limit running requests (as vLLM's ``max_num_active_reqs``): stops admissions while
@@ -490,12 +535,14 @@ class SimEngine(Engine):
                 self._take_blocks(need + pneed)
                 p.held += pneed
                 return budget - n_dec - pchunk, [(p, pchunk, p.computed)], False
-        # Slow path: vLLM's running loop with preemption of the most recently admitted.
+        # Slow path: vLLM's running loop with preemption of the most recently admitted (fcfs)
+        # or of the largest (priority, arrival) (priority).
         order = list(self._running.values())
         avail = self._available()
         i = 0
         preempted = False
         sched: list[tuple[_Seq, int, int]] = []
+        got: dict[str, tuple[int, int]] = {}  # priority: what each scheduled request took
         left = budget
         while i < len(order):
             seq = order[i]
@@ -506,7 +553,14 @@ class SimEngine(Engine):
                 r_need = -(-(seq.computed + r_tok) // bs) - seq.held
             victim_self = False
             while avail < r_need:
-                victim = order.pop()
+                if self._prio:
+                    k = max(range(len(order)), key=lambda x: order[x].key)
+                    victim = order.pop(k)
+                    if k < i:  # scheduled earlier this iteration: its tokens and blocks come back
+                        i -= 1
+                        left += self._unschedule(victim, got.pop(victim.rid), sched)
+                else:
+                    victim = order.pop()
                 self._preempt(victim)
                 self._num_preemptions += 1
                 self._pending_preempted.append(victim.rid)
@@ -521,11 +575,25 @@ class SimEngine(Engine):
             self._take_blocks(r_need)
             avail -= r_need
             left -= r_tok
+            if self._prio:
+                got[seq.rid] = (r_need, r_tok)
             if not seq.decoding:
                 seq.held += r_need
                 sched.append((seq, r_tok, seq.computed))
             i += 1
         return left, sched, preempted
+
+    def _unschedule(self, seq: _Seq, taken: tuple[int, int], sched: list[tuple[_Seq, int, int]]) -> int:
+        """Undo ``seq``'s place in this iteration before it is preempted (priority policy, as
+        vLLM restores a scheduled victim's budget): a decoder's new block is freed here (its held
+        KV counts only past iterations); a prefill's is in ``held``, which ``_preempt`` frees.
+        Returns the tokens it had been given."""
+        need, tok = taken
+        if seq.decoding:
+            self._free += need
+        else:
+            sched[:] = [s for s in sched if s[0] is not seq]
+        return tok
 
     def _iterate(self, agg: StepResult) -> bool:
         """Run one iteration into ``agg``; False when there is nothing to run.

@@ -11,6 +11,9 @@ from typing import Any
 from batchpilot.core.engine import KV_DTYPES_ALL
 from batchpilot.nodes import from_node, node_schema
 
+#: vLLM's ``--scheduling-policy`` values the simulator models.
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
 
 @dataclass(frozen=True, slots=True)
 class SimEngineConfig:
@@ -47,6 +50,13 @@ class SimEngineConfig:
     max_num_active_seqs: int | None = None
     max_num_queued_reqs: int | None = None
     max_num_queued_tokens: int | None = None
+    #: vLLM's ``--scheduling-policy``: ``fcfs`` (vLLM's default) or ``priority``: the waiting
+    #: queue ordered by (request priority, arrival), smaller first, and on a KV shortage the
+    #: running request with the largest (priority, arrival) preempted instead of the most
+    #: recently admitted (vLLM 0.32's ``request_queue.py`` / ``scheduler.py``). In the
+    #: simulator every request carries its priority (a workload's class, untagged traffic at 1),
+    #: as a gateway with ``serve.forward_priority: true`` forwards it.
+    scheduling_policy: str = "fcfs"
 
     def __post_init__(self) -> None:
         def bad(name: str, fix: str) -> ValueError:
@@ -76,6 +86,8 @@ class SimEngineConfig:
         for name in ("max_num_queued_reqs", "max_num_queued_tokens"):
             if getattr(self, name) is not None and getattr(self, name) < 0:
                 raise bad(name, "must be >= 0 or null (no limit)")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise bad("scheduling_policy", f"use one of {SCHEDULING_POLICIES} (vLLM's --scheduling-policy)")
 
     @classmethod
     def from_cfg(cls, cfg: Any) -> "SimEngineConfig":

@@ -1,0 +1,149 @@
+"""SimEngine's ``scheduling_policy``: ``fcfs`` exactly as before, ``priority`` deciding as vLLM
+0.32's V1 scheduler does (``vllm/v1/core/sched/request_queue.py`` ``PriorityRequestQueue``:
+waiting requests by (priority, arrival_time); ``scheduler.py``'s running loop: on a KV shortage
+the victim is ``max(self.running, key=lambda r: (r.priority, r.arrival_time))``, a request
+already scheduled in the step included, where fcfs pops ``self.running[-1]``)."""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import numpy as np
+import pytest
+from test_sim_engine import create_engine, run_all
+
+from batchpilot.core.engine import Request
+from batchpilot.envs.sim_engine import SimEngine
+from batchpilot.schemas.engine import SimEngineConfig
+
+
+def _mixed_workload(seed: int = 7, n: int = 400, rate: float = 40.0) -> list[Request]:
+    """Poisson arrivals, three priorities, some shared prefixes: with 1,500 KV blocks the
+    engine preempts a few hundred times (the slow path runs)."""
+    rng = np.random.default_rng(seed)
+    t = np.cumsum(rng.exponential(1 / rate, n))
+    p = np.clip(rng.lognormal(np.log(900), 0.7, n), 1, 6000).astype(int)
+    o = np.clip(rng.lognormal(np.log(200), 0.7, n), 1, 1500).astype(int)
+    pr = rng.integers(0, 3, n)
+    hashes = [tuple(range(int(k))) if k else () for k in rng.integers(0, 3, n)]
+    return [Request(f"w{i}", float(t[i]), int(p[i]), int(o[i]), int(pr[i]), prefix_hashes=hashes[i])
+            for i in range(n)]
+
+
+def _episode(**cfg: Any) -> tuple[str, int, list[Any], SimEngine]:
+    """The workload fed at its arrival times (``advance_until``, as the environment does), then
+    drained; a digest of every request's first-token and finish time (to the microsecond) and
+    preemptions, the engine's preemption count, the finished requests and the engine."""
+    e = create_engine(num_gpu_blocks_override=1500, max_num_batched_tokens=2048, **cfg)
+    fin: list[Any] = []
+    for r in _mixed_workload():
+        fin += e.advance_until(r.arrival_time).finished
+        e.add_request(r)
+    while e.num_running or e.num_waiting:
+        fin += e.step().finished
+    rows = [(f.request_id, round(f.first_token_time, 6), round(f.finish_time, 6), f.num_preemptions) for f in fin]
+    return hashlib.sha256(repr(rows).encode()).hexdigest()[:16], e.stats().num_preemptions, fin, e
+
+
+@pytest.mark.parametrize("cfg", [{}, {"scheduling_policy": "fcfs"}])
+def test_fcfs_episode_is_the_one_before_the_option(cfg: dict[str, Any]) -> None:
+    """Digest recorded with the engine as it was before ``scheduling_policy`` existed."""
+    digest, preemptions, fin, _ = _episode(**cfg)
+    assert (digest, preemptions, len(fin)) == ("fb4f096384308101", 288, 400)
+
+
+def test_priority_episode_serves_the_smaller_numbers_first_and_keeps_the_books() -> None:
+    """The same episode under ``priority``: every request finishes, the KV pool is whole again
+    (undoing a scheduled victim's blocks loses none), and the classes' waits are ordered."""
+    _, preemptions, fin, e = _episode(scheduling_policy="priority")
+    assert len(fin) == 400 and preemptions > 0
+    st = e.stats()
+    assert st.num_kv_blocks_used == 0 and st.num_running == st.num_waiting == 0
+    wait = {p: np.mean([f.first_token_time - f.arrival_time for f in fin if f.priority == p]) for p in (0, 1, 2)}
+    assert wait[0] < wait[1] < wait[2], wait
+
+
+def _order_served(policy: str) -> list[str]:
+    """Four requests queued at once, one running at a time: the order they finish in."""
+    e = create_engine(scheduling_policy=policy)
+    e.set_max_active(1)
+    for rid, prio in (("a", 2), ("b", 1), ("c", 1), ("d", 0)):
+        e.add_request(Request(rid, 0.0, 64, 4, prio))
+    return [f.request_id for f in run_all(e).finished]
+
+
+def test_waiting_order_is_vllms() -> None:
+    """fcfs: arrival order. priority: (priority, arrival), as ``PriorityRequestQueue`` pops."""
+    assert _order_served("fcfs") == ["a", "b", "c", "d"]
+    assert _order_served("priority") == ["d", "b", "c", "a"]
+
+
+def _preempted_on_shortage(policy: str, priorities: tuple[int, int, int]) -> tuple[list[str], SimEngine]:
+    """Three 16-token prompts on a 4-block cache (16-token blocks): all three are admitted in
+    one step (a block each); in the next every one needs its second block, one is free, so the
+    running loop must preempt. Returns the requests preempted in that step."""
+    e = create_engine(scheduling_policy=policy, block_size=16, num_gpu_blocks_override=4)
+    for rid, prio in zip("xyz", priorities):
+        e.add_request(Request(rid, 0.0, 16, 10, prio))
+    first = e.step()
+    assert len(first.first_tokens) == 3 and e.stats().num_kv_blocks_used == 3
+    return list(e.step().preempted), e
+
+
+def test_fcfs_preempts_the_last_admitted() -> None:
+    assert _preempted_on_shortage("fcfs", (1, 2, 1))[0] == ["z"]
+    assert _preempted_on_shortage("fcfs", (2, 1, 1))[0] == ["z"]
+
+
+def test_priority_preempts_the_largest_priority_then_the_latest_arrival() -> None:
+    # y (priority 2) is the victim: x schedules, y needs a block and is preempted itself, z
+    # takes the block y freed.
+    got, e = _preempted_on_shortage("priority", (1, 2, 1))
+    assert got == ["y"] and e.num_running == 2
+    # x (priority 2) was scheduled first in the step, then preempted for y: its new block and
+    # its prompt's block come back, y and z run with two blocks each.
+    got, e = _preempted_on_shortage("priority", (2, 1, 1))
+    assert got == ["x"] and e.num_running == 2 and e.stats().num_kv_blocks_used == 4
+    # Equal priorities: the latest arrival, as fcfs would pick here.
+    assert _preempted_on_shortage("priority", (1, 1, 1))[0] == ["z"]
+    rest = run_all(e)
+    assert sorted(f.request_id for f in rest.finished) == ["x", "y", "z"] and e.stats().num_kv_blocks_used == 0
+
+
+def test_a_preempted_request_goes_back_by_its_key_not_to_the_front() -> None:
+    """fcfs prepends a victim; priority pushes it by (priority, arrival): a priority-0 request
+    waiting behind it is admitted first once blocks free."""
+    e = create_engine(scheduling_policy="priority", block_size=16, num_gpu_blocks_override=4)
+    for rid, prio in zip("xyz", (2, 1, 1)):
+        e.add_request(Request(rid, 0.0, 16, 10, prio))
+    e.step()
+    e.add_request(Request("core", e.now, 16, 10, 0))
+    assert e.step().preempted == ["x"]
+    assert e._waiting[0].rid == "core"  # then x
+
+
+def test_an_unknown_policy_is_refused_naming_the_setting() -> None:
+    with pytest.raises(ValueError, match=r"engine.scheduling_policy='lifo' is invalid: use one of \('fcfs', 'priority'\)"):
+        SimEngineConfig(scheduling_policy="lifo")
+
+
+@pytest.mark.live
+@pytest.mark.timeout(300)
+def test_the_waiting_order_is_what_vllms_own_priority_queue_pops() -> None:
+    """vLLM's ``PriorityRequestQueue`` with ``Request.__lt__`` (the installed vLLM's code, on
+    stand-ins carrying the three fields it compares) pops the hand-built case in the order the
+    simulator serves it."""
+    from vllm.v1.core.sched.request_queue import PriorityRequestQueue
+    from vllm.v1.request import Request as VllmRequest
+
+    class Stand:
+        __lt__ = VllmRequest.__lt__
+
+        def __init__(self, rid: str, priority: int, arrival_time: float) -> None:
+            self.request_id, self.priority, self.arrival_time = rid, priority, arrival_time
+
+    q = PriorityRequestQueue()
+    for t, (rid, prio) in enumerate((("a", 2), ("b", 1), ("c", 1), ("d", 0))):
+        q.add_request(Stand(rid, prio, float(t)))  # type: ignore[arg-type]
+    assert [q.pop_request().request_id for _ in range(4)] == _order_served("priority")
