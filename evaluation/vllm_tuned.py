@@ -12,6 +12,11 @@ A queued-tokens limit may be given as vLLM's docs put it, the TTFT objective × 
 throughput (``queued_tokens_ttft_factors``). The throughput is measured as an operator would:
 at the point's ``max_num_seqs`` and token budget, on prompts of the tuning seed's own requests
 (never the scored seeds'), as prompt tokens per second of a saturated prefill-only run.
+
+Where the workload has more than one priority class (``slo.classes``' request classes), every
+point is also tried with ``--scheduling-policy priority`` (``scheduling_policies``): vLLM then
+serves and keeps the smaller priority numbers first, each request carrying its class as the
+body's ``priority``. On a one-class workload the grid is the fcfs one, point for point.
 """
 
 from __future__ import annotations
@@ -54,6 +59,8 @@ class EngineGridPoint:
     max_num_queued_tokens: int | None = None
     max_num_queued_reqs: int | None = None
     max_num_active_seqs: int | None = None
+    #: ``--scheduling-policy``: ``fcfs`` (vLLM's default) or ``priority``.
+    scheduling_policy: str = "fcfs"
     #: ``max_num_queued_tokens`` = this × TTFT objective × ``prefill_tokens_per_s`` (None: the
     #: limit was given in tokens).
     ttft_factor: float | None = None
@@ -66,12 +73,16 @@ class EngineGridPoint:
     hindsight_attainment: float = math.nan
 
     def engine(self) -> dict[str, Any]:
-        """The flags as ``engine.*`` settings (``SimEngineConfig``'s names are vLLM's)."""
-        return {
+        """The flags as ``engine.*`` settings (``SimEngineConfig``'s names are vLLM's; the
+        scheduling policy only when it is not vLLM's default, so fcfs points are as before)."""
+        out: dict[str, Any] = {
             "max_num_seqs": self.max_num_seqs, "max_num_batched_tokens": self.max_num_batched_tokens,
             "max_num_queued_tokens": self.max_num_queued_tokens, "max_num_queued_reqs": self.max_num_queued_reqs,
             "max_num_active_seqs": self.max_num_active_seqs,
         }
+        if self.scheduling_policy != "fcfs":
+            out["scheduling_policy"] = self.scheduling_policy
+        return out
 
     def policy(self, name: str = "vllm_tuned") -> dict[str, Any]:
         """A static controller on a server started with these flags, run as shipped."""
@@ -90,6 +101,8 @@ class EngineGridPoint:
             parts.append(f"--max-num-queued-tokens {self.max_num_queued_tokens}{how}")
         if self.max_num_queued_reqs is not None:
             parts.append(f"--max-num-queued-reqs {self.max_num_queued_reqs}")
+        if self.scheduling_policy != "fcfs":
+            parts.append(f"--scheduling-policy {self.scheduling_policy}")
         return " ".join(parts)
 
 
@@ -102,9 +115,9 @@ def _engine_cfg(plan: WorkloadPlan, seqs: int, tokens: int) -> Any:
     return c
 
 
-def tuning_prompts(plan: WorkloadPlan, tune_seed: int, limit: int) -> list[Any]:
-    """The first ``limit`` requests of the tuning seed's episode (its trace window), as an
-    operator samples their own traffic to measure the prefill throughput."""
+def tuning_prompts(plan: WorkloadPlan, tune_seed: int, limit: int | None) -> list[Any]:
+    """The first ``limit`` requests (None: all) of the tuning seed's episode (its trace window),
+    as an operator samples their own traffic to measure the prefill throughput."""
     from batchpilot.envs.workloads import build_workload
 
     wl = copy.deepcopy(plan.cfg.workload)
@@ -114,6 +127,18 @@ def tuning_prompts(plan: WorkloadPlan, tune_seed: int, limit: int) -> list[Any]:
     offset = int(wl.get("seed_offset", 0) or 0)
     stream = build_workload(wl, np.random.default_rng(tune_seed + offset), plan.max_model_len)
     return stream.pop_until(math.inf)[:limit]
+
+
+def scheduling_policies(cfg: VllmTunedConfig, plan: WorkloadPlan, tune_seed: int) -> list[str]:
+    """The ``--scheduling-policy`` values the sweep tries on this workload: ``priority`` only
+    where the tuning seed's requests carry more than one priority, else fcfs alone, silently
+    (a one-class workload's grid, notes and rows stay as they were before the option)."""
+    wanted = list(cfg.scheduling_policies)
+    if "priority" not in wanted:
+        return wanted
+    if len({int(r.priority) for r in tuning_prompts(plan, tune_seed, None)}) > 1:
+        return wanted
+    return ["fcfs"]
 
 
 def prefill_throughput(plan: WorkloadPlan, seqs: int, tokens: int, requests: list[Any]) -> float:
@@ -163,6 +188,7 @@ def vllm_tuned_grid(
         notes.append("queued_tokens_ttft_factors skipped: the SLO has no ttft_ms")
         factors = []
     prompts = tuning_prompts(plan, tune_seed, cfg.prefill_probe_requests) if factors else []
+    policies = scheduling_policies(cfg, plan, tune_seed)
     points: list[EngineGridPoint] = []
     rates: list[str] = []
     for seqs in sorted(cfg.max_num_seqs):
@@ -181,11 +207,12 @@ def vllm_tuned_grid(
             if math.isfinite(rate):
                 limits += [(max(1, round(f * float(ttft_ms) / 1000.0 * rate)), f) for f in factors]
                 rates.append(f"{seqs} x {tokens}: {rate:,.0f}")
-            for queued_tokens, factor in limits:
-                for queued_reqs in cfg.max_num_queued_reqs:
-                    points.append(EngineGridPoint(
-                        seqs, tokens, queued_tokens, queued_reqs, active, factor,
-                        rate if factor is not None else None))
+            for policy in policies:
+                for queued_tokens, factor in limits:
+                    for queued_reqs in cfg.max_num_queued_reqs:
+                        points.append(EngineGridPoint(
+                            seqs, tokens, queued_tokens, queued_reqs, active, policy, factor,
+                            rate if factor is not None else None))
     if rates:
         notes.append(f"prefill throughput, prompt tokens/s at max_num_seqs x max_num_batched_tokens (tuning seed "
                      f"{tune_seed}'s first {len(prompts)} prompts): {'; '.join(rates)}")

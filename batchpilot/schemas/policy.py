@@ -14,6 +14,7 @@ from omegaconf.errors import ConfigKeyError, ValidationError
 from batchpilot.core.pid import PIDConfig, check_common
 from batchpilot.core.telemetry import DEFAULT_TPOT_MS, DEFAULT_TTFT_MS
 from batchpilot.nodes import ConfigError, node_schema, schema_node
+from batchpilot.schemas.engine import SCHEDULING_POLICIES
 
 
 # --- policy: AIMD ------------------------------------------------------------------------------
@@ -155,6 +156,12 @@ class VllmTunedConfig:
     max_num_active_seqs: int | None = None
     #: Prompts of the tuning seed's requests the prefill throughput is measured with.
     prefill_probe_requests: int = 256
+    #: ``--scheduling-policy`` values (``fcfs``, ``priority``), crossed with the grid above where
+    #: the workload has more than one priority class (its tuning seed's requests; vLLM's docs
+    #: list ``priority`` with a per-request ``priority`` for traffic with classes). On a
+    #: one-class workload ``priority`` orders nothing, so only fcfs points run (the grid as
+    #: without this list). ``[fcfs]``: never try priority.
+    scheduling_policies: list[str] = field(default_factory=lambda: ["fcfs", "priority"])
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_num_queued_tokens",
@@ -183,6 +190,10 @@ class VllmTunedConfig:
             raise ValueError(f"vllm_tuned.max_num_active_seqs must be >= 1 or null, got {self.max_num_active_seqs}")
         if self.prefill_probe_requests < 1:
             raise ValueError(f"vllm_tuned.prefill_probe_requests must be >= 1, got {self.prefill_probe_requests}")
+        pols = list(self.scheduling_policies)
+        if not pols or any(p not in SCHEDULING_POLICIES for p in pols) or len(set(pols)) != len(pols):
+            raise ValueError(f"vllm_tuned.scheduling_policies must list some of {SCHEDULING_POLICIES} once each, "
+                             f"got {pols}")
 
 
 # The conf/policy files' schemas: the controller's dataclass plus ``kind``, which selects the
