@@ -38,13 +38,20 @@ from batchpilot.core.engine import Request as EngineRequest
 from batchpilot.core.knobs import Knobs
 from batchpilot.core.telemetry import SLO, Telemetry
 from batchpilot.schemas.control import ControlLoopConfig, check_no_moved_keys
-from batchpilot.schemas.serve import ServeConfig
+from batchpilot.schemas.serve import ServeConfig, managed_engine_args
 from batchpilot.serving.errors import BadRequest, ClientGone, GatewayError, Refused
 from batchpilot.serving.http1 import Http1Error, Http1Response
 from batchpilot.serving.http_server import GatewayServer, with_head_timeout
 from batchpilot.serving.lanes import Lane
 from batchpilot.serving.prom import CONTENT_TYPE, GatewayMetrics, bucket_name
-from batchpilot.serving.request_body import OFF_LOOP_BYTES, BodyInspector, BodyLimits, with_model
+from batchpilot.serving.request_body import (
+    OFF_LOOP_BYTES,
+    BodyInspector,
+    BodyLimits,
+    forwarded_priority,
+    with_field,
+    with_model,
+)
 from batchpilot.serving.tokens import PromptCounter, PromptTooLong
 from batchpilot.serving.upstream import ManagedVLLM, Upstream, UpstreamDown, cpu_core_groups, free_port
 
@@ -175,7 +182,7 @@ class Gateway:
                     self.model_dir, port, served_model_name=name, max_model_len=cfg.max_model_len,
                     max_num_seqs=cfg.max_num_seqs, kv_dtype=cfg.kv_dtype,
                     kv_cache_space_gib=cfg.kv_cache_space_gib, max_num_batched_tokens=cfg.max_num_batched_tokens,
-                    extra_args=cfg.extra_vllm_args,
+                    extra_args=managed_engine_args(cfg),  # + --scheduling-policy priority (forward_priority)
                     log_path=self.log_dir / f"vllm-{port}.log", cpu_cores=cores[i], api_key=cfg.upstream_api_key,
                 )
                 upstreams.append(Upstream(proc.url, managed=proc, name=f"vllm{i}", api_key=cfg.upstream_api_key))
@@ -438,6 +445,11 @@ async def _proxy(request: Request, path: str, chat: bool) -> Response:
     if "model" not in body and info is not None:
         body["model"] = info.model
         raw = with_model(parsed, info.model)
+    if cfg.forward_priority:  # the engine runs --scheduling-policy priority: tell it the class
+        add = forwarded_priority(body, priority, cfg.is_trusted(request.headers.get(cfg.trusted_key_header)),
+                                 cfg.trusted_key_header)
+        if add is not None:
+            raw = with_field(raw, parsed.brace, "priority", add)
     max_len = gw.max_model_len(lane)
     try:
         prompt_len = await gw.counter.count(body, chat, lane.upstream.tokenize, limit=max_len, text=parsed.text,
@@ -496,6 +508,10 @@ async def _forward(gw: Gateway, lane: Lane, req: EngineRequest, bucket: int, bod
     timer = _Timer(gw, lane, req, bucket, t_arrival, stream)
     sampled = (gw.quality.maybe_sample(lane, body, path.endswith("chat/completions"), req.prompt_len)
                if gw.quality else None)
+    if sampled is not None and cfg.forward_priority:  # else a priority engine runs the replay first (0)
+        from batchpilot.serving.quality_guard import REPLAY_PRIORITY
+
+        sampled.body["priority"] = REPLAY_PRIORITY
     try:
         resp, content = await _send_until(lane, path, headers, raw, stream, deadline)
         t_recv = time.monotonic()

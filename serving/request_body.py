@@ -35,7 +35,8 @@ OFF_LOOP_BYTES = 256 * 1024
 #: size: 250 KB of ``[],[],...`` took 40 ms to parse on a busy machine.
 OFF_LOOP_CONTAINERS = 4096
 #: The body keys the gateway reads (the body itself is forwarded as the client's bytes).
-KEPT_KEYS = ("model", "prompt", "messages", "max_tokens", "max_completion_tokens", "stream", "n", "best_of")
+KEPT_KEYS = ("model", "prompt", "messages", "max_tokens", "max_completion_tokens", "stream", "n", "best_of",
+             "priority")
 #: Top-level fields of vLLM's completion, chat, tokenize and detokenize requests (0.32's
 #: ``CompletionRequest``, ``ChatCompletionRequest``, ``Tokenize*Request``, ``DetokenizeRequest``,
 #: names and aliases) and OpenAI's that vLLM ignores. vLLM takes any other field and ignores it
@@ -321,12 +322,36 @@ def num_sequences(body: dict[str, Any], chat: bool) -> int:
     return per_prompt * prompts
 
 
+def with_field(raw: bytes, brace: int, key: str, value: Any) -> bytes:
+    """``raw`` (a JSON object whose opening brace is at ``brace``, without ``key``) with
+    ``"key": value`` spliced in after the brace: one copy of the bytes and the rest passed on
+    as the client wrote it, instead of encoding the whole body again on the event loop. The
+    brace stays where it was, so fields can be added one after another."""
+    return b"".join((raw[: brace + 1], json.dumps(key).encode(), b": ", json.dumps(value).encode(), b", ",
+                     memoryview(raw)[brace + 1 :]))
+
+
 def with_model(parsed: Parsed, model: str) -> bytes:
-    """The body with ``"model": model`` added (it has no ``model`` key): spliced in after the
-    opening brace, one copy of the bytes and the rest passed on as the client wrote it, instead
-    of encoding the whole body again on the event loop."""
-    raw, i = parsed.raw, parsed.brace
-    return b"".join((raw[: i + 1], b'"model": ', json.dumps(model).encode(), b", ", memoryview(raw)[i + 1 :]))
+    """The body with ``"model": model`` added (it has no ``model`` key)."""
+    return with_field(parsed.raw, parsed.brace, "model", model)
+
+
+def forwarded_priority(body: dict[str, Any], priority: int, trusted: bool, key_header: str) -> int | None:
+    """The ``priority`` to add to a forwarded body for an engine on ``--scheduling-policy
+    priority`` (``serve.forward_priority``): the request's class ``priority``, or None when the
+    client set the field itself (kept). A client's value must be an integer, and one smaller
+    (more important) than its class needs a trusted key (403), as the priority header does."""
+    if "priority" not in body:
+        return priority
+    own = body["priority"]
+    if isinstance(own, bool) or not isinstance(own, int):
+        raise BadRequest("invalid_field", f"'priority' must be an integer, got {json.dumps(own)[:40]}",
+                         param="priority")
+    if own < priority and not trusted:
+        raise GatewayError("priority_not_allowed", f"'priority': {own} is more important than the request's class "
+                           f"({priority}); it needs a trusted key in header {key_header}", status=403,
+                           param="priority")
+    return None
 
 
 def _worker_init(parent: int) -> None:

@@ -126,6 +126,26 @@ class WarmupConfig:
     max_tokens: int = 1
 
 
+def _scheduling_policy(args: list[str] | None) -> str | None:
+    """The ``--scheduling-policy`` value in ``vllm serve`` arguments (None: not given)."""
+    args = list(args or ())
+    for i, a in enumerate(args):
+        if a.startswith("--scheduling-policy="):
+            return a.split("=", 1)[1]
+        if a == "--scheduling-policy" and i + 1 < len(args):
+            return args[i + 1]
+    return None
+
+
+def managed_engine_args(cfg: "ServeConfig") -> list[str]:
+    """``serve.extra_vllm_args`` for the managed engines, with ``--scheduling-policy priority``
+    added when the gateway forwards priorities (``forward_priority``) and they do not say it."""
+    args = list(cfg.extra_vllm_args or ())
+    if cfg.forward_priority and _scheduling_policy(args) is None:
+        args += ["--scheduling-policy", "priority"]
+    return args
+
+
 @dataclass(slots=True)
 class ServeConfig:
     """The gateway (``serve`` node; its schema, ``ServeNode``, leaves out the secrets)."""
@@ -209,6 +229,16 @@ class ServeConfig:
     unresponsive_s: float | None = 10.0
     priority_header: str = "x-priority"
     default_priority: int = 1
+    #: Put each request's priority (its ``priority_header``, else ``default_priority``) in the
+    #: forwarded body's ``priority`` field, which vLLM reads when it runs ``--scheduling-policy
+    #: priority`` (smaller first; on a KV shortage the largest number is preempted first). A
+    #: client's own ``priority`` field is kept, but one smaller (more important) than its class
+    #: needs a trusted key, as the header does. Managed engines then start with
+    #: ``--scheduling-policy priority``; unmanaged ones must run it themselves: vLLM 0.32 on
+    #: ``fcfs`` takes the field and ignores it (its API docs say a non-zero priority is an
+    #: error there; the code has no such check). The simulator's equivalent is
+    #: ``engine.scheduling_policy=priority`` (every simulated request carries its class).
+    forward_priority: bool = False
     #: Header carrying a trusted key; only requests with one may ask for a priority above the
     #: default (0 = core, never shed). Keys: ``$BATCHPILOT_TRUSTED_KEYS`` (comma-separated) or
     #: ``trusted_keys_file`` (one per line).
@@ -291,6 +321,11 @@ class ServeConfig:
                 raise ValueError(f"serve.{name} must be a number of seconds > 0 or null, got {v}")
         if self.default_priority < 0:
             raise ValueError(f"serve.default_priority must be >= 0, got {self.default_priority}")
+        policy = _scheduling_policy(self.extra_vllm_args)
+        if self.managed and self.forward_priority and policy not in (None, "priority"):
+            raise ValueError(f"serve.forward_priority=true with --scheduling-policy {policy} in serve.extra_vllm_args: "
+                             "the managed engines would ignore the priorities; drop the flag (the gateway adds "
+                             "--scheduling-policy priority) or set serve.forward_priority=false")
         self.priority_header = self.priority_header.lower()
         self.trusted_key_header = self.trusted_key_header.lower()
         self.admin_token = os.environ.get("BATCHPILOT_ADMIN_TOKEN") or _read_secret(self.admin_token_file,
