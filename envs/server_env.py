@@ -48,6 +48,7 @@ def server_config(cfg: DictConfig) -> DictConfig:
         a.ttft_deadline = False
         a.early_refusal = False  # vLLM refuses on its queue limits only (the engine's, not ours)
         a.on_time_first = False
+        a.class_deadline_order = False  # nor across request classes
         a.newest_first_when_late = False
         a.prefill_backlog_budgets = None
         a.first_token_margin = False

@@ -218,6 +218,7 @@ def episode_config(plan: WorkloadPlan, knobs: Knobs | None, as_shipped: bool = F
             c.env.admission.ttft_deadline = False
             c.env.admission.early_refusal = False
             c.env.admission.on_time_first = False  # vLLM's waiting queue is first come, first served
+            c.env.admission.class_deadline_order = False  # across request classes too
             c.env.admission.prefill_backlog_budgets = None  # and it takes every request at once
             c.env.memory_admission = False
             c.env.shielded = False  # and no shield: the env is built without one

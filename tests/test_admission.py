@@ -143,7 +143,8 @@ def test_expire_rejects_only_stale_requests():
 
 
 def test_shed_keeps_core_one_shot_or_persistent():
-    a = make(cap=1)
+    # Every priority above the kept one: the least important class alone is test_class_rules'.
+    a = make(cap=1, shed_least_important_first=False)
     for p in (0, 1, 2, 0, 3):
         a.submit(req(10, priority=p, rid=f"p{p}-{next(_ids)}"), 0.0)
     rej = a.shed(0, now=1.0)

@@ -25,7 +25,10 @@ Each bucket keeps two heaps ordered by (priority, arrival, submit order): prompt
 same bucket. With ``on_time_first`` (the default; it needs the TTFT objective from ``use_slo``) a
 request that has waited its TTFT moves to a second pair of heaps: within a bucket it ranks after
 on-time requests of its priority, and across buckets the bucketing mode chooses among buckets
-whose next request is on time first. Removal by timeout, shedding or cancel is lazy (entries marked dead and skipped
+whose next request is on time first; with request classes of different TTFT objectives
+(``class_deadline_order``) the bucketing mode chooses among the buckets of the tightest class
+unless a looser class's request has an earlier deadline (arrival + its objective) than that
+choice. Removal by timeout, shedding or cancel is lazy (entries marked dead and skipped
 when they reach a heap top), so every operation is O(log n) amortised; ``shed`` is O(n) and
 only runs when the circuit breaker asks for it.
 
@@ -174,6 +177,26 @@ class AdmissionConfig:
     #: otherwise the refusals would empty the late heaps and turn the order back to first come,
     #: first served in the middle of the overload that caused them.
     newest_first_when_late: bool = True
+    #: Request classes with their own TTFT objectives (``SLO.classes``), earliest deadline first
+    #: across classes: among the requests still on time, the bucketing mode chooses among the
+    #: bucket heads of the class with the shortest objective (newest first while overloaded, as
+    #: without classes), unless the oldest on-time request of a looser class has an earlier
+    #: deadline (arrival + its class's objective) than that choice: then it goes first. Within a
+    #: bucket, priority still orders first. An interactive request (0.8 s) thus overtakes batch
+    #: requests (20 s) until one of those has less time left than it, where ``shortest_first``
+    #: starved them and ``weighted`` gave them a fixed share. With it, early
+    #: refusal counts ahead of a new request only what this order serves before it: the on-time
+    #: prompts of its own class as the bucketing mode takes them and all of the classes with a
+    #: shorter objective, none of those with a longer one. When every request is judged by one
+    #: objective (one class) nothing changes: the bucketing mode orders as without it.
+    class_deadline_order: bool = True
+    #: Breaker level 2 sheds the least important class present first: only the waiting
+    #: requests of the highest priority number waiting or submitted in the last
+    #: ``shed_class_window_s`` (and never one at or below the shield's ``shed_max_priority_kept``),
+    #: instead of every priority above that. With one class present above the kept priority it
+    #: sheds what it shed without it.
+    shed_least_important_first: bool = True
+    shed_class_window_s: float = 60.0
     #: Hold requests here while the prompt tokens in flight that have not produced a first token
     #: reach this many of the engine's per-iteration token budgets (``use_token_budget``; None
     #: = no hold). The engine takes its queue first come, first served and a long queue of
@@ -244,6 +267,8 @@ class AdmissionConfig:
         if self.early_refusal_window < self.early_refusal_min_samples:
             raise ValueError(f"admission.early_refusal_window must be >= early_refusal_min_samples "
                              f"({self.early_refusal_min_samples}), got {self.early_refusal_window}")
+        if not (self.shed_class_window_s > 0 and math.isfinite(self.shed_class_window_s)):
+            raise ValueError(f"admission.shed_class_window_s must be > 0, got {self.shed_class_window_s}")
         if not 0 < self.first_token_margin_rate <= 1:
             raise ValueError(f"admission.first_token_margin_rate must be in (0, 1], got {self.first_token_margin_rate}")
         if not 0 <= self.first_token_margin_max < 1:
@@ -294,15 +319,18 @@ class _Entry:
     charged: int = 0
     alive: bool = True
     late: bool = False
+    #: Its class's TTFT objective in seconds as submit found it (``class_deadline_order``, which
+    #: books the on-time prompt tokens per class by it; None otherwise or without one).
+    objective: float | None = None
 
 
 class _Bucket:
     """One length bucket: (priority, arrival, seq) heaps, long prompts apart, and requests
     past their TTFT objective apart (``on_time_first``); the on-time ones also newest first."""
 
-    __slots__ = ("heaps", "newest", "num_waiting", "num_late", "on_time_tokens")
+    __slots__ = ("heaps", "newest", "num_waiting", "num_late", "on_time_tokens", "class_tokens")
 
-    def __init__(self) -> None:
+    def __init__(self, by_class: bool = False) -> None:
         # heaps[late][long]: on time / late x not long / long
         self.heaps: tuple[tuple[list, list], tuple[list, list]] = (([], []), ([], []))
         # newest[long]: the on-time entries again, (priority, -arrival, -seq): newest first
@@ -310,6 +338,8 @@ class _Bucket:
         self.num_waiting = 0
         self.num_late = 0  # of num_waiting, those past their TTFT objective
         self.on_time_tokens = 0  # prompt tokens of the waiting ones not late (early refusal)
+        #: ``on_time_tokens`` per class objective (``_Entry.objective``), with ``class_deadline_order``.
+        self.class_tokens: dict[float | None, int] | None = {} if by_class else None
 
     def push(self, e: _Entry) -> None:
         r = e.request
@@ -318,6 +348,7 @@ class _Bucket:
         self._push(self.heaps[late][e.is_long], (r.priority, r.arrival_time, e.seq, e), late)
         if not late:
             self.on_time_tokens += r.prompt_len
+            self._count_class(e, r.prompt_len)
             self._push(self.newest[e.is_long], (r.priority, -r.arrival_time, -e.seq, e), False)
 
     def mark_late(self, e: _Entry) -> None:
@@ -326,6 +357,7 @@ class _Bucket:
         self.num_late += 1
         r = e.request
         self.on_time_tokens -= r.prompt_len
+        self._count_class(e, -r.prompt_len)
         self._push(self.heaps[1][e.is_long], (r.priority, r.arrival_time, e.seq, e), True)
 
     def _push(self, h: list, item: tuple, late: bool) -> None:
@@ -366,6 +398,17 @@ class _Bucket:
         self.num_late -= e.late
         if not e.late:
             self.on_time_tokens -= e.request.prompt_len
+            self._count_class(e, -e.request.prompt_len)
+
+    def _count_class(self, e: _Entry, tokens: int) -> None:
+        """Book ``tokens`` on time to ``e``'s class (``class_tokens``; nothing without it)."""
+        by = self.class_tokens
+        if by is not None:
+            n = by.get(e.objective, 0) + tokens
+            if n:
+                by[e.objective] = n
+            else:
+                del by[e.objective]
 
 
 class Admission:
@@ -377,7 +420,7 @@ class Admission:
         self.kv_blocks_in_flight = 0
         self._late: list[Rejection] = []
         self._boundaries: list[float] = list(cfg.boundaries)
-        self._buckets = [_Bucket() for _ in range(cfg.num_buckets)]
+        self._buckets = [_Bucket(cfg.class_deadline_order) for _ in range(cfg.num_buckets)]
         self._waiting: dict[str, _Entry] = {}
         # request_id -> (is_long, sequences, KV blocks, the request: to book it again)
         self._in_flight: dict[str, tuple[bool, int, int, Any]] = {}
@@ -425,6 +468,11 @@ class Admission:
         #: and whether any can go late (``on_time_first`` and an objective). Set by ``use_slo``.
         self._any_deadline = False
         self._any_late = False
+        #: Whether ``_choose`` orders classes by deadline (``class_deadline_order`` and the SLO
+        #: judges some priority by another TTFT objective than the rest). Set by ``use_slo``.
+        self._class_order = False
+        #: When a request of each priority was last submitted (``shed_least_important_first``).
+        self._last_submit: dict[int, float] = {}
         #: When a request was last refused for lack of time ("deadline", "no_slack"), and its
         #: class's objective: the queue counts as overloaded (newest first) for that long after.
         self._refused_late_at = -math.inf
@@ -535,6 +583,8 @@ class Admission:
         objective = any(v is not None for v in (self.ttft_s, *self._ttft_by_priority.values()))
         self._any_deadline = self.cfg.ttft_deadline and objective
         self._any_late = self.cfg.on_time_first and objective
+        objectives = {self.ttft_s, *self._ttft_by_priority.values()}
+        self._class_order = self.cfg.class_deadline_order and len(objectives) > 1
 
     def ttft_s_for(self, priority: int) -> float | None:
         """The TTFT objective (seconds) a request of ``priority`` is judged by (``use_slo``)."""
@@ -591,6 +641,13 @@ class Admission:
             per_bucket[e.bucket] += 0 if e.late else e.request.prompt_len
         if per_bucket != [b.on_time_tokens for b in self._buckets]:
             raise AssertionError(f"on-time tokens per bucket {[b.on_time_tokens for b in self._buckets]} != {per_bucket}")
+        if self.cfg.class_deadline_order:
+            by_class: list[Counter] = [Counter() for _ in self._buckets]
+            for e in self._waiting.values():
+                if not e.late:
+                    by_class[e.bucket][e.objective] += e.request.prompt_len
+            if [dict(c) for c in by_class] != [b.class_tokens for b in self._buckets]:
+                raise AssertionError(f"on-time tokens per class {[b.class_tokens for b in self._buckets]} != {by_class}")
         if self.num_late_waiting != late:
             raise AssertionError(f"late count {self.num_late_waiting} != {late} waiting past their TTFT objective")
 
@@ -613,6 +670,8 @@ class Admission:
         cfg = self.cfg
         if cfg.adapt_boundaries:
             self._adapt(req)
+        if cfg.shed_least_important_first:
+            self._last_submit[req.priority] = now
         if self.max_priority_kept is not None and req.priority > self.max_priority_kept:
             return self._reject(req, "shed_low_priority", now)
         seqs = getattr(req, "num_seqs", 1)
@@ -643,6 +702,8 @@ class Admission:
             self._pass[bucket] = max(self._pass[bucket], self._vtime)
         seq = self._seq
         e = _Entry(req, bucket, prompt_len > cfg.long_prompt_threshold, seq, seqs, blocks, charged)
+        if cfg.class_deadline_order:
+            e.objective = self.ttft_s_for(req.priority)
         self._seq = seq + 1
         queue.push(e)
         waiting[rid] = e
@@ -698,6 +759,8 @@ class Admission:
         # submit: counted, in an empty bucket (never full: max_queue_len >= 1) that rejoins at the
         # virtual time, the next submit number taken.
         self.num_submitted += 1
+        if cfg.shed_least_important_first:
+            self._last_submit[req.priority] = now
         bucket = 0  # bucket_of, inline
         for b in self._boundaries:
             if prompt_len < b:
@@ -848,7 +911,8 @@ class Admission:
             return None
         return self._drain_tokens / self._drain_time
 
-    def predicted_first_token_s(self, prompt_len: int, arrival_time: float, now: float) -> float | None:
+    def predicted_first_token_s(self, prompt_len: int, arrival_time: float, now: float,
+                                priority: int | None = None) -> float | None:
         """Predicted seconds from arrival to first token of a request submitted at ``now``: what
         it waited + (the prompt tokens queued on time ahead of it + in flight without a first
         token + its own) / ``drain_rate``, the engine's part at least ``first_token_s`` when
@@ -860,24 +924,50 @@ class Admission:
         a new request goes before the on-time ones of its own bucket, so only the buckets served
         before it count (the shorter ones with ``shortest_first``, none with ``fifo``; all with
         ``weighted``, whose shares interleave). Counting the whole queue there refused requests
-        that would have been served next."""
+        that would have been served next. With classes ordered by deadline (``class_deadline_order``,
+        a request's ``priority`` given), that rule counts its own class's prompts only, plus every
+        on-time prompt of a class with a shorter objective and none of one with a longer."""
         rate = self.drain_rate
         if rate is None:
             return None
         engine_s = (self.prefill_tokens_in_flight + prompt_len) / rate
         if self.first_token_s is not None:
             engine_s = max(engine_s, self.first_token_s)
-        return max(0.0, now - arrival_time) + self._on_time_tokens_ahead(prompt_len, now) / rate + engine_s
+        ahead = self._on_time_tokens_ahead(prompt_len, now, priority)
+        return max(0.0, now - arrival_time) + ahead / rate + engine_s
 
-    def _on_time_tokens_ahead(self, prompt_len: int, now: float) -> int:
+    def _on_time_tokens_ahead(self, prompt_len: int, now: float, priority: int | None = None) -> int:
         """Prompt tokens queued on time that ``admit`` takes before a request of ``prompt_len``
-        submitted at ``now`` (``predicted_first_token_s``)."""
+        (and ``priority``) submitted at ``now`` (``predicted_first_token_s``)."""
+        if self._class_order and priority is not None:
+            return self._class_tokens_ahead(prompt_len, now, self.ttft_s_for(priority))
         if self.bucketing == "weighted" or not self._newest_first(now):
             return self.waiting_on_time_tokens
         if self.bucketing == "fifo":
             return 0
         bucket = self.bucket_of(prompt_len)
         return sum(b.on_time_tokens for b in self._buckets[:bucket])
+
+    def _class_tokens_ahead(self, prompt_len: int, now: float, own: float | None) -> int:
+        """``_on_time_tokens_ahead`` under ``class_deadline_order`` for a request whose class's
+        objective is ``own``: the on-time prompts of the classes with a shorter objective (their
+        deadlines come first), none of a longer one's (they have more time left: an interactive
+        request overtakes the batch prompts; those within ``own`` of their deadline would go
+        first and are not counted), and of its own class what the bucketing mode serves first
+        (the rule without classes). A class without an objective counts as ahead."""
+        same_by_bucket = []
+        ahead = 0
+        for b in self._buckets:
+            by = b.class_tokens or {}
+            same_by_bucket.append(by.get(own, 0))
+            for o, n in by.items():
+                if o != own and (o is None or own is None or o < own):
+                    ahead += n
+        if self.bucketing == "weighted" or not self._newest_first(now):
+            return ahead + sum(same_by_bucket)
+        if self.bucketing == "fifo":
+            return ahead
+        return ahead + sum(same_by_bucket[:self.bucket_of(prompt_len)])
 
     def _newest_first(self, now: float) -> bool:
         """Whether the on-time queue runs newest first now (``newest_first_when_late``): a
@@ -897,7 +987,7 @@ class Admission:
         ttft_s = self.ttft_s_for(req.priority)
         if ttft_s is None or req.priority <= self.cfg.deadline_max_priority_kept:
             return False
-        predicted = self.predicted_first_token_s(req.prompt_len, req.arrival_time, now)
+        predicted = self.predicted_first_token_s(req.prompt_len, req.arrival_time, now, req.priority)
         return predicted is not None and predicted > self.cfg.early_refusal_slack * ttft_s
 
     def _observe_drain(self, prompt_len: int, now: float) -> None:
@@ -953,11 +1043,14 @@ class Admission:
 
     def shed(self, max_priority_kept: int | None, now: float = 0.0, *, persist: bool = False) -> list[Rejection]:
         """Breaker level 2: drop waiting requests with ``priority > max_priority_kept``; core
-        (low-number) ones stay. One-shot (callers repeat it each interval while the breaker
+        (low-number) ones stay (with ``shed_least_important_first``, only the least important class
+        present: ``least_important_kept``). One-shot (callers repeat it each interval while the breaker
         says so); with ``persist`` such new submits are rejected too, until ``shed(None)``."""
         if max_priority_kept is None:
             self.max_priority_kept = None
             return []
+        if self.cfg.shed_least_important_first:
+            max_priority_kept = self.least_important_kept(max_priority_kept, now)
         if persist:
             self.max_priority_kept = max_priority_kept
         victims = [e for e in self._waiting.values() if e.request.priority > max_priority_kept]
@@ -966,6 +1059,17 @@ class Admission:
             self._drop(e)
             out.append(self._reject(e.request, "shed_low_priority", now))
         return out
+
+    def least_important_kept(self, max_priority_kept: int, now: float) -> int:
+        """The highest priority ``shed`` keeps with ``shed_least_important_first``: all but the
+        least important class present (the highest priority number waiting or submitted within
+        ``shed_class_window_s`` of ``now``), and at least ``max_priority_kept``. O(n), as ``shed``."""
+        horizon = now - self.cfg.shed_class_window_s
+        present = {p for p, t in self._last_submit.items() if t >= horizon}
+        present.update(e.request.priority for e in self._waiting.values())
+        if not present:
+            return max_priority_kept
+        return max(max_priority_kept, max(present) - 1)
 
     def take_rejections(self) -> list[Rejection]:
         """Requests ``admit`` refused since the last call ("too_large_for_memory": alone they
@@ -1042,14 +1146,44 @@ class Admission:
             return heads[0] if heads else None
         on_time = [h for h in heads if not h.late]
         if on_time:  # a bucket whose next request can still meet its TTFT goes first
+            if self._class_order:
+                return self._class_choice(on_time, allow_long, newest)
             heads = on_time
+        return self._by_mode(heads, newest and bool(on_time))
+
+    def _by_mode(self, heads: list[_Entry], newest_on_time: bool) -> _Entry:
+        """The bucketing mode's pick among bucket heads (in bucket order; ``newest_on_time``:
+        on-time heads while the queue runs newest first)."""
         if self.bucketing == "shortest_first":
             return heads[0]
         if self.bucketing == "weighted":
             return min(heads, key=lambda h: (self._pass[h.bucket], h.bucket))
-        if newest and on_time:  # fifo, overloaded: the newest on-time head across buckets
+        if newest_on_time:  # fifo, overloaded: the newest on-time head across buckets
             return max(heads, key=lambda h: (h.request.arrival_time, h.seq))
         return min(heads, key=lambda h: (h.request.arrival_time, h.seq))  # fifo: the oldest head across buckets
+
+    def _class_choice(self, heads: list[_Entry], allow_long: bool, newest: bool) -> _Entry:
+        """``class_deadline_order`` among the on-time bucket heads: the bucketing mode picks among
+        the heads of the class with the shortest TTFT objective (newest first while overloaded,
+        as without classes), unless a request of a looser class (the oldest on time of its
+        bucket: the one with the least time left) has an earlier deadline (arrival + its class's
+        objective) than that pick: the earliest such goes first. A batch request (20 s) thus
+        waits behind interactive ones (0.8 s) until it has less time left than the one they would
+        serve. One objective for all (or a head without one): the bucketing mode alone."""
+        objectives = [self.ttft_s_for(h.request.priority) for h in heads]
+        if None in objectives or min(objectives) == max(objectives):  # type: ignore[type-var]
+            return self._by_mode(heads, newest)
+        tight = min(objectives)  # type: ignore[type-var]
+        pick = self._by_mode([h for h, o in zip(heads, objectives) if o == tight], newest)
+        due = pick.request.arrival_time + tight
+        for h, o in zip(heads, objectives):
+            if o == tight:
+                continue
+            oldest = self._buckets[h.bucket].head(allow_long) if newest else h
+            late_s = None if oldest is None or oldest.late else self.ttft_s_for(oldest.request.priority)
+            if late_s is not None and late_s != tight and oldest.request.arrival_time + late_s < due:
+                pick, due = oldest, oldest.request.arrival_time + late_s
+        return pick
 
     def _initial_centroids(self) -> list[list[float]]:
         """One centroid per bucket (in log length), placed so that the midpoints between
