@@ -340,13 +340,13 @@ def forwarded_priority(body: dict[str, Any], priority: int, trusted: bool, key_h
     """The ``priority`` to add to a forwarded body for an engine on ``--scheduling-policy
     priority`` (``serve.forward_priority``): the request's class ``priority``, or None when the
     client set the field itself (kept). A client's value must be an integer, and one smaller
-    (more important) than its class needs a trusted key (403), as the priority header does."""
+    (more important) than its class needs a trusted key (403), as the priority header does.
+    The value is read as vLLM reads it (pydantic's lax mode: ``"2"``, ``2.0``, ``true``)."""
     if "priority" not in body:
         return priority
-    own = body["priority"]
-    if isinstance(own, bool) or not isinstance(own, int):
-        raise BadRequest("invalid_field", f"'priority' must be an integer, got {json.dumps(own)[:40]}",
-                         param="priority")
+    own = _lenient_int("priority", body["priority"])
+    if own is None:
+        raise BadRequest("invalid_field", "'priority' must be an integer, got None", param="priority")
     if own < priority and not trusted:
         raise GatewayError("priority_not_allowed", f"'priority': {own} is more important than the request's class "
                            f"({priority}); it needs a trusted key in header {key_header}", status=403,

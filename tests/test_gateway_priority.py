@@ -42,7 +42,12 @@ def test_the_forwarded_priority_is_the_class_unless_the_client_set_one_it_may_se
                        r"it needs a trusted key in header x-batchpilot-key") as e:
         forwarded_priority({"priority": 0}, 1, False, KEY_HEADER)
     assert e.value.status == 403
-    for bad in ("2", 1.5, True, None):
+    # Read as vLLM's pydantic reads it (lax mode): "3" and 3.0 are 3; false is 0, which needs a key.
+    assert forwarded_priority({"priority": "3"}, 1, False, KEY_HEADER) is None
+    assert forwarded_priority({"priority": 3.0}, 1, False, KEY_HEADER) is None
+    with pytest.raises(GatewayError, match="'priority': 0 is more important"):
+        forwarded_priority({"priority": False}, 1, False, KEY_HEADER)
+    for bad in ("high", 1.5, None, [1]):
         with pytest.raises(BadRequest, match="'priority' must be an integer"):
             forwarded_priority({"priority": bad}, 1, False, KEY_HEADER)
 
