@@ -220,6 +220,8 @@ class SimEngine(Engine):
         self._heap: list[tuple[int, int, int, _Seq]] = []
         self._hseq = 0
         self._partial: _Seq | None = None
+        #: Priority policy: decoders left out of the present iteration (``_skip_decoders``).
+        self._skipped: list[_Seq] = []
 
     # ---- Engine API --------------------------------------------------------------------------
     @property
@@ -571,6 +573,8 @@ class SimEngine(Engine):
                     victim_self = True
                     break
             if victim_self:
+                if self._prio:  # vLLM schedules no running request after one that preempted itself
+                    self._skip_decoders(order[i:])
                 break
             self._take_blocks(r_need)
             avail -= r_need
@@ -582,6 +586,32 @@ class SimEngine(Engine):
                 sched.append((seq, r_tok, seq.computed))
             i += 1
         return left, sched, preempted
+
+    def _skip_decoders(self, rest: list[_Seq]) -> None:
+        """Take the decoders the running loop did not reach out of this iteration (priority
+        policy: the loop stopped at a request that preempted itself, and vLLM's ``break`` leaves
+        the rest unscheduled for the step); ``_rejoin`` puts them back after it, one iteration
+        later (``_skipped``)."""
+        for seq in rest:
+            if seq.decoding:
+                self._leave_decode(seq)
+                self._skipped.append(seq)
+
+    def _rejoin(self, shift: int) -> None:
+        """The decoders ``_skip_decoders`` took out rejoin the decode aggregates with their
+        context ``shift`` iterations later than it would have been (1: the iteration ran
+        without them; 0: it did not run), their finish moved as far."""
+        bs = self._bs
+        for seq in self._skipped:
+            seq.base -= shift
+            seq.phase = (seq.phase - shift) % bs
+            seq.decoding = True
+            self._n_dec += 1
+            self._sum_base += seq.base
+            self._cnt[seq.phase] += 1
+            self._hseq += 1
+            heappush(self._heap, (seq.prompt + seq.out - 1 - seq.base, self._hseq, seq.epoch, seq))
+        self._skipped.clear()
 
     def _unschedule(self, seq: _Seq, taken: tuple[int, int], sched: list[tuple[_Seq, int, int]]) -> int:
         """Undo ``seq``'s place in this iteration before it is preempted (priority policy, as
@@ -613,6 +643,8 @@ class SimEngine(Engine):
         if not preempted and not self._draining and self._waiting:
             self._admit_waiting(left, prefills)
         if n == 0 and not prefills:
+            if self._skipped:
+                self._rejoin(0)
             return preempted  # everything was preempted: no time passes, the next call admits
         # Step time from aggregates.
         ptok = 0
@@ -634,6 +666,8 @@ class SimEngine(Engine):
         agg.num_output_tokens += out_tokens
         self._now = t
         self._it = j + 1
+        if self._skipped:
+            self._rejoin(1)
         return True
 
     def _admit_waiting(self, left: int, prefills: list[tuple[_Seq, int, int]]) -> None:

@@ -79,36 +79,89 @@ def test_waiting_order_is_vllms() -> None:
     assert _order_served("priority") == ["d", "b", "c", "a"]
 
 
-def _preempted_on_shortage(policy: str, priorities: tuple[int, int, int]) -> tuple[list[str], SimEngine]:
+def _preempted_on_shortage(policy: str, priorities: tuple[int, int, int]) -> tuple[list[str], int, SimEngine]:
     """Three 16-token prompts on a 4-block cache (16-token blocks): all three are admitted in
-    one step (a block each); in the next every one needs its second block, one is free, so the
-    running loop must preempt. Returns the requests preempted in that step."""
+    one step (a block each, in waiting-queue order); in the next every one needs its second
+    block, one is free, so the running loop must preempt. Returns the requests preempted in
+    that step, the decode tokens it ran, and the engine."""
     e = create_engine(scheduling_policy=policy, block_size=16, num_gpu_blocks_override=4)
     for rid, prio in zip("xyz", priorities):
         e.add_request(Request(rid, 0.0, 16, 10, prio))
     first = e.step()
     assert len(first.first_tokens) == 3 and e.stats().num_kv_blocks_used == 3
-    return list(e.step().preempted), e
+    second = e.step()
+    return list(second.preempted), second.num_decode_tokens, e
 
 
-def test_fcfs_preempts_the_last_admitted() -> None:
-    assert _preempted_on_shortage("fcfs", (1, 2, 1))[0] == ["z"]
-    assert _preempted_on_shortage("fcfs", (2, 1, 1))[0] == ["z"]
+def _drains_whole(e: SimEngine, left: list[str], out: int) -> None:
+    """The rest runs to the end, every request once with all its tokens, and no KV block is
+    lost or invented."""
+    done = run_all(e).finished
+    assert sorted(f.request_id for f in done) == sorted(left)
+    assert all(f.output_len == out for f in done)
+    st = e.stats()
+    assert st.num_kv_blocks_used == 0 and e._free + len(e._evictable) * e._bph == st.num_kv_blocks_total
+
+
+@pytest.mark.parametrize("priorities", [(1, 2, 1), (2, 1, 1)])
+def test_fcfs_preempts_the_last_admitted(priorities: tuple[int, int, int]) -> None:
+    got, decoded, e = _preempted_on_shortage("fcfs", priorities)
+    assert (got, decoded) == (["z"], 2)  # x and y decode with the block z gave back
+    _drains_whole(e, ["x", "y", "z"], 10)
 
 
 def test_priority_preempts_the_largest_priority_then_the_latest_arrival() -> None:
-    # y (priority 2) is the victim: x schedules, y needs a block and is preempted itself, z
-    # takes the block y freed.
-    got, e = _preempted_on_shortage("priority", (1, 2, 1))
-    assert got == ["y"] and e.num_running == 2
-    # x (priority 2) was scheduled first in the step, then preempted for y: its new block and
-    # its prompt's block come back, y and z run with two blocks each.
-    got, e = _preempted_on_shortage("priority", (2, 1, 1))
-    assert got == ["x"] and e.num_running == 2 and e.stats().num_kv_blocks_used == 4
+    # Admitted x, z, y (the heap's order); x takes the free block, z needs one and the victim
+    # is y (priority 2), whose block z takes.
+    got, decoded, e = _preempted_on_shortage("priority", (1, 2, 1))
+    assert (got, decoded, e.stats().num_kv_blocks_used) == (["y"], 2, 4)
+    _drains_whole(e, ["x", "y", "z"], 10)
     # Equal priorities: the latest arrival, as fcfs would pick here.
-    assert _preempted_on_shortage("priority", (1, 1, 1))[0] == ["z"]
-    rest = run_all(e)
-    assert sorted(f.request_id for f in rest.finished) == ["x", "y", "z"] and e.stats().num_kv_blocks_used == 0
+    got, decoded, e = _preempted_on_shortage("priority", (1, 1, 1))
+    assert (got, decoded) == (["z"], 2)
+    _drains_whole(e, ["x", "y", "z"], 10)
+
+
+@pytest.mark.parametrize("policy, want", [("fcfs", (["z"], 2, 4)), ("priority", (["x"], 2, 4))])
+def test_a_victim_scheduled_earlier_in_the_step_gives_back_its_budget_and_blocks(
+        policy: str, want: tuple[list[str], int, int]) -> None:
+    """x (priority 2) runs alone first, y and z (priority 1) join a step later. Two steps on,
+    y and z need their second block, none is free: x, scheduled first in the step (it needs
+    no block), is the priority victim; its token and its two blocks come back and y and z
+    decode. fcfs preempts z, the last admitted."""
+    e = create_engine(scheduling_policy=policy, block_size=16, num_gpu_blocks_override=4)
+    e.add_request(Request("x", 0.0, 16, 10, 2))
+    e.step()
+    for rid in "yz":
+        e.add_request(Request(rid, e.now, 16, 10, 1))
+    e.step()
+    assert e.stats().num_kv_blocks_used == 4
+    r = e.step()
+    assert (list(r.preempted), r.num_decode_tokens, e.stats().num_kv_blocks_used) == want
+    _drains_whole(e, ["x", "y", "z"], 10)
+
+
+@pytest.mark.parametrize("policy, want", [("fcfs", (["z"], 2, 6)), ("priority", (["y"], 1, 5))])
+def test_the_running_loop_stops_at_a_request_that_preempts_itself(
+        policy: str, want: tuple[list[str], int, int]) -> None:
+    """Running x (1), y (2), z (1) in that order, all needing a block in the same step with
+    one free. fcfs: x takes it, y preempts z and decodes. priority: x takes it, y is the
+    largest key and preempts itself, and vLLM's loop breaks there: z decodes nothing this step
+    (one decode token in all) and takes its block in the next one."""
+    e = create_engine(scheduling_policy=policy, block_size=16, num_gpu_blocks_override=7)
+    e.add_request(Request("x", 0.0, 16, 30, 1))
+    e.add_request(Request("y", 0.0, 16, 30, 2))
+    e.step()  # x, y: 16 tokens, a block each; their next block at iteration 17
+    e.add_request(Request("z", e.now, 17, 30, 1))  # 17 tokens: its next block at iteration 17 too
+    e.step()
+    assert e.stats().num_kv_blocks_used == 6 and [s.rid for s in e._running.values()] == ["x", "y", "z"]
+    for _ in range(15):  # iterations 2-16: nobody needs a block
+        assert not e.step().preempted
+    r = e.step()
+    assert (list(r.preempted), r.num_decode_tokens, e.stats().num_kv_blocks_used) == want
+    if policy == "priority":
+        assert e.step().num_decode_tokens == 2 and e.stats().num_kv_blocks_used == 6  # z's block now
+    _drains_whole(e, ["x", "y", "z"], 30)
 
 
 def test_a_preempted_request_goes_back_by_its_key_not_to_the_front() -> None:
