@@ -148,6 +148,7 @@ class VLLMEngine(Engine):
             num_gpu_blocks_override=c.num_gpu_blocks_override,
             enable_prefix_caching=c.enable_prefix_caching,
             seed=c.seed,
+            scheduling_policy=c.scheduling_policy,
             async_scheduling=False,  # one step() = one iteration whose outputs it returns
             disable_log_stats=True,  # we time requests ourselves; saves work per step
             **kwargs,

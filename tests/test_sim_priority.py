@@ -200,3 +200,83 @@ def test_the_waiting_order_is_what_vllms_own_priority_queue_pops() -> None:
     for t, (rid, prio) in enumerate((("a", 2), ("b", 1), ("c", 1), ("d", 0))):
         q.add_request(Stand(rid, prio, float(t)))  # type: ignore[arg-type]
     assert [q.pop_request().request_id for _ in range(4)] == _order_served("priority")
+
+
+# --- the same hand-built cases on vLLM's own scheduler (in-process, tiny model) -----------------
+
+def _steps(e: Any, limit: int = 400) -> tuple[list[tuple[int, list[str], int]], list[str]]:
+    """Step ``e`` until idle: (step index, ids preempted, output tokens of the step) for each
+    step that preempted, and the finish order."""
+    pre: list[tuple[int, list[str], int]] = []
+    done: list[str] = []
+    for k in range(limit):
+        r = e.step()
+        if r.preempted:
+            pre.append((k, sorted(r.preempted), r.num_output_tokens))
+        done += [f.request_id for f in r.finished]
+        st = e.stats()
+        if not (st.num_running or st.num_waiting) and r.num_iterations == 0:
+            break
+    return pre, done
+
+
+def _together(e: Any, bs: int, priorities: tuple[int, ...]) -> tuple[Any, ...]:
+    """Three one-block prompts at once; all need their second block in the same step."""
+    for rid, prio in zip("xyz", priorities):
+        e.add_request(Request(rid, e.now, bs, 10, prio))
+    return _steps(e)
+
+
+def _late_low(e: Any, bs: int) -> tuple[Any, ...]:
+    """x (priority 2) first and alone, y and z (priority 1) a step later."""
+    e.add_request(Request("x", e.now, bs, 10, 2))
+    assert _steps(e, 1) == ([], [])
+    for rid in "yz":
+        e.add_request(Request(rid, e.now, bs, 10, 1))
+    return _steps(e)
+
+
+def _self_preempting(e: Any, bs: int) -> tuple[Any, ...]:
+    """x (1), y (2) then z (1, one token more): all three need a block at iteration bs + 1."""
+    e.add_request(Request("x", e.now, bs, bs + 8, 1))
+    e.add_request(Request("y", e.now, bs, bs + 8, 2))
+    assert _steps(e, 1) == ([], [])
+    e.add_request(Request("z", e.now, bs + 1, bs + 8, 1))
+    return _steps(e)
+
+
+@pytest.mark.live
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_vllms_scheduler_decides_the_hand_built_cases_as_the_simulator(tiny_model_path: Any) -> None:
+    """vLLM 0.32 in-process (``VLLMEngine``, ``--scheduling-policy priority``, 32-token blocks,
+    prefix caching off) and the simulator with the same limits (one block less: vLLM keeps a
+    null block) preempt the same requests in the same steps and finish them in the same order,
+    on the cases above scaled to 32-token blocks."""
+    from batchpilot.envs.vllm_engine import VLLMEngine
+    from batchpilot.schemas.engine import VLLMEngineConfig
+
+    bs = 32
+
+    def sim(blocks: int) -> SimEngine:
+        return create_engine("cpu_tiny", "tiny_llama", scheduling_policy="priority", block_size=bs,
+                             num_gpu_blocks_override=blocks, enable_prefix_caching=False, max_num_seqs=8,
+                             max_num_batched_tokens=2048)
+
+    cases = [(4, lambda e: _together(e, bs, (1, 2, 1))), (4, lambda e: _together(e, bs, (1, 1, 1))),
+             (4, lambda e: _late_low(e, bs)), (7, lambda e: _self_preempting(e, bs))]
+    live = VLLMEngine(VLLMEngineConfig(model=str(tiny_model_path), max_model_len=128, block_size=bs,
+                                       num_gpu_blocks_override=5, enable_prefix_caching=False, max_num_seqs=8,
+                                       max_num_batched_tokens=2048, scheduling_policy="priority"))
+    try:
+        blocks = 4
+        for n, case in cases:
+            if n != blocks:
+                live.restart(num_gpu_blocks_override=n + 1)
+                blocks = n
+            assert live.stats().num_kv_blocks_total == n
+            want, got = case(sim(n)), case(live)
+            print(f"{n} blocks: simulator {want}, vLLM {got}")
+            assert want[0] and got == want  # each case preempts
+    finally:
+        live.close()

@@ -123,8 +123,13 @@ class VLLMEngineConfig:
     enforce_eager: bool = True
     #: Weights/activations dtype ("auto" = the model's).
     dtype: str = "auto"
+    #: vLLM's ``--scheduling-policy`` (``fcfs`` or ``priority``: each request's ``priority``
+    #: orders the waiting queue and picks the preemption victim).
+    scheduling_policy: str = "fcfs"
 
     def __post_init__(self) -> None:
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"engine.scheduling_policy={self.scheduling_policy!r}: use one of {SCHEDULING_POLICIES}")
         if self.on_restart not in ("drain", "requeue"):
             raise ValueError(f"engine.on_restart={self.on_restart!r}: use 'drain' or 'requeue'")
         if self.kv_dtype not in KV_DTYPES_ALL:
