@@ -27,8 +27,11 @@ Scheduling policy (``scheduling_policy``, vLLM's ``--scheduling-policy``): ``fcf
 ``priority`` as vLLM 0.32's ``PriorityRequestQueue`` and running loop: the waiting queue is a
 heap on (request priority, arrival at the engine), smaller first, a preempted request going back
 by its key (not to the front), and a request that cannot get a block preempts the running
-request with the largest (priority, arrival), which may be itself or one already scheduled this
-iteration (its tokens and blocks given back). Arrival ties keep the order requests were added.
+request with the largest (priority, arrival), which may be one already scheduled this
+iteration (its tokens and blocks given back) or itself, which ends the running loop: the
+decoders after it run nothing in that iteration (vLLM's ``break``). Arrival ties keep the order
+requests were added. ``tests/test_sim_priority.py`` checks the decisions against vLLM's own
+scheduler on hand-built cases.
 
 Ingress latency (``ingress_latency_s``, 0 by default): a request added now reaches the
 scheduler that much engine time later, as a live request crosses the API server (HTTP, tokens,
