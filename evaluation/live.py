@@ -79,8 +79,6 @@ from batchpilot.nodes import from_node
 from batchpilot.schemas import check_app
 from batchpilot.schemas.live import LiveEvaluateApp, LiveScenarioConfig
 
-log = logging.getLogger(__name__)
-
 
 def schedule(paths: Sequence[str], rounds: int, order: str = "rotate", seed: int = 0) -> list[list[str]]:
     """Path order per round. ``rotate``: round r starts at path r (mod n), so over n rounds

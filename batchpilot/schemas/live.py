@@ -12,7 +12,7 @@ from typing import Any
 @dataclass(frozen=True, slots=True)
 class LiveScenarioConfig:
     """``conf/live_scenario/<name>.yaml``: the trace window a live evaluation replays
-    (``evaluation/live.py scenario_trace``, ``evaluation/live_twin.py``). A schema only:
+    (``evaluation/live_window.py scenario_trace``, ``evaluation/live_twin.py``). A schema only:
     those read the composed node, and every field is required (no default), so each scenario
     file names every key and no default can disagree with one."""
 
