@@ -129,6 +129,9 @@ def _check(cfg: DictConfig) -> list[str]:
         SLO(ttft_ms=cfg.slo.get("ttft_ms"), tpot_ms=cfg.slo.get("tpot_ms"), e2el_ms=cfg.slo.get("e2el_ms"))
     except ValueError as e:
         raise LiveEvaluationError(str(e)) from None
+    if cfg.slo.get("classes"):  # vLLM's client scores every request by one --goodput objective
+        raise LiveEvaluationError(f"slo.classes={dict(cfg.slo.classes)}: the live evaluation replays one class and "
+                                  "scores it with one objective (vLLM's --goodput); drop slo.classes here")
     lat = float(cfg.twin_ingress_latency_s)
     if not 0 <= lat < math.inf:  # checked before the runs, not when the twin starts after them
         raise LiveEvaluationError(f"twin_ingress_latency_s must be a finite number of seconds >= 0, got {lat}")

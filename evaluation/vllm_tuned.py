@@ -31,6 +31,7 @@ import numpy as np
 from omegaconf import open_dict
 
 from batchpilot.core.engine import RequestRejected
+from batchpilot.core.telemetry import SLO
 from batchpilot.evaluation.plan import EvaluationError, WorkloadPlan
 from batchpilot.nodes import from_node
 from batchpilot.schemas.policy import VllmTunedConfig
@@ -131,14 +132,19 @@ def tuning_prompts(plan: WorkloadPlan, tune_seed: int, limit: int | None) -> lis
 
 def scheduling_policies(cfg: VllmTunedConfig, plan: WorkloadPlan, tune_seed: int) -> list[str]:
     """The ``--scheduling-policy`` values the sweep tries on this workload: ``priority`` only
-    where the tuning seed's requests carry more than one priority, else fcfs alone, silently
-    (a one-class workload's grid, notes and rows stay as they were before the option)."""
+    where the tuning seed's requests fall in more than one class with objectives of its own
+    (``slo.classes``), else fcfs alone, silently: a workload whose priorities share one
+    objective (``bursty``'s core and untagged traffic) keeps its grid, notes and rows as they
+    were before the option, as the class rules of admission do."""
     wanted = list(cfg.scheduling_policies)
     if "priority" not in wanted:
         return wanted
-    if len({int(r.priority) for r in tuning_prompts(plan, tune_seed, None)}) > 1:
-        return wanted
-    return ["fcfs"]
+    slo = SLO.from_mapping(plan.cfg.slo)
+    if not slo.classes:
+        return ["fcfs"]
+    objectives = {(o.ttft_ms, o.tpot_ms, o.e2el_ms)
+                  for o in (slo.for_priority(int(r.priority)) for r in tuning_prompts(plan, tune_seed, None))}
+    return wanted if len(objectives) > 1 else ["fcfs"]
 
 
 def prefill_throughput(plan: WorkloadPlan, seqs: int, tokens: int, requests: list[Any]) -> float:

@@ -445,10 +445,12 @@ async def _proxy(request: Request, path: str, chat: bool) -> Response:
     if "model" not in body and info is not None:
         body["model"] = info.model
         raw = with_model(parsed, info.model)
-    if cfg.forward_priority:  # the engine runs --scheduling-policy priority: tell it the class
+    if cfg.forward_priority or "priority" in body:
+        # A client's own body priority is checked whether or not the gateway forwards classes: an
+        # engine an operator started on --scheduling-policy priority obeys it either way.
         add = forwarded_priority(body, priority, cfg.is_trusted(request.headers.get(cfg.trusted_key_header)),
                                  cfg.trusted_key_header)
-        if add is not None:
+        if add is not None and cfg.forward_priority:  # the engine runs priority: tell it the class
             raw = with_field(raw, parsed.brace, "priority", add)
     max_len = gw.max_model_len(lane)
     try:

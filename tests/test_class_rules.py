@@ -172,7 +172,7 @@ def test_shedding_takes_the_least_important_class_present_only() -> None:
 
 
 def test_the_kept_priority_still_bounds_it_and_persist_keeps_the_class_level() -> None:
-    a = make("fifo")
+    a = make("fifo", slo=SLO(ttft_ms=1000.0, classes={2: {"ttft_ms": 10_000}, 3: {"ttft_ms": 30_000}}))
     _queue(a, 0.0, (1, 2, 3))
     assert ids(r.request for r in a.shed(2, 0.5)) == ["p3-2"]
     assert ids(r.request for r in a.shed(2, 0.6)) == []  # 3 present within the window, 2 kept
@@ -189,6 +189,47 @@ def test_with_one_class_above_the_kept_one_it_sheds_as_before(priorities: tuple[
         _queue(a, 0.0, priorities)
         shed.append(sorted(r.request_id for r in a.shed(0, 1.0)))
     assert shed[0] == shed[1] and shed[0]
+
+
+def test_a_priority_no_class_declares_cannot_turn_the_shedding_off() -> None:
+    """A quality-guard replay (priority 1000) or a client tagging itself less important is no
+    class of the operator's: it is shed with the least important declared class, and it does
+    not leave the batch class standing while it came within the window."""
+    a = make("fifo")
+    _queue(a, 0.0, (1, 2, 1000, 1))
+    assert sorted(r.request_id for r in a.shed(0, 1.0)) == ["p1000-2", "p2-1"]
+    assert a.submit(Request("late1000", 1.5, 100, 10, priority=1000), 1.5) is None
+    assert a.submit(Request("b", 1.5, 100, 10, priority=2), 1.5) is None
+    assert sorted(r.request_id for r in a.shed(0, 2.0)) == ["b", "late1000"]
+    assert set(a._last_submit) <= {2}  # only declared classes are remembered: bounded
+    a.check_counts()
+
+
+@pytest.mark.parametrize("slo", [SLO(), 1000.0, SLO(classes={2: {"tpot_ms": 400}})])
+def test_without_classes_of_their_own_ttft_every_priority_above_the_kept_one_is_shed(slo: SLO | float) -> None:
+    """One TTFT objective for all, priorities 0, 1 and 2 waiting: level 2 sheds 1 and 2, as
+    before the rule (the rule orders classes by their objectives; here there is one)."""
+    shed = []
+    for cfg in ({}, OFF):
+        a = make("fifo", slo=slo, **cfg)
+        _queue(a, 0.0, (0, 1, 2, 1))
+        shed.append(sorted(r.request_id for r in a.shed(0, 1.0)))
+    assert shed[0] == shed[1] == ["p1-1", "p1-3", "p2-2"]
+
+
+def test_a_class_without_a_ttft_objective_goes_after_and_is_not_counted_ahead() -> None:
+    """Class 3 has no TTFT objective (no deadline): an older class-3 head does not overtake a
+    fresh interactive request, and early refusal does not count its prompts for it."""
+    slo = SLO(ttft_ms=1000.0, classes={2: {"ttft_ms": 10_000}, 3: {"ttft_ms": None}})
+    a = make("fifo", slo=slo, early_refusal=True)
+    t = _warm(a)
+    assert a.submit_or_admit(Request("busy", t, 1000, 10), t) == (None, True)
+    for k in range(18):
+        assert a.submit(Request(f"n{k}", t, 1000, 10, priority=3), t) is None
+    assert a.submit(Request("i", t + 0.1, 1000, 10, priority=1), t + 0.1) is None  # kept: 18k not ahead
+    assert a.predicted_first_token_s(1000, t, t, priority=1) == pytest.approx(0.2 + 0.1)
+    assert _next_after(a, "busy", t + 0.2) == ["i"]
+    a.check_counts()
 
 
 def test_a_bad_window_is_refused_naming_the_key() -> None:

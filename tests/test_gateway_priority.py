@@ -64,6 +64,12 @@ def test_managed_engines_start_with_the_priority_policy_only_when_priorities_are
     with pytest.raises(ValueError, match=r"serve.forward_priority=true with --scheduling-policy fcfs in "
                        r"serve.extra_vllm_args: the managed engines would ignore the priorities"):
         _serve(forward_priority=True, extra_vllm_args=["--scheduling-policy", "fcfs"])
+    with pytest.raises(ValueError, match=r"serve.forward_priority=true with --scheduling-policy fcfs"):
+        _serve(forward_priority=True, extra_vllm_args=["--scheduling_policy=fcfs"])  # vLLM's other spelling
+    # An engine on priority without the classes forwarded would see every request at 0.
+    for said in (["--scheduling-policy", "priority"], ["--scheduling_policy", "priority"]):
+        with pytest.raises(ValueError, match=r"--scheduling-policy priority but serve.forward_priority=false"):
+            _serve(extra_vllm_args=said)
 
 
 # --- the gateway in front of a recording upstream ----------------------------------------------
@@ -109,8 +115,12 @@ def test_the_gateway_forwards_the_class_only_when_told_to() -> None:
         with running_gateway(*base, timeout_s=120) as gw:  # off (the default): the body as sent
             _Recording.bodies.clear()
             assert _send(gw.url, {}, **{"x-priority": "3"}).status_code == 200
-            assert _send(gw.url, {"priority": 0}).status_code == 200
-            assert ["priority" in b for b in _Recording.bodies] == [False, True]
+            assert _send(gw.url, {"priority": 7}).status_code == 200
+            # A client's own, more important priority still needs the key: an engine its
+            # operator started on priority would obey it whether the gateway forwards or not.
+            assert _send(gw.url, {"priority": -1000}).status_code == 403
+            assert _send(gw.url, {"priority": 0}, **{KEY_HEADER: TRUSTED_KEY}).status_code == 200
+            assert [b.get("priority") for b in _Recording.bodies] == [None, 7, 0]
     finally:
         upstream.shutdown()
         upstream.server_close()

@@ -70,6 +70,7 @@ def test_a_timeout_is_a_live_evaluation_error_with_the_logs_last_lines(tmp_path:
     ('gateway.overrides=["serve.extra_vllm_args=[]"]', r"set gateway.extra_vllm_args or live_scenario.vllm_args"),
     ('gateway.overrides=["serve.control.mode=pid"]', r"sets serve.control.mode"),
     ('gateway.overrides=["slo.ttft_ms=5"]', r"set live_evaluate's slo.ttft_ms instead"),
+    ("slo=two_class", r"slo.classes=.*replays one class and scores it with one objective"),
     ('gateway.overrides=["serve=other"]', r"sets serve \(which holds serve.managed\)"),
 ])
 def test_bad_client_and_gateway_settings_are_refused(override: str, needle: str) -> None:

@@ -36,6 +36,14 @@ def test_a_one_class_workload_gets_the_fcfs_grid_point_for_point() -> None:
     assert all("scheduling_policy" not in p.engine() and "scheduling" not in p.label for p in default)
 
 
+@pytest.mark.parametrize("wl", [["workload=bursty", "workload.duration_s=20"],  # core + untagged, one objective
+                                ["workload=two_class", "workload.duration_s=30"]])  # two priorities, no slo.classes
+def test_priorities_that_share_one_objective_keep_the_fcfs_grid(wl: list[str]) -> None:
+    """The matrix's ``bursty`` carries priorities 0 and 1 under one objective: its reference
+    stays the one the published figures were measured against."""
+    assert [p.engine() for p in _grid(wl)] == [p.engine() for p in _grid(wl, ["fcfs"])]
+
+
 def test_two_classes_add_every_point_with_the_priority_policy() -> None:
     wl = ["workload=two_class", "slo=two_class", "workload.duration_s=30"]
     both, fcfs = _grid(wl), _grid(wl, ["fcfs"])

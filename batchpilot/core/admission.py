@@ -670,7 +670,7 @@ class Admission:
         cfg = self.cfg
         if cfg.adapt_boundaries:
             self._adapt(req)
-        if cfg.shed_least_important_first:
+        if cfg.shed_least_important_first and req.priority in self._ttft_by_priority:
             self._last_submit[req.priority] = now
         if self.max_priority_kept is not None and req.priority > self.max_priority_kept:
             return self._reject(req, "shed_low_priority", now)
@@ -759,7 +759,7 @@ class Admission:
         # submit: counted, in an empty bucket (never full: max_queue_len >= 1) that rejoins at the
         # virtual time, the next submit number taken.
         self.num_submitted += 1
-        if cfg.shed_least_important_first:
+        if cfg.shed_least_important_first and req.priority in self._ttft_by_priority:
             self._last_submit[req.priority] = now
         bucket = 0  # bucket_of, inline
         for b in self._boundaries:
@@ -954,14 +954,16 @@ class Admission:
         deadlines come first), none of a longer one's (they have more time left: an interactive
         request overtakes the batch prompts; those within ``own`` of their deadline would go
         first and are not counted), and of its own class what the bucketing mode serves first
-        (the rule without classes). A class without an objective counts as ahead."""
+        (the rule without classes). A class without an objective has no deadline: it goes after
+        the others (``_class_choice``) and is never counted ahead."""
         same_by_bucket = []
         ahead = 0
+        own_s = math.inf if own is None else own
         for b in self._buckets:
             by = b.class_tokens or {}
             same_by_bucket.append(by.get(own, 0))
             for o, n in by.items():
-                if o != own and (o is None or own is None or o < own):
+                if o != own and (math.inf if o is None else o) < own_s:
                     ahead += n
         if self.bucketing == "weighted" or not self._newest_first(now):
             return ahead + sum(same_by_bucket)
@@ -1062,11 +1064,19 @@ class Admission:
 
     def least_important_kept(self, max_priority_kept: int, now: float) -> int:
         """The highest priority ``shed`` keeps with ``shed_least_important_first``: all but the
-        least important class present (the highest priority number waiting or submitted within
-        ``shed_class_window_s`` of ``now``), and at least ``max_priority_kept``. O(n), as ``shed``."""
+        least important declared class present (the highest priority with its own entry in
+        ``SLO.classes`` waiting or submitted within ``shed_class_window_s`` of ``now``), and at
+        least ``max_priority_kept``. Only classes the operator declared count: a request that
+        merely tags itself less important (any client may) or a quality-guard replay must not
+        turn the breaker's shedding off for everyone else. Without classes of different
+        objectives (``class_deadline_order`` off or one objective) it is ``max_priority_kept``,
+        as without the rule. O(n), as ``shed``."""
+        declared = self._ttft_by_priority
+        if not self._class_order or not declared:
+            return max_priority_kept
         horizon = now - self.cfg.shed_class_window_s
         present = {p for p, t in self._last_submit.items() if t >= horizon}
-        present.update(e.request.priority for e in self._waiting.values())
+        present.update(p for e in self._waiting.values() if (p := e.request.priority) in declared)
         if not present:
             return max_priority_kept
         return max(max_priority_kept, max(present) - 1)
@@ -1169,11 +1179,12 @@ class Admission:
         bucket: the one with the least time left) has an earlier deadline (arrival + its class's
         objective) than that pick: the earliest such goes first. A batch request (20 s) thus
         waits behind interactive ones (0.8 s) until it has less time left than the one they would
-        serve. One objective for all (or a head without one): the bucketing mode alone."""
-        objectives = [self.ttft_s_for(h.request.priority) for h in heads]
-        if None in objectives or min(objectives) == max(objectives):  # type: ignore[type-var]
+        serve. One objective for all: the bucketing mode alone; a class without an objective goes
+        after those with one."""
+        objectives = [math.inf if (o := self.ttft_s_for(h.request.priority)) is None else o for h in heads]
+        if min(objectives) == max(objectives):
             return self._by_mode(heads, newest)
-        tight = min(objectives)  # type: ignore[type-var]
+        tight = min(objectives)
         pick = self._by_mode([h for h, o in zip(heads, objectives) if o == tight], newest)
         due = pick.request.arrival_time + tight
         for h, o in zip(heads, objectives):
@@ -1181,7 +1192,7 @@ class Admission:
                 continue
             oldest = self._buckets[h.bucket].head(allow_long) if newest else h
             late_s = None if oldest is None or oldest.late else self.ttft_s_for(oldest.request.priority)
-            if late_s is not None and late_s != tight and oldest.request.arrival_time + late_s < due:
+            if late_s is not None and late_s != tight and oldest.request.arrival_time + late_s < due:  # None: no deadline
                 pick, due = oldest, oldest.request.arrival_time + late_s
         return pick
 

@@ -130,9 +130,12 @@ def _scheduling_policy(args: list[str] | None) -> str | None:
     """The ``--scheduling-policy`` value in ``vllm serve`` arguments (None: not given)."""
     args = list(args or ())
     for i, a in enumerate(args):
-        if a.startswith("--scheduling-policy="):
-            return a.split("=", 1)[1]
-        if a == "--scheduling-policy" and i + 1 < len(args):
+        flag, eq, value = a.partition("=")
+        if flag.replace("_", "-") != "--scheduling-policy":  # vLLM takes either spelling
+            continue
+        if eq:
+            return value
+        if i + 1 < len(args):
             return args[i + 1]
     return None
 
@@ -326,6 +329,10 @@ class ServeConfig:
             raise ValueError(f"serve.forward_priority=true with --scheduling-policy {policy} in serve.extra_vllm_args: "
                              "the managed engines would ignore the priorities; drop the flag (the gateway adds "
                              "--scheduling-policy priority) or set serve.forward_priority=false")
+        if self.managed and not self.forward_priority and policy == "priority":
+            raise ValueError("serve.extra_vllm_args starts the managed engines with --scheduling-policy priority but "
+                             "serve.forward_priority=false: every request would reach vLLM at its default priority 0 "
+                             "(the most important); set serve.forward_priority=true")
         self.priority_header = self.priority_header.lower()
         self.trusted_key_header = self.trusted_key_header.lower()
         self.admin_token = os.environ.get("BATCHPILOT_ADMIN_TOKEN") or _read_secret(self.admin_token_file,
