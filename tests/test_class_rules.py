@@ -10,6 +10,7 @@ from __future__ import annotations
 import random
 
 import pytest
+from admission_helpers import warm_drain
 
 from batchpilot.config import load_config
 from batchpilot.core.admission import Admission, AdmissionConfig
@@ -108,15 +109,6 @@ def test_late_requests_still_yield_to_on_time_ones_of_any_class() -> None:
 
 
 # --- early refusal counts what goes before it ----------------------------------------------------
-def _warm(a: Admission, n: int = 8) -> float:
-    """``n`` drain samples (1000-token core prompts, first token 0.1 s after admission): 10k tokens/s."""
-    t = 0.0
-    for i in range(n):
-        assert a.submit_or_admit(Request(f"w{i}", t, 1000, 10), t) == (None, True)
-        a.on_first_token(f"w{i}", t + 0.1)
-        a.on_finished(f"w{i}", 10)
-        t += 1.1
-    return t
 
 
 @pytest.mark.parametrize("on", [True, False])
@@ -124,7 +116,7 @@ def test_early_refusal_skips_the_batch_prompts_an_interactive_request_overtakes(
     """18k batch tokens queued on time (1.8 s at 10k tokens/s): a new interactive request (1 s)
     overtakes them under the class order and is kept; counting them refused it."""
     a = make("fifo", early_refusal=True, **({} if on else OFF))
-    t = _warm(a)
+    t = warm_drain(a)
     assert a.submit_or_admit(Request("busy", t, 1000, 10), t) == (None, True)
     for k in range(18):
         assert a.submit(Request(f"b{k}", t, 1000, 10, priority=2), t) is None
@@ -140,7 +132,7 @@ def test_a_new_batch_request_counts_the_interactive_prompts_ahead_of_it() -> Non
     them, and for the on-time batch prompts before it; nothing counts for the interactive one
     but its own class (the core warm-up prompts are the base class too)."""
     a = make("fifo", early_refusal=True)
-    t = _warm(a)
+    t = warm_drain(a)
     assert a.submit_or_admit(Request("busy", t, 1000, 10), t) == (None, True)
     for k in range(5):
         assert a.submit(Request(f"i{k}", t, 1000, 10, priority=1), t) is None
@@ -222,7 +214,7 @@ def test_a_class_without_a_ttft_objective_goes_after_and_is_not_counted_ahead() 
     fresh interactive request, and early refusal does not count its prompts for it."""
     slo = SLO(ttft_ms=1000.0, classes={2: {"ttft_ms": 10_000}, 3: {"ttft_ms": None}})
     a = make("fifo", slo=slo, early_refusal=True)
-    t = _warm(a)
+    t = warm_drain(a)
     assert a.submit_or_admit(Request("busy", t, 1000, 10), t) == (None, True)
     for k in range(18):
         assert a.submit(Request(f"n{k}", t, 1000, 10, priority=3), t) is None

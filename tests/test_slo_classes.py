@@ -10,6 +10,7 @@ import math
 
 import numpy as np
 import pytest
+from admission_helpers import warm_drain
 
 from batchpilot.config import load_config
 from batchpilot.core.admission import Admission, AdmissionConfig
@@ -133,22 +134,13 @@ def test_on_time_first_marks_each_class_late_after_its_own_objective() -> None:
     a.check_counts()
 
 
-def _warm(a: Admission, n: int) -> float:
-    """``n`` drain samples (1000-token prompts, first token 0.1 s after admission): 10k tokens/s."""
-    t = 0.0
-    for i in range(n):
-        assert a.submit_or_admit(Request(f"w{i}", t, 1000, 10), t) == (None, True)
-        a.on_first_token(f"w{i}", t + 0.1)
-        a.on_finished(f"w{i}", 10)
-        t += 1.1
-    return t
 
 
 def test_early_refusal_counts_against_the_class_objective() -> None:
     """2 s of prefill queued: past the 1 s objective of class 1, well inside class 2's 10 s."""
     a = Admission(AdmissionConfig(early_refusal=True), Knobs(1, "fifo"))
     a.use_slo(TWO)
-    t = _warm(a, 8)
+    t = warm_drain(a, 8)
     assert a.drain_rate == pytest.approx(10_000.0)
     assert a.submit_or_admit(Request("busy", t, 1000, 10), t) == (None, True)
     for i in range(18):
